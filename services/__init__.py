@@ -1,0 +1,1 @@
+"""ALISE serving system: gateway, predictor, scheduler and executor services."""

@@ -1,0 +1,61 @@
+"""The `alise` command.
+
+Each command group lives beside the code it drives, in a module with a
+`register(subparsers)` function that adds its parser and sets `func` (a callable taking the
+parsed args). Heavy imports (torch, transformers) stay inside those functions so that
+`alise --help` is instant. A group whose module does not exist yet is simply not listed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# (module, registers) in the order `alise --help` lists them.
+COMMAND_MODULES = (
+    "services.launcher.cli",      # alise serve
+    "services.gateway.cli",       # alise gateway ...
+    "services.scheduler.cli",     # alise scheduler ...
+    "services.executor.cli",      # alise executor ...
+    "services.predictor.cli",     # alise predictor ...
+    "services.scheduler.sim_cli",  # alise sim ...
+    "bench.cli",                  # alise bench ...
+    "services.common.cli",        # alise proto, alise config
+)
+
+
+def _available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="alise",
+        description="ALISE: speculative, SLO-aware LLM serving (gateway, predictor, "
+                    "scheduler, executors).")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        if _available(name):
+            importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        # A group given without a subcommand: print that group's help.
+        target = getattr(args, "_parser", parser)
+        target.print_help()
+        return 0 if args.command is None else 2
+    result = func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shared infrastructure: settings, logging, metrics, gRPC helpers, embedded Redis, stubs."""

@@ -1,0 +1,148 @@
+"""Async gRPC server builder: health checking, reflection and one error-mapping interceptor.
+
+Servicers raise plain exceptions; `ErrorMappingInterceptor` turns each into a status code in
+one place (ServiceError carries its own code; ValueError -> INVALID_ARGUMENT; LookupError ->
+NOT_FOUND; TimeoutError -> DEADLINE_EXCEEDED; anything else -> INTERNAL, logged).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServiceError(Exception):
+    """An error that carries the gRPC status code the client should see."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a raised exception maps to."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    if isinstance(exc, ValueError):  # includes pydantic.ValidationError
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LookupError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("unhandled error in %s", method)
+    else:
+        log.info("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        passthrough = (grpc.aio.AbortError, asyncio.CancelledError)
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except passthrough:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - mapped to a status here
+                    await _abort(context, method, exc)
+
+            return handler._replace(unary_unary=unary_unary)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except passthrough:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await _abort(context, method, exc)
+
+            return handler._replace(unary_stream=unary_stream)
+        return handler
+
+
+@dataclass
+class GrpcServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ("",) + self.service_names:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 2.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+
+
+async def start_server(
+    registrations: Iterable[tuple[Callable, object, str]],
+    address: str,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> GrpcServer:
+    """Start an aio server on `address` (host:port, port 0 = pick a free one).
+
+    `registrations` holds (add_XServicer_to_server, servicer, full service name) triples.
+    Health is SERVING for every service once started; reflection lists them all.
+    """
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors],
+                             options=SERVER_OPTIONS)
+    names = []
+    for add, servicer, name in registrations:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind gRPC server to {address}")
+    await server.start()
+    grpc_server = GrpcServer(server, health_servicer, port, tuple(names))
+    await grpc_server.set_serving(True)
+    log.info("gRPC server listening", extra={"address": address, "port": port,
+                                             "services": names})
+    return grpc_server

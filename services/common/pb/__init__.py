@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs (do not edit; run `make proto`)."""

@@ -1,0 +1,163 @@
+"""Configuration for every service, read from `ALISE_*` environment variables.
+
+One settings class per service. Every field name is unique across classes except those
+shared on purpose (same name = same variable = same meaning, e.g. `redis_url`), so the whole
+configuration is one flat namespace of `ALISE_<FIELD>` variables. Lists accept either JSON or
+a comma-separated string (`ALISE_API_KEYS=key1,key2`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split_list(value: object) -> object:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+StrList = Annotated[list[str], NoDecode, BeforeValidator(_split_list)]
+
+DEFAULT_DATA_DIR = Path.home() / ".cache" / "alise"
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service reads."""
+
+    model_config = SettingsConfigDict(env_prefix="ALISE_", extra="ignore", validate_default=True)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level of every service.")
+    log_format: Literal["json", "text"] = Field(
+        "text", description="`json`: one JSON object per line; `text`: human-readable.")
+    data_dir: Path = Field(
+        DEFAULT_DATA_DIR, description="Where caches, the embedded stores and run logs live.")
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Served model: `smollm2-135m-instruct` (bundled GGUF), a local Hugging "
+                    "Face directory, or a .gguf file.")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus HTTP port of a gRPC service (0 = none).")
+
+
+class RedisSettings(CommonSettings):
+    redis_url: str | None = Field(
+        None, description="Redis server URL; unset = start the embedded redis-server.")
+
+
+class ExecutorSettings(CommonSettings):
+    executor_host: str = Field("127.0.0.1", description="Executor gRPC bind address.")
+    executor_port: int = Field(50061, ge=0, le=65535, description="Executor gRPC port.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Weight/activation dtype (auto = fp32 on CPU, bf16 on GPU).")
+    kv_dtype: Literal["auto", "int8"] = Field("auto", description="KV cache dtype.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    kv_memory_gb: float = Field(
+        1.0, gt=0, description="Device memory for the KV pool (GiB).")
+    swap_memory_gb: float = Field(1.0, ge=0, description="Host memory for the swap pool (GiB).")
+    swap_compress: bool = Field(
+        False, description="Store swapped-out full-precision KV blocks as INT8.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto = triton on CUDA, torch elsewhere.")
+    max_model_len: int = Field(0, ge=0, description="0 = the model's own maximum.")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
+    profile_path: Path | None = Field(
+        None, description="Cost-model profile JSON reported by Describe.")
+
+
+class PredictorSettings(CommonSettings):
+    predictor_host: str = Field("127.0.0.1", description="Predictor gRPC bind address.")
+    predictor_port: int = Field(50052, ge=0, le=65535, description="Predictor gRPC port.")
+    qdrant_url: str | None = Field(
+        None, description="Qdrant server URL; unset = embedded store under data_dir.")
+    qdrant_api_key: str | None = Field(None, description="Qdrant API key (server mode).")
+    embedder: str = Field(
+        "all-minilm-l6-v2",
+        description="Sentence-transformers model: `all-minilm-l6-v2` (bundled) or a directory.")
+    predictor_top_k: int = Field(8, ge=1, le=256, description="Neighbours searched (k).")
+    predictor_threshold: float = Field(
+        0.8, ge=-1.0, le=1.0, description="Similarity threshold s0 for retrieval.")
+    predictor_mlp_path: Path | None = Field(
+        None, description="MLP regressor checkpoint (default under data_dir).")
+    predictor_capacity: int = Field(
+        200_000, ge=1, description="Maximum points per model collection.")
+    predictor_merge_similarity: float = Field(
+        0.98, ge=0.0, le=1.0, description="Observations this similar merge into a running mean.")
+    predictor_seed: bool = Field(True, description="Seed an empty store from ShareGPT on start.")
+
+
+class SchedulerSettings(RedisSettings):
+    scheduler_host: str = Field("127.0.0.1", description="Scheduler gRPC bind address.")
+    scheduler_port: int = Field(50051, ge=0, le=65535, description="Scheduler gRPC port.")
+    executors: StrList = Field(
+        default_factory=lambda: ["127.0.0.1:50061"], description="Executor addresses.")
+    policy: str = Field("hybrid", description="Scheduling policy name.")
+    policy_config: str = Field(
+        "{}", description="JSON object of policy knobs (see the README's policy table).")
+    max_waiting_requests: int = Field(
+        4096, ge=1, description="Waiting requests beyond which Generate is refused.")
+    max_waiting_tokens: int = Field(
+        4_000_000, ge=1, description="Waiting prompt tokens beyond which Generate is refused.")
+    retention_s: float = Field(
+        300.0, ge=0, description="How long finished requests stay in Redis after streaming.")
+    step_timeout_s: float = Field(60.0, gt=0, description="A Step slower than this fails.")
+    executor_grace_s: float = Field(
+        30.0, ge=0, description="With no executor up, requests fail after this long.")
+
+
+class GatewaySettings(CommonSettings):
+    gateway_host: str = Field("127.0.0.1", description="Gateway HTTP bind address.")
+    gateway_port: int = Field(8000, ge=0, le=65535, description="Gateway HTTP port.")
+    scheduler_address: str = Field("127.0.0.1:50051", description="Scheduler gRPC address.")
+    predictor_addresses: StrList = Field(
+        default_factory=lambda: ["127.0.0.1:50052"],
+        description="Predictor replicas: host:port list, or one DNS name resolving to many.")
+    predictor_timeout_ms: float = Field(
+        50.0, gt=0, description="Give up on a prediction after this long.")
+    api_keys: StrList = Field(
+        default_factory=list, description="Accepted API keys; empty = no auth.")
+    cors_origins: StrList = Field(default_factory=list, description="Allowed CORS origins.")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Request body size limit.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one request.")
+    served_model_name: str = Field(
+        "", description="Model id clients pass (default: the model setting).")
+
+
+class LauncherSettings(RedisSettings):
+    num_executors: int = Field(1, ge=1, le=64, description="Executors `alise serve` starts.")
+    run_dir: Path | None = Field(
+        None, description="Per-run logs directory (default data_dir/runs/<timestamp>).")
+    health_timeout_s: float = Field(
+        300.0, gt=0, description="How long `alise serve` waits for every health check.")
+
+
+ALL_SETTINGS: tuple[type[CommonSettings], ...] = (
+    CommonSettings, RedisSettings, ExecutorSettings, PredictorSettings, SchedulerSettings,
+    GatewaySettings, LauncherSettings,
+)
+
+
+def env_var_names() -> set[str]:
+    """Every `ALISE_*` variable some settings class reads."""
+    return {f"ALISE_{name.upper()}" for cls in ALL_SETTINGS for name in cls.model_fields}
+
+
+def settings_table() -> list[tuple[str, str, str]]:
+    """(variable, default, description) rows for the README's configuration table."""
+    rows: dict[str, tuple[str, str, str]] = {}
+    for cls in ALL_SETTINGS:
+        for name, field in cls.model_fields.items():
+            default = field.default_factory() if field.default_factory else field.default
+            shown = str(default).replace(str(Path.home()), "~") if isinstance(default, Path) else repr(default)
+            rows[name] = (f"ALISE_{name.upper()}", shown, field.description or "")
+    return sorted(rows.values())

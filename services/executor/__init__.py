@@ -1,0 +1,1 @@
+"""ALISE executor service."""

@@ -1,0 +1,1 @@
+"""ALISE gateway service."""

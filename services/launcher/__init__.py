@@ -1,0 +1,1 @@
+"""`alise serve`: starts every service of the stack on one machine."""

@@ -1,0 +1,1 @@
+"""ALISE scheduler service: Redis store, executor loops, gRPC servicer, simulator."""

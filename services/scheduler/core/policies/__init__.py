@@ -1,0 +1,1 @@
+"""Scheduling policies, one per file, registered by name."""
