@@ -11,6 +11,12 @@ PIP := $(BIN)/pip install --disable-pip-version-check -q
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	# System packages some tests use (headless Chromium for the playground test, Debian's
+	# docker-compose to validate docker-compose.yml); installed when missing and we are root.
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { ! command -v chromium >/dev/null || ! command -v docker-compose >/dev/null; }; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    chromium docker-compose >/dev/null) || echo "warning: apt-get install failed"; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) --upgrade pip setuptools wheel
 	# torch first and pinned: the CPU wheel; a loose requirement drags in CUDA packages.

@@ -26,7 +26,29 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 when the target is healthy: used by docker-compose health checks."""
+    if args.kind == "grpc":
+        from services.common.grpc_client import check_health_sync
+
+        ok = check_health_sync(args.target, timeout=args.timeout)
+    else:
+        import httpx
+
+        try:
+            ok = httpx.get(args.target, timeout=args.timeout).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+    print("healthy" if ok else "unhealthy")
+    return 0 if ok else 1
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
+    health = subparsers.add_parser("health", help="check a service's health (exit 0 = healthy)")
+    health.add_argument("kind", choices=["grpc", "http"])
+    health.add_argument("target", help="host:port (grpc) or URL (http)")
+    health.add_argument("--timeout", type=float, default=2.0)
+    health.set_defaults(func=_health)
     proto = subparsers.add_parser("proto", help="regenerate the gRPC stubs from proto/")
     proto.set_defaults(func=_proto)
     config = subparsers.add_parser("config", help="list every ALISE_* setting and its default")

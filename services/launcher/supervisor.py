@@ -1,0 +1,152 @@
+"""Child-process supervision for `alise serve`: start in order, wait for health, restart
+crashed services with exponential backoff, stop everything in reverse order.
+
+Each child runs `python -m services.cli <command>` in its own session (a terminal Ctrl-C
+reaches only the launcher, which then stops the children in order) and with a parent-death
+signal, so no child outlives a launcher that was killed outright. Logs go to
+`<run_dir>/<service>.log`.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from services.common.grpc_client import check_health_sync
+from services.launcher.topology import ServiceSpec
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def healthy(spec: ServiceSpec, timeout: float = 2.0) -> bool:
+    kind, target = spec.health
+    if kind == "grpc":
+        return check_health_sync(target, timeout=timeout)
+    try:
+        return httpx.get(target, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class Child:
+    spec: ServiceSpec
+    log_path: Path
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start: float = 0.0
+    backoff: float = field(default=1.0)
+
+    def start(self, base_env: dict[str, str]) -> None:
+        env = {**base_env, **self.spec.env}
+        log_file = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *self.spec.command], env=env,
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent)
+        log_file.close()
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %d), log %s", self.spec.name, self.process.pid, self.log_path)
+
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def stop(self, timeout: float) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs; killing it", self.spec.name, timeout)
+            proc.kill()
+            proc.wait()
+
+
+class Supervisor:
+    def __init__(self, specs: list[ServiceSpec], run_dir: Path, env: dict[str, str],
+                 max_backoff: float = 30.0) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.children = [Child(s, run_dir / f"{s.name}.log") for s in specs]
+        self.env = env
+        self.max_backoff = max_backoff
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.spec.name == name)
+
+    def start_all(self, health_timeout: float) -> None:
+        """Start each service once its dependencies are healthy; wait for all to be healthy."""
+        for child in self.children:
+            for dep in child.spec.depends_on:
+                self.wait_healthy(self.child(dep), health_timeout)
+            child.start(self.env)
+        for child in self.children:
+            self.wait_healthy(child, health_timeout)
+
+    def wait_healthy(self, child: Child, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.exited():
+                raise RuntimeError(
+                    f"{child.spec.name} exited with code {child.process.returncode} while "
+                    f"starting; see {child.log_path}")
+            if healthy(child.spec):
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"{child.spec.name} not healthy after {timeout:.0f}s; "
+                           f"see {child.log_path}")
+
+    def poll(self) -> list[str]:
+        """Restart crashed children (with backoff); returns the names restarted now."""
+        now = time.monotonic()
+        restarted = []
+        for child in self.children:
+            if not child.exited():
+                if now - child.started_at > 60:
+                    child.backoff = 1.0  # ran stably: forget earlier crashes
+                continue
+            if child.next_start == 0.0:
+                child.next_start = now + child.backoff
+                log.warning("%s exited with code %s; restarting in %.0fs", child.spec.name,
+                            child.process.returncode, child.backoff)
+            elif now >= child.next_start:
+                child.backoff = min(child.backoff * 2, self.max_backoff)
+                child.next_start = 0.0
+                child.restarts += 1
+                child.start(self.env)
+                restarted.append(child.spec.name)
+        return restarted
+
+    def stop_all(self, timeout: float = 20.0) -> None:
+        """Reverse start order: the gateway drains first, Redis-backed state last."""
+        for child in reversed(self.children):
+            child.stop(timeout)
+
+    def pids(self) -> dict[str, int]:
+        return {c.spec.name: c.process.pid for c in self.children if c.process}
+
+
+def base_env(overrides: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(overrides)
+    return env

@@ -1,0 +1,79 @@
+"""docker-compose.yml and `alise serve` (services/launcher/topology.py) describe the same stack."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.common.settings import env_var_names
+from services.launcher.topology import local_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+INFRA = {"redis", "qdrant"}
+
+
+def _alise_services():
+    return {name: svc for name, svc in SERVICES.items() if name not in INFRA}
+
+
+def test_same_services_with_same_commands_as_the_launcher():
+    launcher = {s.name: s for s in local_topology(2, "redis://x")}
+    compose = _alise_services()
+    assert set(compose) == set(launcher)
+    for name, svc in compose.items():
+        assert svc["command"][0] == "alise"
+        assert tuple(svc["command"][1:]) == launcher[name].command, name
+
+
+def test_every_command_is_a_real_alise_subcommand():
+    parser = build_parser()
+    commands = [svc["command"][1:] for svc in _alise_services().values()]
+    commands += [svc["healthcheck"]["test"][2:] for svc in _alise_services().values()]
+    for argv in commands:
+        args = parser.parse_args(list(argv))
+        assert callable(getattr(args, "func", None)), argv
+
+
+def test_every_environment_variable_is_a_real_setting():
+    known = env_var_names()
+    for name, svc in _alise_services().items():
+        for var in svc.get("environment", {}):
+            assert var in known, f"{name}: {var} is not an ALISE setting"
+        launcher = {s.name: s for s in local_topology(2, "redis://x")}[name]
+        assert set(launcher.env) <= set(svc["environment"]), name
+
+
+def test_every_service_has_a_health_check_and_dependencies_are_ordered():
+    for name, svc in SERVICES.items():
+        assert "healthcheck" in svc, name
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert dep in SERVICES, f"{name} depends on unknown {dep}"
+            assert cond["condition"] == "service_healthy"
+    deps = {n: set(s.get("depends_on") or {}) for n, s in SERVICES.items()}
+    assert {"redis", "executor-0"} <= deps["scheduler"]
+    assert {"scheduler", "predictor"} <= deps["gateway"]
+    assert "qdrant" in deps["predictor"]
+    for spec in local_topology(2, "redis://x"):  # launcher order respects the same edges
+        for dep in spec.depends_on:
+            assert dep in SERVICES
+
+
+def test_predictor_replicas_and_gpu_reservation():
+    assert SERVICES["predictor"]["deploy"]["replicas"] == 2
+    gateway_env = SERVICES["gateway"]["environment"]
+    assert gateway_env["ALISE_PREDICTOR_ADDRESSES"].startswith("dns:///predictor")
+    devices = SERVICES["executor-0"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    assert SERVICES["gateway"]["ports"] == ["8000:8000"]
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None,
+                    reason="Debian's docker-compose is not installed")
+def test_docker_compose_config_validates():
+    result = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"),
+                             "config", "-q"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
