@@ -1,0 +1,289 @@
+"""Redis store: the scheduler's durable state, written once per iteration, never awaited by a loop.
+
+Layout under a namespace `ns` (default `alise`):
+
+    {ns}:req:{id}       hash    request record (params JSON, status, executor, timestamps,
+                                prediction, n_out, ...)
+    {ns}:out:{id}       string  output tokens, 16 bytes each (<i token, f logprob, d time);
+                                written with SETRANGE at index*16, so a retried write is harmless
+    {ns}:q:{queue}      zset    the policy's queues (waiting | running | swapped), score = arrival
+    {ns}:exec:{addr}    hash    per-executor KV budget (device/host blocks total and free),
+                                instance_id, up
+    {ns}:held:{addr}    set     request ids the executor may still hold state for
+    {ns}:stats          hash    counters (finished, aborted, preemptions)
+
+Loops describe what changed in an `IterationWrite`; the `StoreWriter` task commits every write
+submitted since its last flush in one MULTI/EXEC pipeline, then runs the writes' callbacks (which
+publish token events). So a client never sees a token that Redis does not hold, and a crash
+leaves Redis at an iteration boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+TOKEN = struct.Struct("<ifd")  # token id, logprob, unix time
+QUEUES = ("waiting", "running", "swapped")
+FieldValue = str | int | float
+
+
+class Keys:
+    def __init__(self, namespace: str) -> None:
+        self.ns = namespace
+
+    def req(self, rid: str) -> str:
+        return f"{self.ns}:req:{rid}"
+
+    def out(self, rid: str) -> str:
+        return f"{self.ns}:out:{rid}"
+
+    def queue(self, name: str) -> str:
+        return f"{self.ns}:q:{name}"
+
+    def executor(self, addr: str) -> str:
+        return f"{self.ns}:exec:{addr}"
+
+    def held(self, addr: str) -> str:
+        return f"{self.ns}:held:{addr}"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.ns}:stats"
+
+
+@dataclass
+class IterationWrite:
+    """Everything one loop iteration changed; applied atomically by the writer."""
+
+    fields: dict[str, dict[str, FieldValue]] = field(default_factory=lambda: defaultdict(dict))
+    tokens: dict[str, tuple[int, bytearray]] = field(default_factory=dict)
+    queue: dict[str, tuple[str | None, float]] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+    held_add: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    held_remove: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    executors: dict[str, dict[str, FieldValue]] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def set(self, rid: str, **values: FieldValue) -> None:
+        self.fields[rid].update(values)
+
+    def add_token(self, rid: str, index: int, token_id: int, logprob: float, t: float) -> None:
+        """Append output token `index`; consecutive indices of one request must be added."""
+        start, buf = self.tokens.get(rid, (index, bytearray()))
+        if start + len(buf) // TOKEN.size != index:
+            raise ValueError(f"token {index} of {rid} is not contiguous")
+        buf += TOKEN.pack(token_id, logprob, t)
+        self.tokens[rid] = (start, buf)
+        self.fields[rid]["n_out"] = index + 1
+
+    def move(self, rid: str, queue: str | None, score: float) -> None:
+        """Put `rid` in one queue (None = in none: finished)."""
+        self.queue[rid] = (queue, score)
+
+    def finish(self, rid: str) -> None:
+        self.queue[rid] = (None, 0.0)
+        self.finished.append(rid)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.fields or self.tokens or self.queue or self.held_add
+                    or self.held_remove or self.executors or self.counters or self.callbacks)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def decode_tokens(blob: bytes | None) -> list[tuple[int, float, float]]:
+    if not blob:
+        return []
+    usable = len(blob) - len(blob) % TOKEN.size
+    return [TOKEN.unpack_from(blob, off) for off in range(0, usable, TOKEN.size)]
+
+
+class Store:
+    """Async Redis access: reads, one-off writes, and the pipelined iteration commit."""
+
+    def __init__(self, url: str, namespace: str = "alise", retention_s: float = 300.0) -> None:
+        self.client = aioredis.Redis.from_url(url, decode_responses=False)
+        self.keys = Keys(namespace)
+        self.retention_s = retention_s
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.client.ping())
+
+    async def create(self, rid: str, record: dict[str, FieldValue], score: float) -> None:
+        """Write a new request record and enqueue it as waiting (awaited by Generate only)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.req(rid), self.keys.out(rid))
+            pipe.hset(self.keys.req(rid), mapping=record)
+            pipe.zadd(self.keys.queue("waiting"), {rid: score})
+            await pipe.execute()
+
+    async def exists(self, rid: str) -> bool:
+        return bool(await self.client.exists(self.keys.req(rid)))
+
+    async def load(self, rid: str) -> tuple[dict[str, str], list[tuple[int, float, float]]] | None:
+        """A request's record and output tokens, or None when it is unknown or expired."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.keys.req(rid))
+            pipe.get(self.keys.out(rid))
+            raw, blob = await pipe.execute()
+        if not raw:
+            return None
+        record = {_text(k): _text(v) for k, v in raw.items()}
+        n_out = int(record.get("n_out", 0))
+        return record, decode_tokens(blob)[:n_out]
+
+    async def active_ids(self) -> list[str]:
+        """Every request in some queue (not finished), oldest first."""
+        scored: dict[str, float] = {}
+        for name in QUEUES:
+            for member, score in await self.client.zrange(self.keys.queue(name), 0, -1,
+                                                          withscores=True):
+                scored[_text(member)] = score
+        return sorted(scored, key=lambda rid: (scored[rid], rid))
+
+    async def queue_members(self, name: str) -> list[str]:
+        return [_text(m) for m in await self.client.zrange(self.keys.queue(name), 0, -1)]
+
+    async def drop_from_queues(self, rid: str) -> None:
+        async with self.client.pipeline(transaction=True) as pipe:
+            for name in QUEUES:
+                pipe.zrem(self.keys.queue(name), rid)
+            await pipe.execute()
+
+    async def executor(self, addr: str) -> dict[str, str]:
+        raw = await self.client.hgetall(self.keys.executor(addr))
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    async def held(self, addr: str) -> set[str]:
+        return {_text(m) for m in await self.client.smembers(self.keys.held(addr))}
+
+    async def stats(self) -> dict[str, int]:
+        raw = await self.client.hgetall(self.keys.stats)
+        return {_text(k): int(v) for k, v in raw.items()}
+
+    async def commit(self, writes: list[IterationWrite]) -> None:
+        """Apply several iteration writes, in order, in one MULTI/EXEC pipeline."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            for write in writes:
+                self._apply(pipe, write)
+            await pipe.execute()
+
+    def _apply(self, pipe, w: IterationWrite) -> None:
+        k = self.keys
+        for rid, (start, buf) in w.tokens.items():
+            pipe.setrange(k.out(rid), start * TOKEN.size, bytes(buf))
+        for rid, values in w.fields.items():
+            if values:
+                pipe.hset(k.req(rid), mapping=values)
+        for rid, (queue, score) in w.queue.items():
+            for name in QUEUES:
+                if name != queue:
+                    pipe.zrem(k.queue(name), rid)
+            if queue is not None:
+                pipe.zadd(k.queue(queue), {rid: score})
+        for rid in w.finished:
+            ttl_ms = max(1, int(self.retention_s * 1000))
+            pipe.pexpire(k.req(rid), ttl_ms)
+            pipe.pexpire(k.out(rid), ttl_ms)
+        for addr, ids in w.held_add.items():
+            if ids:
+                pipe.sadd(k.held(addr), *ids)
+        for addr, ids in w.held_remove.items():
+            if ids:
+                pipe.srem(k.held(addr), *ids)
+        for addr, values in w.executors.items():
+            pipe.hset(k.executor(addr), mapping=values)
+        for name, delta in w.counters.items():
+            if delta:
+                pipe.hincrby(k.stats, name, delta)
+
+
+class StoreWriter:
+    """Background task that commits submitted writes; loops only call `submit` (no await).
+
+    Writes submitted while a commit is in flight go together into the next commit. A failed
+    commit is retried (every command in it is idempotent) with backoff until Redis answers.
+    """
+
+    def __init__(self, store: Store, max_backoff_s: float = 2.0) -> None:
+        self.store = store
+        self.max_backoff_s = max_backoff_s
+        self._pending: list[IterationWrite] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self.commits = 0
+        self.errors = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="store-writer")
+
+    def submit(self, write: IterationWrite) -> None:
+        if write.empty:
+            return
+        self._pending.append(write)
+        self._idle.clear()
+        self._wake.set()
+
+    async def flush(self) -> None:
+        """Wait until everything submitted so far is committed."""
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self.flush(), timeout=5.0)
+        except TimeoutError:
+            log.error("store writer could not flush before closing",
+                      extra={"pending": len(self._pending)})
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            if batch:
+                await self._commit(batch)
+            if not self._pending:
+                self._idle.set()
+
+    async def _commit(self, batch: list[IterationWrite]) -> None:
+        backoff = 0.01
+        while True:
+            try:
+                await self.store.commit(batch)
+                break
+            except (RedisError, OSError) as exc:
+                self.errors += 1
+                log.warning("redis commit failed, retrying", extra={"error": str(exc),
+                                                                    "writes": len(batch)})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+        self.commits += 1
+        for write in batch:
+            for callback in write.callbacks:
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - one bad callback must not stop the writer
+                    log.exception("store writer callback failed")
