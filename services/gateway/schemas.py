@@ -1,0 +1,139 @@
+"""OpenAI request and response bodies (pydantic), with ALISE's extensions.
+
+Requests accept the fields OpenAI clients send; sampling knobs the engine has no use for
+(penalties, logit_bias, user) are accepted and ignored so unmodified clients keep working,
+while features that would silently change the answer's shape (n > 1, logprobs, tools) are
+refused with a 400. Extensions: `priority`, `slo`, `ignore_eos`, `top_k`, `min_tokens`
+(vLLM's names) and `return_token_times` (each chunk carries the scheduler's token time).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+StopField = Annotated[
+    str | list[Annotated[str, Field(min_length=1)]] | None,
+    Field(description="Up to 16 strings; generation stops before the first match.")]
+
+
+class Slo(BaseModel):
+    """Latency objectives in milliseconds (ALISE extension)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: float | None = Field(None, gt=0, le=86_400_000, description="Time to first token.")
+    tbt_ms: float | None = Field(None, gt=0, le=86_400_000, description="Time between tokens.")
+    deadline_ms: float | None = Field(
+        None, gt=0, le=86_400_000, description="Arrival to last token (job completion).")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationParams(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="Served model id (default: the served model).")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopField = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    n: int = Field(1, ge=1, le=128, description="Only 1 is supported.")
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Accepted, ignored.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Accepted, ignored.")
+    logit_bias: dict[str, float] | None = Field(None, description="Accepted, ignored.")
+    # Extensions.
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1,
+                                 description="Larger = more important (ALISE extension).")
+    slo: Slo | None = None
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0 = disabled (vLLM extension).")
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM extension.")
+    return_token_times: bool = Field(
+        False, description="Each chunk carries `alise.time`, the scheduler's time of its last "
+                           "token (unix seconds); used by benchmarks.")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> list[str] | str | None:
+        if isinstance(value, str) and not value:
+            raise ValueError("stop must not be empty")
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError("at most 16 stop strings")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_GenerationParams):
+    prompt: str | list[str] | list[int] = Field(
+        ..., description="A string, a one-element list of strings, or token ids.")
+    max_tokens: int | None = Field(16, ge=1, le=10_000_000)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationParams):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# Responses.
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "alise"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,95 @@
+"""Incremental detokenization (UTF-8 safety) and stop strings across token boundaries."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from services.gateway.textgen import IncrementalDetokenizer, StopMatcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from services.common.models import load_tokenizer
+    from services.common.settings import GatewaySettings
+
+    s = GatewaySettings()
+    return load_tokenizer(s.model, s.data_dir)
+
+
+def stream(tokenizer, ids, prompt_ids=()):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    pieces = [detok.push(i) for i in ids]
+    pieces.append(detok.flush())
+    return pieces
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト 😀👍🏽", "plain ascii text.",
+                                  "  leading spaces\nand\ttabs", "Ελληνικά — ∑ ≠ ∞"])
+def test_multibyte_text_streams_whole_characters(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = stream(tokenizer, ids, tokenizer.encode("Say:", add_special_tokens=False))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # Some emoji/CJK split over several byte tokens: at least one token emits nothing.
+    if any(ord(c) > 0x2FFF for c in text):
+        assert "" in pieces[:-1]
+
+
+def test_special_tokens_are_skipped(tokenizer):
+    ids = tokenizer.encode("Paris", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert "".join(stream(tokenizer, ids)) == "Paris"
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=40))
+def test_any_text_round_trips(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    pieces = stream(tokenizer, ids)
+    assert "".join(pieces) == expected
+
+
+def feed(matcher, chunks):
+    out, matched = [], False
+    for chunk in chunks:
+        text, matched = matcher.push(chunk)
+        out.append(text)
+        if matched:
+            break
+    if not matched:
+        out.append(matcher.flush())
+    return "".join(out), matched
+
+
+def test_stop_across_boundaries():
+    text, matched = feed(StopMatcher(["END"]), ["hello E", "N", "D world"])
+    assert (text, matched) == ("hello ", True)
+
+
+def test_partial_stop_prefix_is_released_when_it_diverges():
+    m = StopMatcher(["STOP"])
+    assert m.push("a ST") == ("a ", False)
+    assert m.push("ART") == ("START", False)
+
+
+def test_earliest_of_several_stops_wins():
+    text, matched = feed(StopMatcher(["world", "lo"]), ["hel", "lo world"])
+    assert (text, matched) == ("hel", True)
+
+
+def test_no_stop_passes_everything_through():
+    text, matched = feed(StopMatcher([]), ["a", "b"])
+    assert (text, matched) == ("ab", False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="abc\n", max_size=30), stop=st.text(alphabet="abc\n", min_size=1,
+                                                                    max_size=4),
+       cuts=st.lists(st.integers(0, 30), max_size=8))
+def test_stop_matches_like_str_find(text, stop, cuts):
+    bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    out, matched = feed(StopMatcher([stop]), chunks)
+    index = text.find(stop)
+    assert matched == (index >= 0)
+    assert out == (text[:index] if index >= 0 else text)
