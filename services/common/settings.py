@@ -94,6 +94,15 @@ class PredictorSettings(CommonSettings):
     predictor_merge_similarity: float = Field(
         0.98, ge=0.0, le=1.0, description="Observations this similar merge into a running mean.")
     predictor_seed: bool = Field(True, description="Seed an empty store from ShareGPT on start.")
+    predictor_store: Literal["edge", "local"] = Field(
+        "edge", description="Embedded store (no qdrant_url): `edge` = Qdrant Edge (HNSW), "
+                            "`local` = qdrant-client local mode (brute force).")
+    predictor_max_prompt_chars: int = Field(
+        100_000, ge=1, description="Prompts longer than this are rejected (INVALID_ARGUMENT).")
+    predictor_max_batch: int = Field(
+        256, ge=1, description="Most prompts or observations in one Predict/Observe call.")
+    predictor_embed_tokens: int = Field(
+        256, ge=16, le=512, description="Word pieces of each prompt the embedder reads.")
 
 
 class SchedulerSettings(RedisSettings):

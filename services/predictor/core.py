@@ -1,0 +1,171 @@
+"""ALISE Algorithm 1: retrieval-based length prediction with an MLP fallback, plus learning.
+
+predict: embed each prompt; search the model's collection for the top-k neighbours; if the
+best similarity is below s0 (or the store is unreachable) the MLP predicts from the embedding,
+otherwise the result is the mean of the lengths of the neighbours at or above s0, weighted by
+similarity x merged count. With no MLP either, the prior (train mean) is returned.
+
+observe: embed; the nearest point at or above `merge_similarity` absorbs the true length into
+its running mean, otherwise a new point is added (id derived from the request id); past
+capacity the oldest points go. A request id already merged or stored is skipped.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.predictor.embedder import Embedder, text_hash
+from services.predictor.mlp import MlpRegressor, length_feature
+from services.predictor.store import (LengthStore, Neighbor, Record, StoreUnavailable,
+                                      point_id)
+
+log = logging.getLogger(__name__)
+DEFAULT_PRIOR = 200.0  # tokens; used only when no MLP checkpoint carries the train mean
+
+
+@dataclass(frozen=True)
+class Prediction:
+    length: int
+    source: str          # "retrieval" | "mlp" | "prior"
+    similarity: float    # best neighbour similarity, 0 when the store was not searched
+    neighbors: int       # neighbours averaged (retrieval), else 0
+
+
+@dataclass(frozen=True)
+class Observation:
+    request_id: str
+    prompt: str
+    true_length: int
+
+
+def combine(neighbors: list[Neighbor], s0: float) -> tuple[float, int] | None:
+    """Similarity x count weighted mean of the neighbours at or above s0 (None: none are)."""
+    used = [n for n in neighbors if n.score >= s0]
+    if not used:
+        return None
+    w = np.array([max(n.score, 1e-6) * n.count for n in used])
+    return float(np.dot(w, [n.length for n in used]) / w.sum()), len(used)
+
+
+def decide(neighbors: list[Neighbor] | None, mlp_length: float | None, prior: float,
+           s0: float) -> Prediction:
+    """One prompt's prediction from its neighbours (None: store not searched) and the MLP."""
+    best = neighbors[0].score if neighbors else 0.0
+    hit = combine(neighbors, s0) if neighbors else None
+    if hit is not None:
+        return Prediction(max(1, round(hit[0])), "retrieval", best, hit[1])
+    if mlp_length is not None:
+        return Prediction(max(1, round(mlp_length)), "mlp", best, 0)
+    return Prediction(max(1, round(prior)), "prior", best, 0)
+
+
+class VectorCache:
+    """Recent prompt embeddings by text hash, so Observe reuses what Predict computed."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._data: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> np.ndarray | None:
+        with self._lock:
+            v = self._data.get(key)
+            if v is not None:
+                self._data.move_to_end(key)
+            return v
+
+    def put(self, key: str, vector: np.ndarray) -> None:
+        with self._lock:
+            self._data[key] = vector
+            self._data.move_to_end(key)
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+
+
+class LengthPredictor:
+    def __init__(self, embedder: Embedder, store: LengthStore | None,
+                 mlp: MlpRegressor | None = None, prior: float | None = None, k: int = 8,
+                 s0: float = 0.8, merge_similarity: float = 0.98,
+                 capacity: int = 200_000) -> None:
+        self.embedder, self.store, self.mlp = embedder, store, mlp
+        self.prior = prior if prior is not None else (
+            mlp.cfg.prior if mlp is not None and mlp.cfg.prior > 0 else DEFAULT_PRIOR)
+        self.k, self.s0 = k, s0
+        self.merge_similarity, self.capacity = merge_similarity, capacity
+        self.cache = VectorCache()
+        self._write_lock = threading.Lock()  # one observe batch at a time (merge = read+write)
+
+    def embed(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """([N, D] unit embeddings, [N] length feature), reusing cached rows."""
+        texts = self.embedder.prepare(list(prompts))
+        keys = [text_hash(t) for t in texts]
+        rows = [self.cache.get(k) for k in keys]
+        missing = [i for i, r in enumerate(rows) if r is None]
+        if missing:
+            fresh = self.embedder.embed_prepared([texts[i] for i in missing])  # [M, D]
+            for i, v in zip(missing, fresh):
+                rows[i] = v
+                self.cache.put(keys[i], v)
+        vectors = np.stack(rows) if rows else np.zeros((0, self.embedder.dim), np.float32)
+        return vectors, length_feature(texts)
+
+    def search(self, model: str, vectors: np.ndarray) -> list[list[Neighbor]] | None:
+        """Top-k per row, or None when there is no store or it cannot be reached."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.search(model, vectors, self.k)
+        except StoreUnavailable as exc:
+            log.warning("store unreachable, falling back to the MLP: %s", exc)
+            return None
+
+    def mlp_lengths(self, vectors: np.ndarray, feats: np.ndarray) -> list[float | None]:
+        if self.mlp is None:
+            return [None] * len(vectors)
+        return [float(x) for x in self.mlp.predict(vectors, feats)]
+
+    def predict(self, model: str, prompts: Sequence[str]) -> list[Prediction]:
+        vectors, feats = self.embed(prompts)
+        found = self.search(model, vectors)
+        neighbors = found if found is not None else [None] * len(prompts)
+        need_mlp = [n is None or combine(n, self.s0) is None for n in neighbors]
+        mlp = [None] * len(prompts)
+        if any(need_mlp):
+            idx = [i for i, need in enumerate(need_mlp) if need]
+            for i, value in zip(idx, self.mlp_lengths(vectors[idx], feats[idx])):
+                mlp[i] = value
+        return [decide(n, m, self.prior, self.s0) for n, m in zip(neighbors, mlp)]
+
+    def observe(self, model: str, observations: Sequence[Observation]) -> int:
+        """Teach the store; returns how many observations changed it (duplicates do not)."""
+        if self.store is None or not observations:
+            return 0
+        vectors, _ = self.embed([o.prompt for o in observations])
+        changed = 0
+        with self._write_lock:  # search-then-write per observation: merges see earlier ones
+            for obs, vector in zip(observations, vectors):
+                nearest = self.store.search(model, vector[None], 1)[0]
+                changed += self._absorb(model, obs, vector, nearest[0] if nearest else None)
+            if changed:
+                self.store.evict_if_full(model, self.capacity)
+        return changed
+
+    def _absorb(self, model: str, obs: Observation, vector: np.ndarray,
+                near: Neighbor | None) -> bool:
+        pid = point_id(model, obs.request_id)
+        if near is not None and (near.id == pid or obs.request_id in near.rids):
+            return False  # this request id is already in the store
+        if near is not None and near.score >= self.merge_similarity:
+            total = near.length * near.count + obs.true_length
+            rec = Record(near.id, None, total / (near.count + 1), near.count + 1,
+                         [*near.rids, obs.request_id], time.time())  # payload-only update
+        else:
+            rec = Record(pid, vector, float(obs.true_length), 1, [obs.request_id], time.time())
+        self.store.upsert(model, [rec])
+        return True

@@ -1,0 +1,119 @@
+"""MLP regressor: prompt embedding (+ log prompt length) -> log output length.
+
+Trained on the train split's embeddings with the target `log1p(length)` standardised; the
+checkpoint holds the weights, the architecture and the normalisation, so loading needs no
+other file. `predict` returns lengths in tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass
+class MlpConfig:
+    dim: int = 384
+    hidden: int = 256
+    layers: int = 2
+    dropout: float = 0.1
+    length_feature: bool = True   # append log1p(prompt chars) to the embedding
+    y_mean: float = 0.0           # of log1p(length)
+    y_std: float = 1.0
+    f_mean: float = 0.0           # of the length feature
+    f_std: float = 1.0
+    prior: float = 0.0            # mean train length (the `prior` predictor)
+
+
+def build(cfg: MlpConfig) -> nn.Sequential:
+    width, mods = cfg.dim + int(cfg.length_feature), []
+    for _ in range(cfg.layers):
+        mods += [nn.Linear(width, cfg.hidden), nn.GELU(), nn.Dropout(cfg.dropout)]
+        width = cfg.hidden
+    mods.append(nn.Linear(width, 1))
+    return nn.Sequential(*mods)
+
+
+def length_feature(texts: list[str]) -> np.ndarray:
+    """[N] log1p of each (normalised) prompt's character count."""
+    return np.log1p(np.array([len(t) for t in texts], np.float32))
+
+
+class MlpRegressor:
+    def __init__(self, cfg: MlpConfig, net: nn.Module | None = None) -> None:
+        self.cfg = cfg
+        self.net = (net or build(cfg)).eval()
+
+    def _inputs(self, emb: np.ndarray, feat: np.ndarray | None) -> torch.Tensor:
+        x = torch.from_numpy(np.ascontiguousarray(emb, np.float32))  # [N, D]
+        if self.cfg.length_feature:
+            f = np.zeros(len(emb), np.float32) if feat is None else feat
+            f = torch.from_numpy((f - self.cfg.f_mean) / self.cfg.f_std).float()  # [N]
+            x = torch.cat([x, f[:, None]], dim=1)  # [N, D+1]
+        return x
+
+    @torch.inference_mode()
+    def predict(self, emb: np.ndarray, feat: np.ndarray | None = None) -> np.ndarray:
+        """[N] predicted lengths (tokens, >= 1)."""
+        if len(emb) == 0:
+            return np.zeros(0, np.float32)
+        z = self.net(self._inputs(emb, feat))[:, 0].numpy()  # [N]
+        return np.maximum(np.expm1(z * self.cfg.y_std + self.cfg.y_mean), 1.0)
+
+    def save(self, path: Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"config": asdict(self.cfg), "state_dict": self.net.state_dict()}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "MlpRegressor":
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        cfg = MlpConfig(**ckpt["config"])
+        net = build(cfg)
+        net.load_state_dict(ckpt["state_dict"])
+        return cls(cfg, net)
+
+
+def train(emb: np.ndarray, feat: np.ndarray, lengths: np.ndarray, cfg: MlpConfig | None = None,
+          epochs: int = 60, lr: float = 1e-3, weight_decay: float = 1e-4, batch: int = 256,
+          val_fraction: float = 0.1, seed: int = 0, log=print) -> MlpRegressor:
+    """Fit on (embeddings [N, D], length feature [N], lengths [N]); keep the best val epoch."""
+    cfg = cfg or MlpConfig(dim=emb.shape[1])
+    y = np.log1p(lengths.astype(np.float32))
+    cfg.y_mean, cfg.y_std = float(y.mean()), float(y.std() or 1.0)
+    cfg.f_mean, cfg.f_std = float(feat.mean()), float(feat.std() or 1.0)
+    cfg.prior = float(lengths.mean())
+    torch.manual_seed(seed)
+    model = MlpRegressor(cfg)
+    x = model._inputs(emb, feat)                                     # [N, D(+1)]
+    t = torch.from_numpy((y - cfg.y_mean) / cfg.y_std)               # [N]
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(len(x) * val_fraction))
+    val, tr = perm[:n_val], perm[n_val:]
+    opt = torch.optim.AdamW(model.net.parameters(), lr=lr, weight_decay=weight_decay)
+    best, best_state, patience = math.inf, None, 0
+    for epoch in range(epochs):
+        model.net.train()
+        for idx in tr[torch.randperm(len(tr))].split(batch):
+            loss = nn.functional.mse_loss(model.net(x[idx])[:, 0], t[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.net.eval()
+        with torch.no_grad():
+            val_loss = nn.functional.mse_loss(model.net(x[val])[:, 0], t[val]).item()
+        if val_loss < best - 1e-4:
+            best, patience = val_loss, 0
+            best_state = {k: v.clone() for k, v in model.net.state_dict().items()}
+        else:
+            patience += 1
+        if log and epoch % 10 == 0:
+            log(f"epoch {epoch} val_mse {val_loss:.4f} best {best:.4f}")
+        if patience >= 8:
+            break
+    model.net.load_state_dict(best_state)
+    model.net.eval()
+    return model
