@@ -103,6 +103,9 @@ class PredictorSettings(CommonSettings):
         256, ge=1, description="Most prompts or observations in one Predict/Observe call.")
     predictor_embed_tokens: int = Field(
         256, ge=16, le=512, description="Word pieces of each prompt the embedder reads.")
+    predictor_models: StrList = Field(
+        default_factory=list,
+        description="Model ids Predict/Observe accept (empty = the id of the model setting).")
 
 
 class SchedulerSettings(RedisSettings):
@@ -140,6 +143,9 @@ class GatewaySettings(CommonSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one request.")
     served_model_name: str = Field(
         "", description="Model id clients pass (default: the model setting).")
+    max_connections: int = Field(
+        0, ge=0, description="HTTP connections the gateway holds before answering 503 "
+                             "(0 = unlimited).")
 
 
 class LauncherSettings(RedisSettings):

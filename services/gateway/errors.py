@@ -72,6 +72,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON body: {first.get('ctx', {}).get('error', 'parse error')}", None
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")

@@ -1,0 +1,118 @@
+"""`create_app(settings)`: the gateway's FastAPI application.
+
+The lifespan loads the model's tokenizer, opens the gRPC channels (scheduler; predictor
+replicas balanced round-robin) and asks the scheduler for the maximum model length (falling
+back to the model config while the scheduler is away). Middleware order, outermost first:
+request id + metrics, body size limit, CORS.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from services.common.metrics import CONTENT_TYPE_LATEST
+from services.common.settings import GatewaySettings
+from services.gateway.errors import install_error_handlers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from services.gateway.prompts import PromptBuilder
+from services.gateway.routes import router
+from services.gateway.upstream import Upstream
+
+PLAYGROUND = Path(__file__).with_name("playground.html")
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    tokenizer: object
+    upstream: Upstream
+    prompts: PromptBuilder
+    model_id: str
+    config_max_len: int
+    started: int
+
+    def max_model_len(self) -> int:
+        return self.upstream.max_model_len or self.config_max_len
+
+
+def model_max_length(settings: GatewaySettings, tokenizer) -> int:
+    """The model's context length from its config (tokenizers often say 'unlimited')."""
+    from transformers import AutoConfig
+
+    from services.common.models import tokenizer_dir
+
+    config = AutoConfig.from_pretrained(tokenizer_dir(settings.model, settings.data_dir))
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return int(min(tokenizer.model_max_length, 1 << 20))
+
+
+async def _load_state(settings: GatewaySettings, metrics: GatewayMetrics) -> GatewayState:
+    from services.common.models import load_tokenizer, served_model_id
+
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model, settings.data_dir)
+    config_len = await asyncio.to_thread(model_max_length, settings, tokenizer)
+    model_id = settings.served_model_name or served_model_id(settings.model)
+    upstream = Upstream(settings)
+    prompts = PromptBuilder(tokenizer, model_id,
+                            lambda: upstream.max_model_len or config_len)
+    state = GatewayState(settings, metrics, tokenizer, upstream, prompts, model_id,
+                         config_len, int(time.time()))
+    await upstream.stats()
+    return state
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.gateway = await _load_state(settings, metrics)
+        try:
+            yield
+        finally:
+            await app.state.gateway.upstream.close()
+
+    app = FastAPI(title="ALISE gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API with length prediction and SLOs.")
+    install_error_handlers(app)
+    app.include_router(router)
+    _add_service_routes(app, metrics)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id", "X-ALISE-Prediction"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware, metrics=metrics)
+    return app
+
+
+def _add_service_routes(app: FastAPI, metrics: GatewayMetrics) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        gw: GatewayState = request.app.state.gateway
+        up = await gw.upstream.scheduler_up()
+        if up and not gw.upstream.max_model_len:
+            await gw.upstream.stats()
+        return JSONResponse({"status": "ok" if up else "unavailable", "scheduler": up,
+                             "model": gw.model_id, "max_model_len": gw.max_model_len()},
+                            status_code=200 if up else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))

@@ -1,0 +1,33 @@
+"""`alise gateway serve`: run the OpenAI-compatible HTTP gateway (uvicorn)."""
+from __future__ import annotations
+
+import argparse
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.common.logs import setup_logging
+    from services.common.settings import GatewaySettings
+    from services.gateway.app import create_app
+
+    overrides = {k: v for k, v in (("gateway_host", args.host), ("gateway_port", args.port))
+                 if v is not None}
+    settings = GatewaySettings(**overrides)
+    setup_logging("gateway", settings.log_level, settings.log_format)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port,
+                log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                backlog=4096, limit_concurrency=settings.max_connections or None)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    group.set_defaults(_parser=group)
+    inner = group.add_subparsers(dest="gateway_command", metavar="COMMAND")
+    serve = inner.add_parser("serve", help="serve /v1/completions, /v1/chat/completions, "
+                                           "/health, /metrics and the playground at /")
+    serve.add_argument("--host", default=None, help="bind address (ALISE_GATEWAY_HOST)")
+    serve.add_argument("--port", type=int, default=None, help="port (ALISE_GATEWAY_PORT)")
+    serve.set_defaults(func=_serve)

@@ -1,0 +1,192 @@
+"""OpenAI request -> `Plan`: validation, SLO/priority headers, chat template, tokenization,
+length limits. Every refusal is an `APIError` with the status the issue asks for.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+from services.common.pb import common_pb2
+from services.gateway.errors import APIError, bad_request
+from services.gateway.generation import Plan
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, Slo
+
+SLO_HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tbt_ms": "x-slo-tbt-ms",
+               "deadline_ms": "x-slo-deadline-ms"}
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, model_id: str, max_len: Callable[[], int]) -> None:
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_len = max_len   # current maximum model length (the scheduler may report later)
+        self.vocab_size = len(tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_id}`.", param="model", code="model_not_found")
+
+    async def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str],
+                   request_id: str) -> Plan:
+        self.check_model(body.model)
+        _refuse_unsupported_chat(body)
+        messages = [{"role": m.role, "content": _message_text(m.content, i)}
+                    for i, m in enumerate(body.messages)]
+        text = await asyncio.to_thread(self._render, messages)
+        ids = await asyncio.to_thread(self._encode, text)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return self._plan(body, headers, request_id, text, ids, max_tokens, "messages")
+
+    async def completion(self, body: CompletionRequest, headers: Mapping[str, str],
+                         request_id: str) -> Plan:
+        self.check_model(body.model)
+        _refuse_unsupported_completion(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = self._check_ids(prompt)
+            text = await asyncio.to_thread(self.tokenizer.decode, ids)
+        else:
+            text = _single_prompt(prompt)
+            ids = await asyncio.to_thread(self._encode, text)
+        return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt")
+
+    def _render(self, messages: list[dict]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions",
+                              param="messages", code="no_chat_template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+            raise bad_request(f"chat template failed: {exc}", param="messages") from exc
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        bad = [i for i in ids if i < 0 or i >= self.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary "
+                              f"(0..{self.vocab_size - 1})", param="prompt")
+        return ids
+
+    def _plan(self, body, headers, request_id, text, ids, max_tokens, param) -> Plan:
+        if not ids:
+            raise bad_request("the prompt is empty", param=param, code="empty_prompt")
+        max_tokens = self._check_length(len(ids), max_tokens, param)
+        if body.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({body.min_tokens}) exceeds max_tokens "
+                              f"({max_tokens})", param="min_tokens")
+        return Plan(request_id=request_id, model=self.model_id, prompt_text=text,
+                    prompt_ids=ids, max_tokens=max_tokens, stops=body.stop_list(),
+                    sampling=_sampling(body), min_tokens=body.min_tokens,
+                    ignore_eos=body.ignore_eos, priority=_priority(body, headers),
+                    slo=_slo(body, headers))
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        limit = self.max_len()
+        if prompt_len >= limit:
+            raise APIError(413, f"This model's maximum context length is {limit} tokens; "
+                                f"the prompt has {prompt_len} tokens.", param=param,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens; the "
+                              f"prompt ({prompt_len}) plus max_tokens ({max_tokens}) exceeds it.",
+                              param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+
+def _message_text(content, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if isinstance(part, dict):
+            raise bad_request(f"message {index}: only text content parts are supported "
+                              f"(got type {part.get('type')!r})", param=f"messages.{index}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _single_prompt(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) != 1:
+        raise bad_request("exactly one prompt per request is supported", param="prompt")
+    return prompt[0]
+
+
+def _refuse_common(body) -> None:
+    if body.n != 1:
+        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
+
+
+def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
+    _refuse_common(body)
+    if body.logprobs or body.top_logprobs:
+        raise bad_request("logprobs are not supported", param="logprobs")
+    if body.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("only the text response format is supported",
+                          param="response_format")
+
+
+def _refuse_unsupported_completion(body: CompletionRequest) -> None:
+    _refuse_common(body)
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if body.logprobs:
+        raise bad_request("logprobs are not supported", param="logprobs")
+    if body.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is supported", param="best_of")
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if isinstance(body.prompt, list) and not body.prompt:
+        raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
+
+
+def _sampling(body) -> common_pb2.SamplingParams:
+    params = common_pb2.SamplingParams(temperature=body.temperature, top_p=body.top_p,
+                                       top_k=body.top_k)
+    if body.seed is not None:
+        params.seed = body.seed
+    return params
+
+
+def _header_number(headers: Mapping[str, str], name: str, cast=float):
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        return cast(raw)
+    except ValueError:
+        raise bad_request(f"header {name}: not a number: {raw!r}", param=name) from None
+
+
+def _priority(body, headers: Mapping[str, str]) -> int | None:
+    if body.priority is not None:
+        return body.priority
+    value = _header_number(headers, "x-priority", int)
+    if value is not None and not -(2**31) <= value < 2**31:
+        raise bad_request("header x-priority: out of range", param="x-priority")
+    return value
+
+
+def _slo(body, headers: Mapping[str, str]) -> common_pb2.Slo | None:
+    values = {k: v for k, v in (body.slo.model_dump() if body.slo else {}).items()
+              if v is not None}
+    for key, header in SLO_HEADERS.items():
+        if key not in values and (value := _header_number(headers, header)) is not None:
+            values[key] = value
+    if not values:
+        return None
+    try:
+        slo = Slo(**values)
+    except ValueError as exc:
+        raise bad_request(f"invalid SLO: {exc.errors()[0]['msg']}", param="slo") from None
+    ms = slo.model_dump(exclude_none=True)
+    return common_pb2.Slo(**{k.replace("_ms", "_s"): v / 1000.0 for k, v in ms.items()})

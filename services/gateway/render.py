@@ -1,0 +1,115 @@
+"""OpenAI response objects and SSE framing for chat and text completions.
+
+Chunks are built as plain dicts and serialized once (`json.dumps`, compact) because this is
+the per-token hot path. SSE events are `data: <json>\n\n`; the stream ends with
+`data: [DONE]\n\n`. ALISE extensions ride in an `alise` key that OpenAI clients ignore.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from google.protobuf.json_format import MessageToDict
+
+from services.gateway.generation import Generation
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"),
+                                  ensure_ascii=False).encode() + b"\n\n"
+
+
+def prediction_dict(prediction) -> dict | None:
+    if prediction is None:
+        return None
+    return {"length": prediction.length, "source": prediction.source,
+            "similarity": round(prediction.similarity, 4), "neighbors": prediction.neighbors}
+
+
+def prediction_header(prediction) -> str:
+    """`length=123; source=retrieval` (or `none`), for the X-ALISE-Prediction header."""
+    if prediction is None:
+        return "none"
+    return f"length={prediction.length}; source={prediction.source}"
+
+
+def usage_dict(gen: Generation) -> dict:
+    prompt = len(gen.plan.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": gen.completion_tokens,
+            "total_tokens": prompt + gen.completion_tokens}
+
+
+def final_extension(gen: Generation) -> dict:
+    ext = {"prediction": prediction_dict(gen.used_prediction or gen.prediction)}
+    if gen.usage is not None:
+        ext["timing"] = MessageToDict(gen.usage, preserving_proto_field_name=True)
+    return ext
+
+
+class ChunkMaker:
+    """Builds the stream's chunks for one request (chat or text completion)."""
+
+    def __init__(self, gen: Generation, chat: bool, include_usage: bool,
+                 token_times: bool) -> None:
+        self.gen = gen
+        self.chat = chat
+        self.include_usage = include_usage
+        self.token_times = token_times
+        self.id = ("chatcmpl-" if chat else "cmpl-") + gen.plan.request_id
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _chunk(self, choice: dict, extension: dict | None = None) -> bytes:
+        payload = {"id": self.id, "object": self.object, "created": self.created,
+                   "model": self.gen.plan.model, "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        if extension:
+            payload["alise"] = extension
+        return sse(payload)
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def first(self) -> bytes | None:
+        """Chat streams open with the role; it carries the request's prediction."""
+        ext = {"request_id": self.gen.plan.request_id,
+               "prediction": prediction_dict(self.gen.prediction)}
+        if self.chat:
+            return self._chunk(self._choice(None, None, role=True), ext)
+        return None
+
+    def piece(self, text: str, token_time: float) -> bytes:
+        ext = {"time": token_time} if self.token_times else None
+        return self._chunk(self._choice(text, None), ext)
+
+    def last(self) -> list[bytes]:
+        finish = self.gen.finish_reason
+        out = [self._chunk(self._choice(None, finish), final_extension(self.gen))]
+        if self.include_usage:
+            out.append(sse({"id": self.id, "object": self.object, "created": self.created,
+                            "model": self.gen.plan.model, "choices": [],
+                            "usage": usage_dict(self.gen)}))
+        out.append(DONE)
+        return out
+
+
+def full_response(gen: Generation, chat: bool) -> dict:
+    """The non-streaming body."""
+    request_id = gen.plan.request_id
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},
+                  "logprobs": None, "finish_reason": gen.finish_reason}
+        head = {"id": "chatcmpl-" + request_id, "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": gen.text, "logprobs": None,
+                  "finish_reason": gen.finish_reason}
+        head = {"id": "cmpl-" + request_id, "object": "text_completion"}
+    return {**head, "created": int(time.time()), "model": gen.plan.model, "choices": [choice],
+            "usage": usage_dict(gen), "alise": final_extension(gen)}

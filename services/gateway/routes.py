@@ -1,0 +1,180 @@
+"""The `/v1` routes: completions, chat completions (streaming and not) and models.
+
+A generation is prepared (validated, tokenized), started upstream while watching for the
+client going away, then either streamed as SSE or collected into one JSON body. Whatever
+way it ends, `Generation.close()` runs: it aborts upstream anything unfinished.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.errors import APIError
+from services.gateway.generation import Generation
+from services.gateway.render import DONE, ChunkMaker, full_response, prediction_header, sse
+from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                      ModelCard, ModelList)
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
+
+
+async def require_api_key(request: Request) -> None:
+    keys = request.app.state.gateway.settings.api_keys
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "missing API key: send `Authorization: Bearer <key>`",
+                       code="invalid_api_key")
+    if not any(hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys):
+        raise APIError(401, "invalid API key", code="invalid_api_key")
+
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    gw = request.app.state.gateway
+    return ModelList(data=[ModelCard(id=gw.model_id, created=gw.started,
+                                      max_model_len=gw.max_model_len())])
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    gw = request.app.state.gateway
+    plan = await gw.prompts.completion(body, request.headers, request.state.request_id)
+    return await _respond(request, plan, body, chat=False)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    gw = request.app.state.gateway
+    plan = await gw.prompts.chat(body, request.headers, request.state.request_id)
+    return await _respond(request, plan, body, chat=True)
+
+
+async def _respond(request: Request, plan, body, chat: bool):
+    gw = request.app.state.gateway
+    arrival = time.perf_counter()
+    gen = Generation(plan, gw.upstream, gw.tokenizer)
+    gw.metrics.prompt_tokens.observe(len(plan.prompt_ids))
+    gw.metrics.active_streams.inc()
+    try:
+        await _until_disconnect(request, gen.start(), gw.settings.request_timeout_s)
+        gw.metrics.predictions.labels(gen.prediction.source if gen.prediction else "none").inc()
+        headers = {"X-ALISE-Prediction": prediction_header(gen.prediction)}
+        if body.stream:
+            maker = ChunkMaker(gen, chat, bool(body.stream_options and
+                                               body.stream_options.include_usage),
+                               body.return_token_times)
+            return SSEResponse(_stream(gen, maker, gw, arrival), headers,
+                               on_close=lambda: _close(gw, gen))
+        await _until_disconnect(request, _collect(gen), gw.settings.request_timeout_s)
+        _record(gw, gen, arrival)
+        return JSONResponse(full_response(gen, chat), headers=headers)
+    except BaseException:
+        _close(gw, gen)
+        raise
+    finally:
+        if not body.stream:
+            _close(gw, gen)
+
+
+async def _collect(gen: Generation) -> None:
+    async for _ in gen.pieces():
+        pass
+
+
+async def _stream(gen: Generation, maker: ChunkMaker, gw, arrival: float) -> AsyncIterator[bytes]:
+    deadline = arrival + gw.settings.request_timeout_s
+    first_sent = False
+    try:
+        if (head := maker.first()) is not None:
+            yield head
+        async with asyncio.timeout_at(_loop_deadline(deadline)):
+            async for piece in gen.pieces():
+                if not first_sent:
+                    gw.metrics.ttft.observe(time.perf_counter() - arrival)
+                    first_sent = True
+                yield maker.piece(piece.text, piece.time)
+        _record(gw, gen, arrival)
+        for chunk in maker.last():
+            yield chunk
+    except APIError as exc:
+        yield sse(exc.body())
+        yield DONE
+    except TimeoutError:
+        yield sse(APIError(504, "request timed out", code="timeout").body())
+        yield DONE
+    finally:
+        _close(gw, gen)
+
+
+def _close(gw, gen: Generation) -> None:
+    if gen.closed:
+        return
+    gen.closed = True
+    was_running = gen.call is not None and gen.finish_reason is None
+    gen.close()
+    if was_running:
+        gw.metrics.aborts.labels("client_gone_or_timeout").inc()
+    gw.metrics.active_streams.dec()
+
+
+def _record(gw, gen: Generation, arrival: float) -> None:
+    gw.metrics.e2e.observe(time.perf_counter() - arrival)
+    gw.metrics.generation_tokens.observe(gen.completion_tokens)
+    gw.metrics.finished.labels(gen.finish_reason or "abort").inc()
+
+
+def _loop_deadline(perf_deadline: float) -> float:
+    loop = asyncio.get_running_loop()
+    return loop.time() + max(0.0, perf_deadline - time.perf_counter())
+
+
+async def _until_disconnect(request: Request, coro, timeout_s: float):
+    """Run `coro` unless the client disconnects first (499) or it takes too long (504)."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    if watcher in done:
+        raise APIError(499, "client closed the request", code="client_closed_request")
+    raise APIError(504, "request timed out", code="timeout")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose generator is always closed (upstream abort) when it ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, headers: dict[str, str], on_close) -> None:
+        super().__init__(content, headers={**headers, "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self.on_close()

@@ -1,0 +1,109 @@
+"""The gateway's gRPC side: scheduler (Generate/Abort/Stats/health) and predictor replicas.
+
+Predictions are best effort: one Predict with a short deadline, and any failure (slow, down,
+no replica) means the request goes ahead without one. Observations are fire-and-forget
+background tasks. Aborts are also background tasks so they survive the cancellation of the
+HTTP handler that asks for them (a disconnecting client cancels its handler).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.common.grpc_client import aio_channel, check_health
+from services.common.pb import (common_pb2, predictor_pb2, predictor_pb2_grpc, scheduler_pb2,
+                                scheduler_pb2_grpc)
+from services.common.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+HEALTH_CACHE_S = 1.0
+STATS_TIMEOUT_S = 2.0
+
+
+class Upstream:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.scheduler_channel = aio_channel(settings.scheduler_address,
+                                             idempotent_services=["grpc.health.v1.Health"])
+        self.predictor_channel = aio_channel(settings.predictor_addresses,
+                                             idempotent_services=["alise.v1.Predictor"])
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
+        self.predictor = predictor_pb2_grpc.PredictorStub(self.predictor_channel)
+        self._tasks: set[asyncio.Task] = set()
+        self._health: tuple[float, bool] = (0.0, False)
+        self.max_model_len: int = 0   # from the scheduler's Stats, 0 = unknown yet
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        await self.scheduler_channel.close()
+        await self.predictor_channel.close()
+
+    def _background(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # Scheduler.
+
+    async def scheduler_up(self, force: bool = False) -> bool:
+        checked_at, up = self._health
+        if not force and time.monotonic() - checked_at < HEALTH_CACHE_S:
+            return up
+        up = await check_health(self.scheduler_channel, timeout=1.0)
+        self._health = (time.monotonic(), up)
+        return up
+
+    async def stats(self) -> scheduler_pb2.StatsResponse | None:
+        try:
+            reply = await self.scheduler.Stats(scheduler_pb2.StatsRequest(),
+                                               timeout=STATS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("scheduler Stats failed: %s", exc.code().name)
+            return None
+        if reply.max_model_len > 0:
+            self.max_model_len = reply.max_model_len
+        return reply
+
+    def generate(self, request: scheduler_pb2.GenerateRequest):
+        """Start a Generate stream (an async iterator of TokenEvent with .cancel())."""
+        return self.scheduler.Generate(request, timeout=self.settings.request_timeout_s)
+
+    def abort(self, request_id: str) -> asyncio.Task:
+        return self._background(self._abort(request_id))
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.scheduler.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
+                                       timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("abort of %s failed: %s", request_id, exc.code().name)
+
+    # Predictor.
+
+    async def predict(self, model: str, prompt: str) -> common_pb2.Prediction | None:
+        timeout = self.settings.predictor_timeout_ms / 1000.0
+        request = predictor_pb2.PredictRequest(model=model, prompts=[prompt])
+        try:
+            reply = await asyncio.wait_for(self.predictor.Predict(request, timeout=timeout),
+                                           timeout)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            log.debug("no prediction: %s", getattr(exc, "code", lambda: "timeout")())
+            return None
+        return reply.predictions[0] if reply.predictions else None
+
+    def observe(self, model: str, request_id: str, prompt: str, true_length: int) -> None:
+        self._background(self._observe(model, request_id, prompt, true_length))
+
+    async def _observe(self, model: str, request_id: str, prompt: str, length: int) -> None:
+        obs = predictor_pb2.Observation(request_id=request_id, prompt=prompt, true_length=length)
+        try:
+            await self.predictor.Observe(
+                predictor_pb2.ObserveRequest(model=model, observations=[obs]), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("observe failed: %s", exc.code().name)
