@@ -125,6 +125,13 @@ class SchedulerSettings(RedisSettings):
     step_timeout_s: float = Field(60.0, gt=0, description="A Step slower than this fails.")
     executor_grace_s: float = Field(
         30.0, ge=0, description="With no executor up, requests fail after this long.")
+    health_poll_s: float = Field(
+        0.5, gt=0, description="How often a down executor is polled (Describe) to bring it back.")
+    redis_namespace: str = Field(
+        "alise", min_length=1, description="Prefix of every scheduler key in Redis.")
+    default_prediction: int = Field(
+        128, ge=1, description="Prior output length for requests sent without a prediction "
+                               "when the policy defines none.")
 
 
 class GatewaySettings(CommonSettings):
