@@ -16,7 +16,9 @@ seconds. Definitions (DESIGN.md section 6):
   gap to the previous token vs the TBT SLO). JCT attainment: share of deadline requests
   finishing in time.
 - KV utilisation: time-weighted mean of the used share of device KV blocks over iterations;
-  compute utilisation: mean over iterations of scheduled tokens / token budget (capped at 1).
+  compute utilisation: mean over iterations of scheduled tokens / token budget (capped at 1),
+  the budget being a reference forward size when given (the profile's pivot, AccelGen's S_pf)
+  and each iteration's own budget for `budget_utilization`.
 """
 from __future__ import annotations
 
@@ -150,9 +152,12 @@ def kv_utilization(iterations: Sequence[IterationRecord]) -> float | None:
 
 
 def compute_utilization(iterations: Sequence[IterationRecord],
-                        default_budget: int | None = None) -> float | None:
+                        reference_tokens: int | None = None) -> float | None:
+    """Mean over iterations of min(1, tokens / budget): the budget is `reference_tokens` when
+    given (e.g. the profile's pivot forward size, comparable across policies), else each
+    iteration's own token budget (iterations without one are skipped)."""
     shares = [min(it.num_tokens / b, 1.0) for it in iterations
-              if (b := it.token_budget or default_budget)]
+              if (b := reference_tokens or it.token_budget)]
     return mean(shares)
 
 
@@ -165,7 +170,7 @@ def duration(records: Sequence[RequestRecord]) -> float:
 
 
 def summarize(records: Iterable[RequestRecord], iterations: Sequence[IterationRecord] = (),
-              duration_s: float | None = None, default_budget: int | None = None) -> dict:
+              duration_s: float | None = None, reference_tokens: int | None = None) -> dict:
     records = list(records)
     done = [r for r in records if r.completed and r.token_times]
     span = duration(records) if duration_s is None else duration_s
@@ -190,5 +195,6 @@ def summarize(records: Iterable[RequestRecord], iterations: Sequence[IterationRe
     out["num_preemptions"] = sum(r.num_preemptions for r in records)
     out["num_iterations"] = len(iterations)
     out["kv_utilization"] = kv_utilization(iterations)
-    out["compute_utilization"] = compute_utilization(iterations, default_budget)
+    out["compute_utilization"] = compute_utilization(iterations, reference_tokens)
+    out["budget_utilization"] = compute_utilization(iterations)
     return out

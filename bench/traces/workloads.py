@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from bench.traces.trace import Shape
@@ -33,10 +35,16 @@ def sample_shapes(pool: list[Shape], n: int | None, seed: int = 0,
 
 def sharegpt_pool(split: str = "test", model: str = "smollm2-135m-instruct",
                   data_dir=None) -> list[Shape]:
+    """The split as shapes (parsed once per process)."""
+    return list(_sharegpt_pool(split, model, data_dir))
+
+
+@lru_cache(maxsize=4)
+def _sharegpt_pool(split: str, model: str, data_dir) -> tuple[Shape, ...]:
     from bench.traces.sharegpt import load_split
 
-    return [Shape(s.prompt_len, s.output_len, s.prompt, s.id)
-            for s in load_split(split, model, data_dir)]
+    return tuple(Shape(s.prompt_len, s.output_len, s.prompt, s.id)
+                 for s in load_split(split, model, data_dir))
 
 
 def sharegpt_shapes(n: int | None = None, split: str = "test", seed: int = 0,

@@ -61,7 +61,7 @@ def test_utilization_by_hand():
            IterationRecord(1.0, 4.0, 0, 64, 0.9, token_budget=None)]
     assert m.kv_utilization(its) == pytest.approx((0.5 * 1 + 0.9 * 3) / 4)
     assert m.compute_utilization(its) == pytest.approx(320 / 512)
-    assert m.compute_utilization(its, default_budget=128) == pytest.approx((320 / 512 + 0.5) / 2)
+    assert m.compute_utilization(its, reference_tokens=128) == pytest.approx((1.0 + 0.5) / 2)
     assert m.kv_utilization([]) is None
 
 

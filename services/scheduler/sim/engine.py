@@ -1,0 +1,188 @@
+"""The event loop: one heap, deterministic tie-breaks, the cost model as the clock.
+
+Events are (time, kind, sequence number): at equal times a step end comes before a swap
+completion, which comes before an arrival, and equal kinds keep their push order. After all
+events of one instant are applied, every idle executor with work builds its next batch, so a
+batch sees every request that arrived by then. Nothing reads the wall clock.
+
+Each executor is one core `Scheduler` (its own policy instance and block manager); arrivals
+are placed with the core's `choose_executor`. A step lasts the cost model's iteration time of
+its batch; swaps move `blocks x block_size x kv_bytes_per_token` bytes at the configured
+bandwidth, overlapped with the forward pass (ALISE) or added to it. Sampled tokens are
+dummies; a request ends at max_tokens = its true output length (ignore_eos).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from bench.metrics import IterationRecord
+from bench.traces.trace import TraceItem
+from services.scheduler.core.block_manager import BlockManager
+from services.scheduler.core.cost_model import CostModel
+from services.scheduler.core.output import SchedulerOutput, StepOutcome
+from services.scheduler.core.policies import make_policy
+from services.scheduler.core.request import Request, Slo
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.sim.config import SimConfig, kv_bytes_per_token, load_profile
+from services.scheduler.sim.predictions import predict_lengths
+
+STEP_END, SWAP_DONE, ARRIVAL = 0, 1, 2
+DUMMY_TOKEN = 0
+
+
+class SimulationError(RuntimeError):
+    """The run cannot make progress (a policy stalls with work left) or exceeded its guard."""
+
+
+@dataclass
+class Executor:
+    name: str
+    scheduler: Scheduler
+    busy: bool = False
+    step: tuple | None = None  # (output, sampling ids, start, duration, swaps, kv use)
+    copy_free_at: float = 0.0  # when the host<->device copy engine is next free
+
+
+class Simulation:
+    def __init__(self, items: list[TraceItem], config: SimConfig,
+                 cost_model: CostModel | None = None, profile: dict | None = None):
+        self.config = config
+        self.profile = profile if profile is not None else load_profile(config.profile)
+        self.cost = cost_model or CostModel.from_profile(self.profile)
+        self.items = items
+        self.block_size = config.block_size or self.profile.get("block_size") or 16
+        self.swap_s_per_block = (self.block_size * kv_bytes_per_token(config, self.profile)
+                                 / (config.swap_bandwidth_gbs * 1e9))
+        self.executors = [self._make_executor(str(i)) for i in range(config.num_executors)]
+        self.by_name = {e.name: e for e in self.executors}
+        self.requests: dict[str, Request] = {}
+        self.iterations: list[IterationRecord] = []
+        self.finish_count: dict[str, int] = {}
+        self.now = 0.0
+        self._heap: list[tuple] = []
+        self._seq = itertools.count()
+
+    def _make_executor(self, name: str) -> Executor:
+        dev = self.config.num_device_blocks or self.profile.get("num_device_blocks")
+        if not dev:
+            raise ValueError("the profile has no num_device_blocks: set SimConfig.num_device_blocks")
+        host = self.config.num_host_blocks
+        if host is None:
+            host = self.profile.get("num_host_blocks", dev)
+        policy = make_policy(self.config.policy, **self.config.knobs)
+        bm = BlockManager(int(dev), int(host), int(self.block_size))
+        return Executor(name, Scheduler(policy, bm, self.cost, self.config.max_model_len))
+
+    # -- events ---------------------------------------------------------------------------
+    def _push(self, time: float, kind: int, payload) -> None:
+        heapq.heappush(self._heap, (time, kind, next(self._seq), payload))
+
+    def _make_request(self, item: TraceItem, predicted: int, source: str) -> Request:
+        slo = Slo(item.slo.ttft_s, item.slo.tbt_s, item.slo.deadline_s)
+        return Request(item.request_id, [DUMMY_TOKEN] * item.prompt_len, item.output_len,
+                       item.arrival_s, ignore_eos=True, slo=slo, predicted_len=predicted,
+                       prediction_source=source, true_len=item.output_len,
+                       max_model_len=self.config.max_model_len)
+
+    def run(self) -> Simulation:
+        lengths, source = predict_lengths(self.items, self.config.prediction, self.config.seed)
+        for item, predicted in zip(self.items, lengths):
+            if item.prompt_len + 1 > self.config.max_model_len:
+                raise ValueError(f"{item.request_id}: prompt of {item.prompt_len} tokens does "
+                                 f"not fit max_model_len={self.config.max_model_len}")
+            self._push(item.arrival_s, ARRIVAL, self._make_request(item, predicted, source))
+        while self._heap:
+            self.now = self._heap[0][0]
+            while self._heap and self._heap[0][0] == self.now:
+                _, kind, _, payload = heapq.heappop(self._heap)
+                self._handle(kind, payload)
+            for ex in self.executors:
+                if not ex.busy:
+                    self._start_step(ex)
+        self._check_done()
+        return self
+
+    def _handle(self, kind: int, payload) -> None:
+        if kind == ARRIVAL:
+            self._arrive(payload)
+        elif kind == STEP_END:
+            self._end_step(self.by_name[payload])
+        # SWAP_DONE only advances the clock: its completion time is in the iteration record
+
+    def _arrive(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if len(self.executors) == 1:
+            target = self.executors[0].name
+        else:
+            from services.scheduler.core.placement import choose_executor
+
+            target = choose_executor({e.name: e.scheduler for e in self.executors}, req, self.now)
+            if target is None:
+                raise SimulationError(f"no executor can ever hold {req.request_id} "
+                                      f"({req.num_prompt_tokens} prompt tokens)")
+        self.by_name[target].scheduler.add_request(req)
+
+    # -- steps ----------------------------------------------------------------------------
+    def _start_step(self, ex: Executor) -> None:
+        sched = ex.scheduler
+        if not sched.has_unfinished:
+            return
+        out = sched.schedule(self.now)
+        swaps = len(out.swap_out) + len(out.swap_in)
+        if not out.num_scheduled_tokens and not swaps:
+            return  # nothing runnable now; a later arrival or step end wakes it
+        reqs = sched.requests
+        sampling = [rid for rid, n in out.num_scheduled_tokens.items()
+                    if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens]
+        compute = self.cost.iteration_time(out.num_prefill_tokens, out.num_decode_tokens,
+                                           out.num_context_tokens)
+        duration = compute + self._swap_time(ex, swaps, compute)
+        ex.busy = True
+        ex.step = (out, sampling, self.now, duration, swaps,
+                   sched.block_manager.device_utilization)
+        self._push(self.now + duration, STEP_END, ex.name)
+
+    def _swap_time(self, ex: Executor, blocks: int, compute: float) -> float:
+        """Extra step time the swaps add beyond the forward pass."""
+        if not blocks:
+            return 0.0
+        start = max(self.now, ex.copy_free_at)
+        ex.copy_free_at = start + blocks * self.swap_s_per_block
+        self._push(ex.copy_free_at, SWAP_DONE, ex.name)
+        if self.config.overlap_swaps:
+            return max(0.0, ex.copy_free_at - self.now - compute)
+        return ex.copy_free_at - self.now
+
+    def _end_step(self, ex: Executor) -> None:
+        out, sampling, start, duration, swaps, kv_util = ex.step
+        ex.busy, ex.step = False, None
+        outcome = StepOutcome(out.step_id, {rid: (DUMMY_TOKEN, 0.0) for rid in sampling},
+                              duration)
+        for update in ex.scheduler.update(outcome, self.now):
+            if update.finished:
+                self.finish_count[update.request_id] = self.finish_count.get(
+                    update.request_id, 0) + 1
+        self._record(ex, out, start, kv_util)
+        if len(self.iterations) > self.config.max_iterations:
+            raise SimulationError(f"more than {self.config.max_iterations} iterations: "
+                                  f"policy {self.config.label} does not finish its work")
+
+    def _record(self, ex: Executor, out: SchedulerOutput, start: float, kv_util: float) -> None:
+        self.iterations.append(IterationRecord(
+            start, self.now, out.num_prefill_tokens, out.num_decode_tokens, kv_util,
+            token_budget=out.token_budget, num_requests=len(out.num_scheduled_tokens),
+            num_preempted=len(out.preempted_request_ids),
+            num_swap_out_blocks=len(out.swap_out), num_swap_in_blocks=len(out.swap_in),
+            executor=ex.name))
+
+    def _check_done(self) -> None:
+        stuck = [e for e in self.executors if e.scheduler.has_unfinished]
+        if stuck:
+            s = stuck[0].scheduler
+            raise SimulationError(
+                f"policy {self.config.label} stalled at t={self.now:.3f}s with work left on "
+                f"executor {stuck[0].name}: waiting={s.num_waiting} running={s.num_running} "
+                f"swapped={s.num_swapped}, free device blocks="
+                f"{s.block_manager.num_free_device_blocks}")
