@@ -1,1 +1,4 @@
-"""Scheduling policies, one per file, registered by name."""
+"""Scheduling policies, one file each, registered by name."""
+from services.scheduler.core.policies.base import (  # noqa: F401
+    Policy, available_policies, make_policy, policy_knobs, register_policy)
+from services.scheduler.core.policies import fcfs  # noqa: F401

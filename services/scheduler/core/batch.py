@@ -1,0 +1,152 @@
+"""`Batch`: the one step a policy is building. Every state change a policy makes goes through it,
+so the block manager, the scheduler's queues and the emitted SchedulerOutput stay consistent.
+
+Rules it enforces (they follow from the executor's order swap_out, swap_in, free, forward):
+  * a request preempted in this step is not scheduled again in this step;
+  * a request swapped in during this step is not preempted in this step;
+  * a request is scheduled at most once per step.
+"""
+from __future__ import annotations
+
+from services.scheduler.core.output import NewRequestData, SchedulerOutput
+from services.scheduler.core.request import RequestStatus
+
+RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+UNLIMITED = 1 << 62
+
+
+class Batch:
+    def __init__(self, sched, now: float, token_budget: int | None = None):
+        self.sched = sched
+        self.bm = sched.block_manager
+        self.now = now
+        self.token_budget = token_budget
+        self.num_tokens = 0
+        self.scheduled: dict[str, int] = {}
+        self.block_tables: dict[str, tuple[list[int], bool]] = {}
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in_map: list[tuple[int, int]] = []
+        self.freed: list[str] = []
+        self.preempted: list[str] = []
+        self.touched: set[str] = set()     # preempted this step
+        self.swapped_in: set[str] = set()
+
+    # -- budget -----------------------------------------------------------------------------
+    @property
+    def tokens_left(self) -> int:
+        return UNLIMITED if self.token_budget is None else self.token_budget - self.num_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    # -- scheduling -------------------------------------------------------------------------
+    def schedule(self, req, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
+        """Grant `num_new_tokens` to a resident or waiting request (admitting it); False when
+        its KV does not fit (nothing changes then)."""
+        rid = req.request_id
+        if rid in self.scheduled:
+            raise ValueError(f"request {rid} scheduled twice in one step")
+        if rid in self.touched or num_new_tokens < 1:
+            return False
+        if num_new_tokens > req.num_uncomputed_tokens:
+            raise ValueError(f"request {rid}: {num_new_tokens} tokens granted, "
+                             f"{req.num_uncomputed_tokens} uncomputed")
+        status = req.status
+        if status is SWAPPED:
+            raise ValueError(f"request {rid} is swapped out; swap_in() it first")
+        new = self.bm.allocate(req, num_new_tokens, reserve_blocks)
+        if new is None:
+            return False
+        if status is WAITING:
+            self.sched._move(req, RUNNING)
+        if new:
+            entry = self.block_tables.get(rid)
+            if entry is None:
+                self.block_tables[rid] = (list(new), False)
+            else:
+                entry[0].extend(new)
+        self.scheduled[rid] = num_new_tokens
+        self.num_tokens += num_new_tokens
+        return True
+
+    def swap_in(self, req, reserve_blocks: int = 0) -> bool:
+        rid = req.request_id
+        if rid in self.touched:
+            return False
+        mapping = self.bm.swap_in(rid, reserve_blocks)
+        if mapping is None:
+            return False
+        self.swap_in_map.extend(mapping)
+        self.block_tables[rid] = (self.bm.block_table(rid), True)
+        self.swapped_in.add(rid)
+        self.sched._move(req, RUNNING)
+        return True
+
+    # -- preemption -------------------------------------------------------------------------
+    def preempt(self, req, mode: str = "recompute") -> bool:
+        """Take a resident request off the device: 'swap' copies its KV to host blocks
+        (falling back to recompute when the host pool is full), 'recompute' drops it."""
+        rid = req.request_id
+        if req.status is not RUNNING or rid in self.swapped_in:
+            return False
+        self._unschedule(rid)
+        if mode == "swap" and req.num_computed_tokens > 0:
+            mapping = self.bm.swap_out(rid, req.num_computed_tokens)
+            if mapping is not None:
+                self.swap_out.extend(mapping)
+                self.sched._move(req, SWAPPED)
+                return self._mark(req)
+        elif mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption mode must be 'swap' or 'recompute', got {mode!r}")
+        self.bm.free(rid)
+        req.num_computed_tokens = 0
+        if self.sched._forget(rid):
+            self.freed.append(rid)
+        self.sched._move(req, WAITING)
+        return self._mark(req)
+
+    def offload(self, req) -> bool:
+        """Swap a resident request's KV to host only (no recompute fallback)."""
+        rid = req.request_id
+        if req.status is not RUNNING or rid in self.swapped_in or req.num_computed_tokens == 0:
+            return False
+        if self.bm.num_free_host_blocks < self.bm.blocks_for_tokens(req.num_computed_tokens):
+            return False
+        return self.preempt(req, "swap")
+
+    def _mark(self, req) -> bool:
+        req.num_preemptions += 1
+        self.preempted.append(req.request_id)
+        self.touched.add(req.request_id)
+        return True
+
+    def _unschedule(self, rid: str) -> None:
+        n = self.scheduled.pop(rid, None)
+        if n is not None:
+            self.num_tokens -= n
+            self.block_tables.pop(rid, None)
+
+    # -- result -----------------------------------------------------------------------------
+    def finish(self) -> SchedulerOutput:
+        reqs = self.sched.requests
+        known = self.sched._known
+        new_requests, decodes, context = [], [], 0
+        now = self.now
+        for rid, n in self.scheduled.items():
+            req = reqs[rid]
+            if rid not in known:
+                known.add(rid)
+                new_requests.append(NewRequestData(rid, req.all_token_ids, req.sampling,
+                                                   len(req.output_token_ids)))
+            if req.num_uncomputed_tokens == 1:
+                decodes.append(rid)
+            context += req.num_computed_tokens + n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        return SchedulerOutput(
+            new_requests=new_requests, block_tables=self.block_tables,
+            num_scheduled_tokens=self.scheduled, swap_out=self.swap_out,
+            swap_in=self.swap_in_map, free_request_ids=self.freed,
+            preempted_request_ids=self.preempted, decode_request_ids=decodes,
+            num_context_tokens=context, token_budget=self.token_budget)

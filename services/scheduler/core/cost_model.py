@@ -1,0 +1,195 @@
+"""One cost model (DESIGN.md section 4): iteration time of a batch, fitted by least squares.
+
+    iteration_time = c0 + c_prefill * P + c_decode * D + c_context * C
+
+P = prefill tokens (requests with more than one uncomputed token), D = decode tokens,
+C = attention context = sum over scheduled requests of (computed + newly scheduled tokens),
+i.e. the KV length each scheduled request reads. ALISE's per-request model is derived from it:
+    T_pre(s) = s * t0                 (t0: least-squares slope of a lone prefill of s tokens)
+    T_dec(s, n) = n * (alpha * s + beta)   (alpha = c_context, beta = c0 + c_decode)
+Plain Python on purpose: the scheduler calls it on its hot path and the core stays dependency-free.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COEFFS = ("c0", "c_prefill", "c_decode", "c_context")
+_T0_GRID = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@dataclass
+class CostModel:
+    c0: float
+    c_prefill: float
+    c_decode: float
+    c_context: float = 0.0
+    t0: float | None = None
+    alpha: float | None = None
+    beta: float | None = None
+    pivot_tokens: int | None = None     # AccelGen S_pf: forward size that saturates compute
+    pivot_time_s: float | None = None   # AccelGen T_pf: iteration time at S_pf
+    fit_error: float | None = None
+    device: str = "unknown"
+    model: str = "unknown"
+    block_size: int | None = None
+    num_device_blocks: int | None = None
+    num_host_blocks: int | None = None
+    samples: list[dict] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in COEFFS:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"cost model coefficient {name} must be finite and >= 0, got {value!r}")
+        if self.c0 + self.c_prefill + self.c_decode <= 0:
+            raise ValueError("cost model predicts zero time for every batch")
+        if self.t0 is None:
+            grid = [(s, self.iteration_time(s, 0, s)) for s in _T0_GRID]
+            self.t0 = sum(s * t for s, t in grid) / sum(s * s for s, _ in grid)
+        if self.alpha is None:
+            self.alpha = self.c_context
+        if self.beta is None:
+            self.beta = self.c0 + self.c_decode
+        if self.pivot_tokens is None:
+            # compute time per token equals the fixed per-iteration (weight streaming) time
+            per_token = self.c_prefill + self.c_context
+            self.pivot_tokens = max(1, round(self.c0 / per_token)) if per_token > 0 else 512
+        if self.pivot_time_s is None:
+            self.pivot_time_s = self.iteration_time(self.pivot_tokens, 0, self.pivot_tokens)
+
+    # -- batch time -------------------------------------------------------------------------
+    def iteration_time(self, prefill_tokens: int, decode_tokens: int, context_tokens: int = 0) -> float:
+        if prefill_tokens == 0 and decode_tokens == 0:
+            return 0.0
+        return (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_tokens
+                + self.c_context * context_tokens)
+
+    def output_time(self, out) -> float:
+        """Iteration time of a SchedulerOutput (swaps are assumed overlapped with compute)."""
+        return self.iteration_time(out.num_prefill_tokens, out.num_decode_tokens,
+                                   out.num_context_tokens)
+
+    # -- ALISE per-request model ------------------------------------------------------------
+    def prefill_time(self, s: int) -> float:
+        return s * self.t0
+
+    def decode_time(self, s: int, n: int) -> float:
+        return n * (self.alpha * s + self.beta)
+
+    def remaining_time(self, request, predicted_len: int | None = None) -> float:
+        """Estimated seconds of execution left for `request` if it outputs `predicted_len`
+        tokens in total (default: its own prediction, else max_tokens)."""
+        pred = predicted_len or request.predicted_len or request.max_tokens
+        uncomputed = request.num_uncomputed_tokens
+        left = pred - request.num_output_tokens
+        t = 0.0
+        if uncomputed > 1:
+            t = uncomputed * self.t0
+            left -= 1               # the prefill itself yields one token
+        if left > 0:
+            t += left * (self.alpha * (request.num_tokens + left / 2) + self.beta)
+        return t
+
+    # -- budgets ----------------------------------------------------------------------------
+    def token_budget(self, tbt_s: float, tile_size: int = 1, decode_tokens: int = 0,
+                     context_tokens: int = 0, max_tokens: int = 1 << 16) -> int:
+        """Largest token count whose iteration (a prefill chunk of that size alongside
+        `decode_tokens` decodes with `context_tokens` of KV) stays within `tbt_s`, rounded down
+        to a multiple of `tile_size` and at least one tile (Sarathi-Serve section 4.3)."""
+        if tbt_s <= 0:
+            raise ValueError(f"tbt_s must be > 0, got {tbt_s}")
+        fixed = self.c0 + self.c_decode * decode_tokens + self.c_context * context_tokens
+        per = self.c_prefill + self.c_context
+        n = max_tokens if per <= 0 else int((tbt_s - fixed) / per) + decode_tokens
+        n = min(n, max_tokens)
+        return max(tile_size, (n // tile_size) * tile_size)
+
+    def accelgen_budget(self, slo_min_s: float) -> int:
+        """AccelGen eq. 6: S_b = S_pf * SLO_min / T_pf."""
+        return max(1, int(self.pivot_tokens * slo_min_s / self.pivot_time_s))
+
+    # -- (de)serialisation ------------------------------------------------------------------
+    @classmethod
+    def from_profile(cls, profile: dict | str | Path) -> "CostModel":
+        if not isinstance(profile, dict):
+            profile = json.loads(Path(profile).read_text())
+        coeffs = profile.get("coefficients")
+        if not isinstance(coeffs, dict) or any(k not in coeffs for k in COEFFS):
+            if profile.get("samples"):
+                return cls.fit(profile["samples"], **_meta(profile))
+            raise ValueError(f"profile needs 'coefficients' with {COEFFS} or 'samples'")
+        return cls(**{k: float(coeffs[k]) for k in COEFFS}, **_alise(profile), **_meta(profile),
+                   samples=list(profile.get("samples") or []))
+
+    def to_profile(self) -> dict:
+        return {
+            "device": self.device, "model": self.model,
+            "coefficients": {k: getattr(self, k) for k in COEFFS},
+            "t0": self.t0, "alpha": self.alpha, "beta": self.beta,
+            "pivot_tokens": self.pivot_tokens, "pivot_time_s": self.pivot_time_s,
+            "fit_error": self.fit_error, "samples": self.samples,
+            "block_size": self.block_size, "num_device_blocks": self.num_device_blocks,
+            "num_host_blocks": self.num_host_blocks,
+        }
+
+    @classmethod
+    def fit(cls, samples: list[dict], **meta) -> "CostModel":
+        """Non-negative least squares over samples {prefill_tokens, decode_tokens,
+        context_tokens, time_s}; fit_error is the relative RMSE."""
+        from services.scheduler.core.lsq import nnls
+
+        rows, ys = _design(samples)
+        coef = nnls(rows, ys)
+        model = cls(*coef, samples=list(samples), **meta)
+        model.fit_error = _relative_rmse(model, rows, ys)
+        return model
+
+
+def _design(samples: list[dict]) -> tuple[list[list[float]], list[float]]:
+    if len(samples) < 4:
+        raise ValueError(f"need at least 4 profile samples to fit 4 coefficients, got {len(samples)}")
+    rows, ys = [], []
+    for i, s in enumerate(samples):
+        try:
+            p, d = float(s["prefill_tokens"]), float(s["decode_tokens"])
+            c, t = float(s.get("context_tokens", 0)), float(s["time_s"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"profile sample {i} is malformed: {s!r}") from exc
+        if t <= 0 or min(p, d, c) < 0:
+            raise ValueError(f"profile sample {i} has a negative count or non-positive time: {s!r}")
+        rows.append([1.0, p, d, c])
+        ys.append(t)
+    return rows, ys
+
+
+def _relative_rmse(model: CostModel, rows, ys) -> float:
+    err = [(model.iteration_time(r[1], r[2], r[3]) - y) / y for r, y in zip(rows, ys)]
+    return math.sqrt(sum(e * e for e in err) / len(err))
+
+
+def _alise(profile: dict) -> dict:
+    out = {}
+    for key in ("t0", "alpha", "beta", "pivot_time_s", "fit_error"):
+        if profile.get(key) is not None:
+            out[key] = float(profile[key])
+    if profile.get("pivot_tokens") is not None:
+        out["pivot_tokens"] = int(profile["pivot_tokens"])
+    return out
+
+
+def _meta(profile: dict) -> dict:
+    out = {k: str(profile[k]) for k in ("device", "model") if profile.get(k)}
+    for key in ("block_size", "num_device_blocks", "num_host_blocks"):
+        if profile.get(key) is not None:
+            out[key] = int(profile[key])
+    return out
+
+
+def roofline_profile(name: str) -> dict:
+    """Analytical profile for a named `gpu/model` (see core/roofline.py for the numbers)."""
+    from services.scheduler.core.roofline import roofline_profile as _rp
+
+    return _rp(name)

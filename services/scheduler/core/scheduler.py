@@ -1,0 +1,217 @@
+"""`Scheduler`: one per executor. Owns the request records, the three queues and the block
+manager; the policy decides, this applies. Pure and deterministic given inputs and `now`.
+
+Life of a step:  out = schedule(now)  ->  executor runs `out`  ->  update(outcome, now).
+At most one step is in flight per scheduler.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.scheduler.core.batch import Batch
+from services.scheduler.core.block_manager import BlockManager
+from services.scheduler.core.cost_model import CostModel
+from services.scheduler.core.output import RequestUpdate, SchedulerOutput, StepOutcome
+from services.scheduler.core.request import FINISH_REASON_STATUS, Request, RequestStatus
+
+RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+
+
+@dataclass
+class AppliedStep:
+    """What `Policy.update` receives after a step's result was applied."""
+    output: SchedulerOutput
+    outcome: StepOutcome
+    updates: list[RequestUpdate]
+
+
+class Scheduler:
+    def __init__(self, policy, block_manager: BlockManager, cost_model: CostModel,
+                 max_model_len: int):
+        from services.scheduler.core.policies import make_policy
+
+        if isinstance(policy, str):
+            policy = make_policy(policy)
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.policy = policy
+        self.block_manager = block_manager
+        self.cost_model = cost_model
+        # a lone request must always fit the device pool, or it could never finish
+        pool_tokens = block_manager.num_device_blocks * block_manager.block_size
+        self.max_model_len = min(max_model_len, pool_tokens)
+        self.requests: dict[str, Request] = {}
+        self.waiting: OrderedDict[str, Request] = OrderedDict()
+        self.running: OrderedDict[str, Request] = OrderedDict()   # resident on device
+        self.swapped: OrderedDict[str, Request] = OrderedDict()
+        self._known: set[str] = set()          # requests the executor holds state for
+        self._pending_free: list[str] = []
+        self._inflight: SchedulerOutput | None = None
+        self._step_id = 0
+        self.num_finished = 0
+        self.num_preemptions = 0
+        policy.bind(self)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self.requests and not self.requests[rid].is_finished:
+            raise ValueError(f"request {rid} already exists")
+        if req.status is not WAITING or req.num_computed_tokens or req.output_token_ids:
+            raise ValueError(f"request {rid} must be new (waiting, nothing computed)")
+        limit = self.max_model_len if req.max_model_len is None else min(req.max_model_len,
+                                                                          self.max_model_len)
+        if req.num_prompt_tokens + 1 > limit:
+            raise ValueError(f"request {rid}: prompt of {req.num_prompt_tokens} tokens leaves no "
+                             f"room to generate within max_model_len={limit}")
+        req.max_model_len = limit
+        self.requests[rid] = req
+        self.waiting[rid] = req
+        self.policy.on_add(req, req.arrival_time)
+
+    def abort_request(self, request_id: str, now: float) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._finish(req, "abort", now)
+        return True
+
+    # -- step -------------------------------------------------------------------------------
+    def new_batch(self, now: float, token_budget: int | None = None) -> Batch:
+        return Batch(self, now, token_budget)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        if self._inflight is not None:
+            raise RuntimeError(f"step {self._inflight.step_id} is still in flight; update() first")
+        self.block_manager.begin_step()
+        out = self.policy.schedule(self, now)
+        self._step_id += 1
+        out.step_id = self._step_id
+        if self._pending_free:
+            out.free_request_ids = self._pending_free + out.free_request_ids
+            self._pending_free = []
+        self.num_preemptions += len(out.preempted_request_ids)
+        if not out.is_empty:
+            self._inflight = out
+        return out
+
+    def update(self, outcome: StepOutcome, now: float) -> list[RequestUpdate]:
+        out = self._inflight
+        if out is None or outcome.step_id != out.step_id:
+            expected = None if out is None else out.step_id
+            raise ValueError(f"outcome for step {outcome.step_id}, expected step {expected}")
+        self._inflight = None
+        updates: list[RequestUpdate] = []
+        sampled = outcome.sampled
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue            # aborted while the step ran
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue            # a prefill chunk: no token yet
+            tok = sampled.get(rid)
+            if tok is None:
+                raise ValueError(f"step {out.step_id}: executor sampled no token for {rid}")
+            updates.append(self._append_token(req, tok[0], tok[1], now))
+        self.policy.update(AppliedStep(out, outcome, updates), now)
+        return updates
+
+    @property
+    def inflight(self) -> SchedulerOutput | None:
+        return self._inflight
+
+    def _append_token(self, req: Request, token: int, logprob: float, now: float) -> RequestUpdate:
+        req.output_token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.token_times.append(now)
+        index = len(req.output_token_ids) - 1
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason, now)
+        return RequestUpdate(req.request_id, (token, logprob, index), reason is not None, reason)
+
+    @staticmethod
+    def _stop_reason(req: Request, token: int) -> str | None:
+        n = len(req.output_token_ids)
+        if n >= req.min_tokens:
+            if token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids):
+                return "stop"
+        if n >= req.max_tokens or req.num_tokens >= req.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        rid = req.request_id
+        self._dequeue(req)
+        req.status = FINISH_REASON_STATUS[reason]
+        req.finish_reason = reason
+        req.finished_time = now
+        self.block_manager.free(rid)
+        if self._forget(rid):
+            self._pending_free.append(rid)
+        self.num_finished += 1
+        self.policy.on_finish(req, now)
+
+    # -- queue moves (used by Batch) --------------------------------------------------------
+    def _queue(self, status: RequestStatus) -> OrderedDict:
+        return self.running if status is RUNNING else self.waiting if status is WAITING else self.swapped
+
+    def _dequeue(self, req: Request) -> None:
+        if not req.status.is_finished:
+            self._queue(req.status).pop(req.request_id, None)
+
+    def _move(self, req: Request, status: RequestStatus) -> None:
+        self._queue(req.status).pop(req.request_id, None)
+        req.status = status
+        self._queue(status)[req.request_id] = req
+        self.policy.on_move(req, status)
+
+    def _forget(self, rid: str) -> bool:
+        if rid in self._known:
+            self._known.discard(rid)
+            return True
+        return False
+
+    # -- views ------------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def predicted_len(self, req: Request) -> int:
+        return self.policy.predicted_len(req)
+
+    def outstanding_work(self, now: float) -> float:
+        """Predicted seconds of execution left over every unfinished request (for placement)."""
+        cm = self.cost_model
+        total = 0.0
+        for queue in (self.running, self.swapped, self.waiting):
+            for req in queue.values():
+                total += cm.remaining_time(req, self.policy.predicted_len(req))
+        return total
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "policy": self.policy.name, "steps": self._step_id,
+            "waiting": len(self.waiting), "running": len(self.running),
+            "swapped": len(self.swapped), "finished": self.num_finished,
+            "preemptions": self.num_preemptions,
+            "free_device_blocks": bm.num_free_device_blocks,
+            "free_host_blocks": bm.num_free_host_blocks,
+            "device_utilization": bm.device_utilization,
+            "host_utilization": bm.host_utilization,
+        }

@@ -1,0 +1,136 @@
+import pytest
+
+from services.scheduler.core.output import StepOutcome
+from services.scheduler.core.placement import choose_executor
+from services.scheduler.core.policies import available_policies, make_policy, policy_knobs
+from services.scheduler.core.request import Request, RequestStatus, Slo
+from tests.unit.test_core_util import EOS, drive, make_sched, req
+
+
+def _step(s, now, tokens=None):
+    out = s.schedule(now)
+    sampled = {rid: ((tokens or {}).get(rid, 7), -0.1) for rid in out.num_scheduled_tokens
+               if s.requests[rid].num_computed_tokens + out.num_scheduled_tokens[rid]
+               >= s.requests[rid].num_tokens}
+    return out, s.update(StepOutcome(out.step_id, sampled), now + 0.01)
+
+
+def test_first_step_sends_new_request_and_blocks():
+    s = make_sched("fcfs", block_size=4)
+    s.add_request(req("a", 10, 3))
+    out = s.schedule(0.0)
+    assert out.step_id == 1
+    assert [n.request_id for n in out.new_requests] == ["a"]
+    assert out.new_requests[0].token_ids == [5] * 10
+    assert out.block_tables == {"a": ([0, 1, 2], False)}
+    assert out.num_scheduled_tokens == {"a": 10}
+    assert out.num_prefill_tokens == 10 and out.num_decode_tokens == 0
+    ups = s.update(StepOutcome(1, {"a": (9, -0.2)}), 0.5)
+    assert ups[0].token == (9, -0.2, 0) and not ups[0].finished
+    r = s.requests["a"]
+    assert r.num_computed_tokens == 10 and r.output_token_ids == [9] and r.token_times == [0.5]
+    out2 = s.schedule(0.5)
+    assert out2.new_requests == [] and out2.num_decode_tokens == 1
+    assert out2.block_tables == {}        # 11 tokens still fit 3 blocks of 4
+
+
+def test_stop_conditions_and_frees_in_next_output():
+    s = make_sched("fcfs")
+    s.add_request(Request("eos", [1] * 4, 10, 0.0, eos_token_ids=(EOS,), min_tokens=2))
+    s.add_request(Request("stop", [1] * 4, 10, 0.0, stop_token_ids=(42,)))
+    s.add_request(Request("len", [1] * 4, 2, 0.0, eos_token_ids=(EOS,)))
+    _, ups = _step(s, 0.0, {"eos": EOS, "stop": 42, "len": 3})
+    done = {u.request_id: u.finish_reason for u in ups if u.finished}
+    assert done == {"stop": "stop"}                      # EOS ignored before min_tokens
+    out, ups = _step(s, 1.0, {"eos": EOS, "len": 3})
+    assert out.free_request_ids == ["stop"]
+    done = {u.request_id: u.finish_reason for u in ups if u.finished}
+    assert done == {"eos": "stop", "len": "length"}
+    assert s.requests["eos"].status is RequestStatus.FINISHED_STOPPED
+    out = s.schedule(2.0)
+    assert sorted(out.free_request_ids) == ["eos", "len"]
+    assert not s.has_unfinished and s.block_manager.num_free_device_blocks == 256
+
+
+def test_max_model_len_and_validation():
+    s = make_sched("fcfs", max_model_len=12)
+    with pytest.raises(ValueError, match="no room"):
+        s.add_request(req("big", 12, 5))
+    s.add_request(Request("a", [1] * 10, 100, 0.0))
+    drive(s, [])
+    assert s.requests["a"].num_tokens == 12 and s.requests["a"].finish_reason == "length"
+    with pytest.raises(ValueError, match="already exists"):
+        s.add_request(req("x", 3, 1)) or s.add_request(req("x", 3, 1))
+    with pytest.raises(ValueError):
+        Request("r", [], 5, 0.0)
+    with pytest.raises(ValueError):
+        Slo(ttft_s=-1)
+
+
+def test_abort_while_in_flight_and_wrong_step():
+    s = make_sched("fcfs")
+    s.add_request(req("a", 8, 5))
+    out = s.schedule(0.0)
+    with pytest.raises(RuntimeError):
+        s.schedule(0.0)
+    assert s.abort_request("a", 0.001) and not s.abort_request("a", 0.002)
+    with pytest.raises(ValueError):
+        s.update(StepOutcome(out.step_id + 1, {}), 0.01)
+    assert s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01) == []
+    assert s.requests["a"].finish_reason == "abort"
+    assert s.schedule(0.02).free_request_ids == ["a"]
+
+
+def test_missing_sample_is_an_error():
+    s = make_sched("fcfs")
+    s.add_request(req("a", 8, 5))
+    out = s.schedule(0.0)
+    with pytest.raises(ValueError, match="no token"):
+        s.update(StepOutcome(out.step_id, {}), 0.01)
+
+
+def test_registry_and_knob_errors():
+    names = available_policies()
+    for name in ["fcfs"]:
+        assert name in names
+    with pytest.raises(ValueError, match="valid knobs"):
+        make_policy("fcfs", no_such_knob=1)
+    with pytest.raises(ValueError, match="available"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        make_policy("fcfs", preemption_mode="drop")
+    assert "watermark" in policy_knobs("fcfs")
+
+
+def test_fcfs_prefill_first_and_recompute_preemption():
+    # 6 blocks of 4 tokens: two requests of 8 prompt tokens fill 4 blocks; decoding grows them
+    s = make_sched("fcfs", device_blocks=6, block_size=4, watermark=0.0)
+    a, b = req("a", 8, 12, 0.0), req("b", 8, 12, 0.0)
+    trace = drive(s, [a, b])
+    first = trace[0][2]
+    assert first.num_scheduled_tokens == {"a": 8, "b": 8} and first.num_decode_tokens == 0
+    preempted = [rid for _, _, o in trace for rid in o.preempted_request_ids]
+    assert preempted and preempted[0] == "b"           # the newest yields
+    resent = [o for _, _, o in trace if any(n.request_id == "b" for n in o.new_requests)]
+    assert len(resent) == 2                            # re-sent after recompute with its output
+    assert resent[1].new_requests[0].num_output_tokens > 0
+    assert a.num_output_tokens == b.num_output_tokens == 12
+
+
+def test_fcfs_swap_mode_swaps_out_and_back():
+    s = make_sched("fcfs", device_blocks=6, host_blocks=8, block_size=4, watermark=0.0,
+                   preemption_mode="swap")
+    a, b = req("a", 8, 12, 0.0), req("b", 8, 12, 0.0)
+    trace = drive(s, [a, b])
+    assert any(o.swap_out for _, _, o in trace) and any(o.swap_in for _, _, o in trace)
+    swapped_in = [o for _, _, o in trace if o.swap_in]
+    assert all(o.block_tables["b"][1] is True for o in swapped_in)
+    assert b.num_preemptions >= 1 and b.num_output_tokens == 12
+
+
+def test_placement_prefers_least_outstanding_work():
+    s1, s2 = make_sched("fcfs"), make_sched("fcfs", max_model_len=64)
+    s1.add_request(req("x", 100, 200))
+    assert choose_executor({"a": s1, "b": s2}, req("y", 10, 10), 0.0) == "b"
+    assert choose_executor({"a": s1, "b": s2}, req("z", 100, 10), 0.0) == "a"
+    assert choose_executor({"b": s2}, req("w", 100, 10), 0.0) is None
