@@ -129,9 +129,6 @@ class SchedulerSettings(RedisSettings):
         0.5, gt=0, description="How often a down executor is polled (Describe) to bring it back.")
     redis_namespace: str = Field(
         "alise", min_length=1, description="Prefix of every scheduler key in Redis.")
-    default_prediction: int = Field(
-        128, ge=1, description="Prior output length for requests sent without a prediction "
-                               "when the policy defines none.")
 
 
 class GatewaySettings(CommonSettings):

@@ -1,0 +1,80 @@
+"""Core <-> proto: the one encode/decode path between the pure core and the wire.
+
+`step_request` turns a core `SchedulerOutput` into the executor's `StepRequest` (1:1, DESIGN.md
+section 4); `step_outcome` turns a `StepResult` back into a core `StepOutcome`.
+"""
+from __future__ import annotations
+
+from services.common.pb import common_pb2, executor_pb2, scheduler_pb2
+from services.scheduler.core.output import SchedulerOutput, StepOutcome
+from services.scheduler.core.request import Slo
+
+
+def sampling_to_dict(pb: common_pb2.SamplingParams) -> dict:
+    params = {"temperature": float(pb.temperature), "top_p": float(pb.top_p),
+              "top_k": int(pb.top_k)}
+    if pb.HasField("seed"):
+        params["seed"] = int(pb.seed)
+    return params
+
+
+def sampling_to_pb(params: dict) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(temperature=params.get("temperature", 0.0),
+                                   top_p=params.get("top_p", 0.0),
+                                   top_k=params.get("top_k", 0))
+    if params.get("seed") is not None:
+        pb.seed = int(params["seed"])
+    return pb
+
+
+def slo_from_pb(pb: common_pb2.Slo) -> Slo:
+    return Slo(ttft_s=pb.ttft_s if pb.HasField("ttft_s") else None,
+               tbt_s=pb.tbt_s if pb.HasField("tbt_s") else None,
+               deadline_s=pb.deadline_s if pb.HasField("deadline_s") else None)
+
+
+def slo_to_dict(slo: Slo) -> dict:
+    return {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s, "deadline_s": slo.deadline_s}
+
+
+def step_request(out: SchedulerOutput, extra_free: list[str] = ()) -> executor_pb2.StepRequest:
+    """The executor's StepRequest for one core SchedulerOutput (plus frees the loop adds)."""
+    pb = executor_pb2.StepRequest(step_id=out.step_id)
+    for new in out.new_requests:
+        pb.new_requests.append(executor_pb2.NewRequest(
+            request_id=new.request_id, token_ids=new.token_ids,
+            sampling=sampling_to_pb(new.sampling), num_output_tokens=new.num_output_tokens))
+    for rid, (block_ids, replace) in out.block_tables.items():
+        pb.block_tables.append(executor_pb2.BlockTableUpdate(
+            request_id=rid, block_ids=block_ids, replace=replace))
+    for rid, n in out.num_scheduled_tokens.items():
+        pb.scheduled.append(executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=n))
+    pb.swap_out.extend(executor_pb2.BlockMapping(src=s, dst=d) for s, d in out.swap_out)
+    pb.swap_in.extend(executor_pb2.BlockMapping(src=s, dst=d) for s, d in out.swap_in)
+    pb.free_request_ids.extend(out.free_request_ids)
+    pb.free_request_ids.extend(extra_free)
+    return pb
+
+
+def step_outcome(result: executor_pb2.StepResult) -> StepOutcome:
+    """The core's view of a StepResult: sampled (token, logprob) per request, step time."""
+    return StepOutcome(
+        step_id=result.step_id,
+        sampled={s.request_id: (s.token_id, s.logprob) for s in result.sampled},
+        elapsed_s=result.timings.total_s)
+
+
+def prediction_pb(length: int | None, source: str) -> common_pb2.Prediction | None:
+    if length is None:
+        return None
+    return common_pb2.Prediction(length=int(length), source=source)
+
+
+def usage_pb(prompt_tokens: int, completion_tokens: int, arrival: float,
+             first_scheduled: float | None, first_token: float | None, finished: float,
+             num_preemptions: int) -> scheduler_pb2.Usage:
+    return scheduler_pb2.Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        queue_time_s=(first_scheduled - arrival) if first_scheduled else 0.0,
+        ttft_s=(first_token - arrival) if first_token else 0.0,
+        e2e_s=max(0.0, finished - arrival), num_preemptions=num_preemptions)

@@ -1,0 +1,144 @@
+"""One loop per executor: `schedule -> Step -> update`, plus health polling while it is down.
+
+The loop awaits only its executor: Redis writes are handed to the store writer and token
+events go to per-request logs (see streams.py). A failed or timed-out Step marks the executor
+down; the service then recomputes its requests elsewhere (service.executor_down).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import grpc
+
+from services.common.pb import executor_pb2
+from services.scheduler.convert import step_outcome, step_request
+from services.scheduler.executor_client import ExecutorClient
+
+log = logging.getLogger(__name__)
+
+
+class ExecutorLoop:
+    def __init__(self, address: str, service, stale: set[str] = frozenset(),
+                 poll_interval_s: float = 0.5, health_interval_s: float = 2.0) -> None:
+        self.address = address
+        self.service = service
+        self.client = ExecutorClient(address)
+        self.sched = None                 # core Scheduler while up, None while down
+        self.info: executor_pb2.ExecutorInfo | None = None
+        self.up = False
+        self.down_since: float | None = time.time()
+        self.stale: set[str] = set(stale)  # ids the executor may hold: freed in the next Step
+        self.poll_interval_s = poll_interval_s
+        self.health_interval_s = health_interval_s
+        self.overheads: deque[float] = deque(maxlen=100_000)  # seconds per iteration
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._last_send: float | None = None
+        self._last_exec_s = 0.0
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"loop-{self.address}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self.client.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if not self.up:
+                    await self._connect()
+                else:
+                    await self._iterate()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug in one iteration must not kill the loop
+                log.exception("executor loop iteration failed", extra={"executor": self.address})
+                self._down("internal error in the loop")
+
+    # -- connecting and health ---------------------------------------------------------------
+    async def _connect(self) -> None:
+        try:
+            info = await self.client.describe(timeout=2.0)
+        except (grpc.aio.AioRpcError, TimeoutError):
+            await self._sleep(self.poll_interval_s)
+            return
+        if self.info is not None and info.instance_id != self.info.instance_id:
+            log.warning("executor restarted: its KV is lost", extra={"executor": self.address})
+        self.info = info
+        self.sched = self.service.make_scheduler(info)
+        self.up, self.down_since, self._last_send = True, None, None
+        log.info("executor up", extra={"executor": self.address, "instance": info.instance_id,
+                                       "blocks": info.num_device_blocks})
+        self.service.executor_up(self)
+
+    async def _health_check(self) -> None:
+        """While idle: notice a restarted executor (new instance id) or a dead one."""
+        try:
+            info = await self.client.describe(timeout=2.0)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            self._down(f"health check failed: {_brief(exc)}")
+            return
+        if info.instance_id != self.info.instance_id:
+            self._down("executor restarted (new instance id): KV lost")
+
+    def _down(self, reason: str) -> None:
+        if not self.up:
+            return
+        log.warning("executor down", extra={"executor": self.address, "reason": reason})
+        self.up, self.down_since, self._last_send = False, time.time(), None
+        sched, self.sched = self.sched, None
+        self.service.executor_down(self, sched, reason)
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep until woken or `seconds` pass; True when woken."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+            woken = True
+        except TimeoutError:
+            woken = False
+        self._wake.clear()
+        return woken
+
+    # -- one iteration -----------------------------------------------------------------------
+    async def _iterate(self) -> None:
+        now = time.time()
+        out = self.sched.schedule(now)
+        if not (out.num_scheduled_tokens or out.swap_out or out.swap_in
+                or out.free_request_ids or out.new_requests):
+            self._last_send = None
+            if not await self._sleep(self.health_interval_s):
+                await self._health_check()
+            return
+        stale, self.stale = list(self.stale), set()
+        pb = step_request(out, stale)  # frees run before new requests: re-adding is safe
+        t_send = time.perf_counter()
+        if self._last_send is not None:
+            self.overheads.append(t_send - self._last_send - self._last_exec_s)
+        try:
+            result = await self.client.step(pb, timeout=self.service.settings.step_timeout_s)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            self.stale.update(stale)
+            self._down(f"Step failed: {_brief(exc)}")
+            return
+        self._last_send, self._last_exec_s = t_send, result.timings.total_s
+        self.steps += 1
+        updates = self.sched.update(step_outcome(result), time.time())
+        self.service.iteration_done(self, out, updates, stale, result)
+
+
+def _brief(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,112 @@
+"""gRPC Scheduler servicer: Generate (submit or re-attach, then stream), Abort, Stats.
+
+Thin: validate -> service -> stream. Errors are raised as exceptions and mapped to status codes
+by the shared interceptor (ValueError / ServiceError(INVALID_ARGUMENT) -> INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+
+from services.common.grpc_server import ServiceError, invalid
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.convert import usage_pb
+from services.scheduler.streams import RequestStream, final_event
+from services.scheduler.validation import request_from_pb, request_id_of
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, service) -> None:
+        self.service = service
+
+    async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
+        stream, start = await self._open(request)
+        completed = False
+        try:
+            async for event in stream.events(start):
+                yield event
+            completed = True
+        finally:
+            if not completed:
+                self.service.client_gone(stream)
+
+    async def _open(self, pb: scheduler_pb2.GenerateRequest) -> tuple[RequestStream, int]:
+        rid = request_id_of(pb)
+        if pb.HasField("resume_from"):
+            if pb.resume_from < 0:
+                raise invalid(f"resume_from must be >= 0, got {pb.resume_from}")
+            if not pb.request_id:
+                raise invalid("resume_from needs the request_id to re-attach to")
+            return await self._reattach(rid), pb.resume_from
+        req = request_from_pb(pb, rid, time.time(), self.service.limits)
+        return await self.service.admit(req), 0
+
+    async def _reattach(self, rid: str) -> RequestStream:
+        entry = self.service.entries.get(rid)
+        if entry is not None:
+            return entry.stream
+        loaded = await self.service.store.load(rid)
+        entry = self.service.entries.get(rid)   # it may have appeared while we read
+        if entry is not None:
+            return entry.stream
+        if loaded is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"unknown request {rid!r} (never submitted, or expired after "
+                               f"the retention window)")
+        record, tokens = loaded
+        if not record.get("finish_reason"):
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"request {rid!r} is not loaded yet; retry")
+        return stream_from_record(rid, record, tokens)
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest, context):
+        return scheduler_pb2.AbortResponse(found=self.service.abort(request.request_id))
+
+    async def Stats(self, request: scheduler_pb2.StatsRequest, context):
+        service = self.service
+        counters = await service.store.stats()
+        reply = scheduler_pb2.StatsResponse(
+            policy=service.settings.policy, waiting=len(service.pending),
+            finished=counters.get("finished", 0), aborted=counters.get("aborted", 0),
+            preemptions=counters.get("preemptions", 0), model=service.model_name,
+            max_model_len=service.limits.max_model_len or 0)
+        for addr, loop in service.loops.items():
+            reply.executors.append(executor_stats(addr, loop))
+            if loop.sched is not None:
+                reply.waiting += loop.sched.num_waiting
+                reply.running += loop.sched.num_running
+                reply.swapped += loop.sched.num_swapped
+        return reply
+
+
+def executor_stats(addr: str, loop) -> scheduler_pb2.ExecutorStats:
+    stats = scheduler_pb2.ExecutorStats(address=addr, up=loop.up)
+    if loop.info is not None:
+        stats.num_device_blocks = stats.free_device_blocks = loop.info.num_device_blocks
+        stats.num_host_blocks = stats.free_host_blocks = loop.info.num_host_blocks
+    if loop.sched is not None:
+        bm = loop.sched.block_manager
+        stats.free_device_blocks = bm.num_free_device_blocks
+        stats.free_host_blocks = bm.num_free_host_blocks
+        stats.running = loop.sched.num_running
+        stats.swapped = loop.sched.num_swapped
+    return stats
+
+
+def stream_from_record(rid: str, record: dict[str, str],
+                       tokens: list[tuple[int, float, float]]) -> RequestStream:
+    """A finished request read back from Redis, replayable like a live one."""
+    params = json.loads(record["params"])
+    stream = RequestStream(rid, tokens)
+
+    def num(name: str) -> float | None:
+        return float(record[name]) if record.get(name) else None
+
+    usage = usage_pb(len(params["prompt"]), len(tokens), num("arrival"), num("first_scheduled"),
+                     tokens[0][2] if tokens else None, num("finished_at") or 0.0,
+                     int(record.get("num_preemptions", 0)))
+    stream.finish(final_event(rid, len(tokens), record["finish_reason"], usage,
+                              record.get("error", "")))
+    return stream

@@ -1,0 +1,86 @@
+"""Per-request token streams: a durable, append-only event log with any number of readers.
+
+The loop never waits on a client: publishing appends to the request's log (bounded by the
+request's `max_tokens`) and wakes readers. Each reader keeps its own cursor into the log, so a
+slow client only falls behind, it never fills a buffer or blocks anyone, and a client that
+re-attaches with `resume_from` reads the same log from that index: no duplicates, no gaps.
+Only tokens already committed to Redis are published (the store writer publishes after commit).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from services.common.pb import common_pb2, scheduler_pb2
+
+
+class RequestStream:
+    def __init__(self, request_id: str, tokens: list[tuple[int, float, float]] | None = None,
+                 prediction: common_pb2.Prediction | None = None) -> None:
+        self.request_id = request_id
+        self.tokens: list[tuple[int, float, float]] = list(tokens or [])  # (id, logprob, time)
+        self.final: scheduler_pb2.TokenEvent | None = None
+        self.prediction = prediction
+        self.readers = 0
+        self._wake = asyncio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+    def publish(self, start: int, items: list[tuple[int, float, float]]) -> None:
+        """Append tokens `start..start+len(items)-1`; ones already in the log are skipped."""
+        if self.final is not None:
+            return
+        if start > len(self.tokens):
+            raise ValueError(f"{self.request_id}: token {start} published after "
+                             f"{len(self.tokens)} tokens (gap)")
+        skip = len(self.tokens) - start
+        if skip < len(items):
+            self.tokens.extend(items[skip:])
+            self._notify()
+
+    def finish(self, event: scheduler_pb2.TokenEvent) -> None:
+        """Publish the final event (only the first one counts)."""
+        if self.final is None:
+            self.final = event
+            self._notify()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def _event(self, index: int) -> scheduler_pb2.TokenEvent:
+        token_id, logprob, t = self.tokens[index]
+        return scheduler_pb2.TokenEvent(request_id=self.request_id, index=index,
+                                        token_id=token_id, logprob=logprob, time=t)
+
+    async def events(self, start: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """Token events from output index `start`, then the final event; ends after it."""
+        cursor, first = start, True
+        self.readers += 1
+        try:
+            while True:
+                while cursor < len(self.tokens):
+                    event = self._event(cursor)
+                    if first and self.prediction is not None:
+                        event.prediction.CopyFrom(self.prediction)
+                    first = False
+                    cursor += 1
+                    yield event
+                if self.final is not None:
+                    final = scheduler_pb2.TokenEvent()
+                    final.CopyFrom(self.final)
+                    if first and self.prediction is not None:
+                        final.prediction.CopyFrom(self.prediction)
+                    yield final
+                    return
+                await self._wake.wait()
+        finally:
+            self.readers -= 1
+
+
+def final_event(request_id: str, n_out: int, finish_reason: str, usage: scheduler_pb2.Usage,
+                error: str = "") -> scheduler_pb2.TokenEvent:
+    return scheduler_pb2.TokenEvent(request_id=request_id, index=n_out, finished=True,
+                                    finish_reason=finish_reason, usage=usage, error=error)
