@@ -1,0 +1,169 @@
+"""`alise bench serve`: load against a running gateway over HTTP SSE (vllm bench serve
+conventions), and `alise bench sweep --live`: the same across policies and rates, each
+policy on a freshly started stack, with the simulator sweep's results.json schema and plots.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.metrics import summarize
+
+LIVE_POLICIES = ("fcfs", "sarathi", "alise", "accelgen", "hybrid")
+
+
+def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: float,
+               slo: str | None, seed: int, max_prompt: int, max_output: int):
+    """The trace with prompts <= max_prompt tokens and outputs capped at max_output."""
+    from dataclasses import replace
+
+    from bench.traces.spec import make_trace
+
+    items = make_trace(workload, None, rate, arrival, burstiness, slo, seed)
+    items = [i for i in items if i.prompt and i.prompt_len <= max_prompt][:n]
+    if len(items) < n:
+        raise ValueError(f"only {len(items)} requests with text and prompt <= {max_prompt}")
+    first = items[0].arrival_s
+    # Re-draw arrivals for exactly these n requests so the rate is the one asked for.
+    from bench.traces.arrivals import make_arrivals
+
+    times = make_arrivals(n, arrival, rate, burstiness, seed) if arrival != "trace" \
+        else [i.arrival_s - first for i in items]
+    return [replace(i, arrival_s=t, output_len=min(i.output_len, max_output))
+            for i, t in zip(items, times)]
+
+
+def run_point(url: str, items, ignore_eos: bool, max_concurrency: int | None) -> dict:
+    from tqdm import tqdm
+
+    from bench.live import run_trace, served_model
+
+    model = asyncio.run(served_model(url))
+    with tqdm(total=len(items), desc="requests", leave=False) as bar:
+        results = asyncio.run(run_trace(url, items, model, ignore_eos, max_concurrency, bar))
+    summary = summarize([r.record for r in results])
+    summary["errors"] = [r.error for r in results if r.error][:5]
+    summary["num_errors"] = sum(1 for r in results if r.error)
+    return summary
+
+
+def _serve_cmd(args: argparse.Namespace) -> int:
+    items = live_trace(args.dataset, args.num_prompts, args.request_rate, args.arrival,
+                       args.burstiness, args.slo, args.seed, args.max_prompt, args.max_tokens)
+    summary = run_point(args.url, items, not args.no_ignore_eos, args.max_concurrency)
+    summary.update(rate=args.request_rate, dataset=args.dataset)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0 if summary["num_errors"] == 0 else 1
+
+
+class LiveStack:
+    """`alise serve --policy P` on free ports, for one policy of a live sweep."""
+
+    def __init__(self, policy: str, log_dir: Path) -> None:
+        from services.common.redis_runner import free_port
+
+        self.port = free_port()
+        self.policy = policy
+        self.log = open(log_dir / f"serve-{policy}.log", "w")
+        env = {**os.environ, "ALISE_GATEWAY_PORT": str(self.port),
+               "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve",
+                                      "--policy", policy], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self.log_path = log_dir / f"serve-{policy}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"alise serve exited; see {self.log_path}")
+            if "ALISE is ready" in self.log_path.read_text():
+                return
+            time.sleep(1)
+        raise TimeoutError(f"alise serve not ready after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _sweep_cmd(args: argparse.Namespace) -> int:
+    if not args.live:
+        print("the simulated sweep is `alise sim sweep`; pass --live to sweep the real stack")
+        return 2
+    from bench.plots import plot_results
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    points = []
+    for policy in args.policies.split(","):
+        stack = LiveStack(policy, out)
+        try:
+            stack.wait_ready()
+            for rate in [float(r) for r in args.rates.split(",")]:
+                items = live_trace(args.dataset, args.num_prompts, rate, args.arrival,
+                                   args.burstiness, args.slo, args.seed, args.max_prompt,
+                                   args.max_tokens)
+                summary = run_point(stack.url, items, True, args.max_concurrency)
+                points.append({"policy": policy, "rate": rate, **summary})
+                print(json.dumps({k: points[-1].get(k) for k in (
+                    "policy", "rate", "mean_normalized_latency", "p99_tbt", "median_ttft",
+                    "num_errors")}), flush=True)
+        finally:
+            stack.stop()
+    results = {"points": points, "capacity": {}, "live": True,
+               "config": {k: v for k, v in vars(args).items() if k != "func"}}
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    plot_results(results, out)
+    print(f"wrote {out / 'results.json'} and plots")
+    return 0
+
+
+def _trace_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", default="sharegpt:split=test",
+                        help="workload spec: sharegpt[:split=test], mixed, csv:PATH, jsonl:PATH")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--arrival", default="poisson", help="poisson | gamma | uniform | trace")
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--slo", default=None, help="SLO scheme spec (none, uniform:tbt=..)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-prompt", type=int, default=512, help="drop longer prompts")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="max_tokens = reference output length capped at this")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="load a running gateway over HTTP SSE")
+    serve.add_argument("--url", default="http://127.0.0.1:8000")
+    serve.add_argument("--request-rate", type=float, default=1.0)
+    serve.add_argument("--no-ignore-eos", action="store_true")
+    serve.add_argument("--json", default=None)
+    _trace_args(serve)
+    serve.set_defaults(func=_serve_cmd)
+    sweep = subparsers.add_parser("sweep", help="policies x rates on the live stack (--live)")
+    sweep.add_argument("--live", action="store_true", help="start the real stack per policy")
+    sweep.add_argument("--policies", default=",".join(LIVE_POLICIES))
+    sweep.add_argument("--rates", default="0.5,2")
+    sweep.add_argument("--out", default="results/live")
+    _trace_args(sweep)
+    sweep.set_defaults(func=_sweep_cmd)

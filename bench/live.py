@@ -1,0 +1,113 @@
+"""Live load generator: replays a trace against the gateway over HTTP SSE
+(`vllm bench serve` conventions) and turns what the client saw into metric records.
+
+Each trace item is sent at its arrival time (optionally capped by `max_concurrency`) as a
+streaming chat completion with `max_tokens` = its output length and `ignore_eos`, so every
+policy does the same work. The client records the time of every streamed chunk; the usage
+chunk gives the exact token counts.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from bench.metrics import RequestRecord
+from bench.traces.trace import TraceItem
+
+
+@dataclass
+class LiveResult:
+    record: RequestRecord
+    text: str
+    error: str | None
+    completion_tokens: int
+
+
+def _body(item: TraceItem, model: str, ignore_eos: bool) -> dict:
+    body = {"model": model, "stream": True, "max_tokens": item.output_len,
+            "temperature": 0.0, "ignore_eos": ignore_eos,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": item.prompt or "Hello"}]}
+    slo = {k: v * 1000 for k, v in (("ttft_ms", item.slo.ttft_s), ("tbt_ms", item.slo.tbt_s),
+                                    ("deadline_ms", item.slo.deadline_s)) if v is not None}
+    if slo:
+        body["slo"] = slo
+    return body
+
+
+async def _one(client: httpx.AsyncClient, url: str, item: TraceItem, model: str,
+               ignore_eos: bool, t0: float) -> LiveResult:
+    """Send one request; times are seconds since the benchmark's t0."""
+    arrival = time.perf_counter() - t0
+    record = RequestRecord(item.request_id, arrival, item.prompt_len,
+                           slo_ttft_s=item.slo.ttft_s, slo_tbt_s=item.slo.tbt_s,
+                           slo_deadline_s=item.slo.deadline_s)
+    text, usage, error = [], None, None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions",
+                                 json=_body(item, model, ignore_eos)) as response:
+            if response.status_code != 200:
+                error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    now = time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        piece = (choice.get("delta") or {}).get("content")
+                        if piece:
+                            text.append(piece)
+                            record.token_times.append(now)
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    record.finish_s = time.perf_counter() - t0
+    tokens = usage["completion_tokens"] if usage else len(record.token_times)
+    if usage:
+        record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+    _pad_token_times(record, tokens)
+    record.completed = error is None and tokens > 0
+    return LiveResult(record, "".join(text), error, tokens)
+
+
+def _pad_token_times(record: RequestRecord, tokens: int) -> None:
+    """A chunk can carry several tokens (text held back until a character is whole); give
+    the extra tokens the time of the chunk that delivered them so counts are exact."""
+    missing = tokens - len(record.token_times)
+    if missing > 0 and record.token_times:
+        record.token_times.extend([record.token_times[-1]] * missing)
+
+
+async def run_trace(url: str, items: list[TraceItem], model: str, ignore_eos: bool = True,
+                    max_concurrency: int | None = None, progress=None,
+                    timeout_s: float = 1800.0) -> list[LiveResult]:
+    """Replay the trace in real time; returns one result per item, in trace order."""
+    limits = httpx.Limits(max_connections=max_concurrency or 10_000,
+                          max_keepalive_connections=max_concurrency or 10_000)
+    semaphore = asyncio.Semaphore(max_concurrency or len(items) or 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
+                                 limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def scheduled(item: TraceItem) -> LiveResult:
+            await asyncio.sleep(max(0.0, item.arrival_s - (time.perf_counter() - t0)))
+            async with semaphore:
+                result = await _one(client, url, item, model, ignore_eos, t0)
+            if progress is not None:
+                progress.update(1)
+            return result
+
+        return await asyncio.gather(*(scheduled(item) for item in items))
+
+
+async def served_model(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(f"{url}/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
