@@ -88,6 +88,7 @@ def sweep(policies: list[str], rates: list[float], base: SimConfig, spec: TraceS
     jobs = jobs or os.cpu_count() or 1
     for entry in policies:
         policy_config(entry, base)  # fail fast on a malformed entry
+    build_trace(spec, rates[0], _profile(base.profile))  # load data once, before forking
     tasks = [(p, r, base, spec, r == cdf_rate) for p in policies for r in rates]
     points = _run_tasks(tasks, jobs, "grid")
     cache = {(p["policy"], p["rate"]): p for p in points}

@@ -1,0 +1,164 @@
+"""`alise sim run` (one policy, one rate) and `alise sim sweep` (policies x rates, capacity,
+plots). Policies are `name[:knob=value,...][@prediction]`; see docs/simulator.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _rates(text: str) -> list[float]:
+    """`2,4,8` or `start:stop:step` (stop included)."""
+    if text.count(":") == 2:
+        start, stop, step = (float(x) for x in text.split(":"))
+        if step <= 0 or stop < start:
+            raise argparse.ArgumentTypeError(f"bad rate range {text!r}")
+        n = int(round((stop - start) / step)) + 1
+        return [round(start + i * step, 6) for i in range(n)]
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad rate list {text!r}") from exc
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError("rates must be positive")
+    return sorted(set(rates))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="sharegpt",
+                   help="workload: sharegpt[:split=test], mixed[:long_share=0.35,...], "
+                        "csv:PATH (Azure/BurstGPT), jsonl:PATH (default: sharegpt)")
+    p.add_argument("--num-requests", type=int, default=2000, help="requests per point")
+    p.add_argument("--arrival", choices=("poisson", "gamma", "uniform", "trace"), default=None,
+                   help="arrival process (default poisson; csv/jsonl: trace timestamps)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    p.add_argument("--slo", default="none",
+                   help="none | uniform:tbt=S[,ttft=S] | heterogeneous[:scales=a/b/..] "
+                        "(+ ,jct_share=F)")
+    p.add_argument("--profile", default="a100-80g/llama-2-7b",
+                   help="roofline name or profile JSON from `alise executor profile`")
+    p.add_argument("--prediction", default="oracle",
+                   help="oracle | mean[:value=N] | noisy:sigma=S | file:PATH")
+    p.add_argument("--executors", type=int, default=1, help="executors behind the scheduler")
+    p.add_argument("--device-blocks", type=int, default=None, help="KV blocks per executor")
+    p.add_argument("--host-blocks", type=int, default=None, help="host swap blocks")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default 4096 (mixed workload: 34816)")
+    p.add_argument("--swap-bandwidth-gbs", type=float, default=25.0)
+    p.add_argument("--no-overlap-swaps", action="store_true",
+                   help="add swap time to the step instead of overlapping it")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _base_config(args, policy: str = "fcfs"):
+    from services.scheduler.sim.config import SimConfig
+
+    max_len = args.max_model_len or (34816 if args.trace.startswith("mixed") else 4096)
+    return SimConfig(policy=policy, profile=args.profile, num_executors=args.executors,
+                     num_device_blocks=args.device_blocks, num_host_blocks=args.host_blocks,
+                     max_model_len=max_len, prediction=args.prediction,
+                     swap_bandwidth_gbs=args.swap_bandwidth_gbs,
+                     overlap_swaps=not args.no_overlap_swaps, seed=args.seed)
+
+
+def _trace_spec(args):
+    from services.scheduler.sim.sweep import TraceSpec
+
+    return TraceSpec(args.trace, args.num_requests, args.arrival, args.burstiness, args.slo,
+                     args.seed)
+
+
+def _run(args) -> int:
+    from dataclasses import asdict
+
+    from services.scheduler.sim.run import simulate
+    from services.scheduler.sim.sweep import _profile, build_trace, policy_config
+
+    config = policy_config(args.policy, _base_config(args))
+    profile = _profile(config.profile)
+    items = build_trace(_trace_spec(args), args.rate, profile)
+    result = simulate(items, config, profile)
+    out = {"policy": args.policy, "rate": args.rate, **result.summary}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.records:
+        with open(args.records, "w") as f:
+            for r in result.records:
+                f.write(json.dumps(asdict(r)) + "\n")
+    if args.iterations:
+        with open(args.iterations, "w") as f:
+            for it in result.iterations:
+                f.write(json.dumps(asdict(it)) + "\n")
+    return 0
+
+
+def _criteria(args, profile: dict):
+    from bench.capacity import Criterion, sarathi_tbt_slo
+    from services.scheduler.core.cost_model import CostModel
+
+    tbt = args.tbt_slo or sarathi_tbt_slo(CostModel.from_profile(profile).iteration_time,
+                                          args.tbt_slo_factor)
+    return [Criterion("normalized_latency", args.nl_bound), Criterion("p99_tbt", tbt)]
+
+
+def _sweep(args) -> int:
+    from bench.plots import plot_results
+    from services.scheduler.sim.sweep import _profile, sweep
+
+    base = _base_config(args)
+    criteria = _criteria(args, _profile(base.profile))
+    cdf_rate = args.cdf_rate if args.cdf_rate is not None else args.rates[len(args.rates) // 2]
+    results = sweep(args.policies, args.rates, base, _trace_spec(args), criteria,
+                    jobs=args.jobs, rel_tol=args.rel_tol, max_rounds=args.rounds,
+                    cdf_rate=cdf_rate if cdf_rate in args.rates else None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    plots = [] if args.no_plots else plot_results(results, out)
+    print(json.dumps({"capacity": results["capacity"], "wall_s": round(results["wall_s"], 1),
+                      "results": str(out / "results.json"),
+                      "plots": [str(p) for p in plots]}, indent=2))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("sim", help="discrete-event simulator of the scheduling core")
+    group.set_defaults(_parser=group)
+    inner = group.add_subparsers(dest="sim_command", metavar="COMMAND")
+    run = inner.add_parser("run", help="simulate one policy at one rate; print metrics JSON")
+    run.add_argument("--policy", default="fcfs", help="name[:knob=value,...][@prediction]")
+    run.add_argument("--rate", type=float, default=None,
+                     help="requests/s (required unless the trace keeps its own timestamps)")
+    run.add_argument("--json", help="also write the metrics JSON here")
+    run.add_argument("--records", help="write per-request records (JSONL)")
+    run.add_argument("--iterations", help="write per-iteration records (JSONL)")
+    _common(run)
+    run.set_defaults(func=_run)
+    sw = inner.add_parser("sweep", help="policies x rates, capacity search, results.json + plots")
+    sw.add_argument("--policies", nargs="+", required=True,
+                    help="entries `name[:knob=value,...][@prediction]`, space separated")
+    sw.add_argument("--rates", type=_rates, required=True, help="`2,4,8` or `2:16:2`")
+    sw.add_argument("--out", required=True, help="output directory")
+    sw.add_argument("--nl-bound", type=float, default=0.2,
+                    help="capacity bound on mean normalized latency, s/token")
+    sw.add_argument("--tbt-slo", type=float, default=None,
+                    help="P99 TBT SLO in s (default: --tbt-slo-factor x a 32x4K decode step)")
+    sw.add_argument("--tbt-slo-factor", type=float, default=5.0,
+                    help="Sarathi-Serve: 5 strict, 25 relaxed")
+    sw.add_argument("--jobs", type=int, default=None, help="worker processes (default: cores)")
+    sw.add_argument("--rel-tol", type=float, default=0.05, help="bisection stops at this width")
+    sw.add_argument("--rounds", type=int, default=4, help="bisection rounds at most")
+    sw.add_argument("--cdf-rate", type=float, default=None,
+                    help="grid rate whose latency CDFs are kept (default: the middle one)")
+    sw.add_argument("--no-plots", action="store_true")
+    _common(sw)
+    sw.set_defaults(func=_sweep)
+
+
+if __name__ == "__main__":
+    from services.cli import main
+
+    sys.exit(main(["sim", *sys.argv[1:]]))
