@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,7 @@ class Embedder:
             self.model.max_seq_length = max_seq_length
         self.max_seq_length = int(self.model.max_seq_length)
         self.batch_size = batch_size
+        self._lock = threading.Lock()
         self.normalize = normalize
 
     def prepare(self, prompts: list[str]) -> list[str]:
@@ -87,9 +89,10 @@ class Embedder:
         """[N, D] float32 unit vectors of texts already passed through `prepare`."""
         if not texts:
             return np.zeros((0, self.dim), np.float32)
-        vectors = self.model.encode(
-            texts, batch_size=self.batch_size, convert_to_numpy=True,
-            normalize_embeddings=True, show_progress_bar=False)  # [N, D]
+        with self._lock:  # the Rust tokenizer refuses concurrent calls ("Already borrowed")
+            vectors = self.model.encode(
+                texts, batch_size=self.batch_size, convert_to_numpy=True,
+                normalize_embeddings=True, show_progress_bar=False)  # [N, D]
         return vectors.astype(np.float32, copy=False)
 
     def cache_key(self) -> str:

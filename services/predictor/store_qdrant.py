@@ -19,7 +19,8 @@ class QdrantClientStore(LengthStore):
         self.dim = dim
         self.backend = "server" if url else "local"
         if url:
-            self.client = QdrantClient(url=url, api_key=api_key, timeout=timeout)
+            self.client = QdrantClient(url=url, api_key=api_key, timeout=timeout,
+                                       check_compatibility=False)
         else:
             Path(path).mkdir(parents=True, exist_ok=True)
             self.client = QdrantClient(path=str(path))

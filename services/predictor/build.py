@@ -1,0 +1,135 @@
+"""Assemble a predictor from settings; seed its store and train its MLP from ShareGPT.
+
+Seeding bulk-loads the train split of `bench.traces.sharegpt` (the fixed split the simulator
+uses too) with its reference output lengths, counted by the serving model's tokenizer. The
+prompts' embeddings are cached on disk (`<data_dir>/predictor/embeddings/`, keyed by embedder
+and text hash), so only the first seed pays for embedding them. Calibration of the reference
+lengths to the serving model (generating answers for a sample) is not implemented.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from services.common.settings import PredictorSettings
+from services.predictor.core import LengthPredictor
+from services.predictor.embedder import Embedder, EmbeddingCache
+from services.predictor.mlp import MlpRegressor, length_feature, train
+from services.predictor.store import LengthStore, Record, open_store, point_id
+
+log = logging.getLogger(__name__)
+
+
+def served_models(settings: PredictorSettings) -> list[str]:
+    """Model ids Predict/Observe accept (collections are keyed by them)."""
+    from services.common.models import served_model_id
+
+    ids = list(settings.predictor_models) or [served_model_id(settings.model)]
+    return list(dict.fromkeys(ids))
+
+
+def predictor_dir(settings: PredictorSettings) -> Path:
+    return Path(settings.data_dir) / "predictor"
+
+
+def mlp_path(settings: PredictorSettings, model: str) -> Path:
+    return Path(settings.predictor_mlp_path or predictor_dir(settings) / f"mlp-{model}.pt")
+
+
+def make_embedder(settings: PredictorSettings, normalize: bool = True) -> Embedder:
+    return Embedder(settings.embedder, normalize=normalize,
+                    max_seq_length=settings.predictor_embed_tokens)
+
+
+def embedding_cache(settings: PredictorSettings, embedder: Embedder) -> EmbeddingCache:
+    return EmbeddingCache(embedder, predictor_dir(settings) / "embeddings")
+
+
+def load_mlp(settings: PredictorSettings, model: str) -> MlpRegressor | None:
+    path = mlp_path(settings, model)
+    return MlpRegressor.load(path) if path.exists() else None
+
+
+def build_predictor(settings: PredictorSettings, embedder: Embedder | None = None,
+                    store: LengthStore | None = None) -> LengthPredictor:
+    embedder = embedder or make_embedder(settings)
+    store = store or open_store(settings, embedder.dim)
+    mlp = load_mlp(settings, served_models(settings)[0])
+    return LengthPredictor(embedder, store, mlp, k=settings.predictor_top_k,
+                           s0=settings.predictor_threshold,
+                           merge_similarity=settings.predictor_merge_similarity,
+                           capacity=settings.predictor_capacity)
+
+
+def train_samples(settings: PredictorSettings, limit: int | None = None):
+    from bench.traces.sharegpt import load_split
+
+    samples = load_split("train", settings.model, settings.data_dir)
+    return samples[:limit] if limit else samples
+
+
+class SeedCancelled(Exception):
+    """Seeding stopped on request (what was embedded so far stays cached)."""
+
+
+def embed_samples(settings: PredictorSettings, embedder: Embedder, samples,
+                  stop: threading.Event | None = None) -> np.ndarray:
+    """[N, D] embeddings of the samples' prompts, through the on-disk cache."""
+    cache = embedding_cache(settings, embedder)
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        log.info("embedded %d/%d new prompts (%.0f s)", done, total, time.perf_counter() - t0)
+        if stop is not None and stop.is_set():
+            raise SeedCancelled()
+
+    return cache.embed([s.prompt for s in samples], progress=progress)
+
+
+def seed(settings: PredictorSettings, predictor: LengthPredictor, model: str,
+         limit: int | None = None, stop: threading.Event | None = None) -> dict:
+    """Bulk-load the train split into `model`'s collection; returns timings."""
+    t0 = time.perf_counter()
+    samples = train_samples(settings, limit)
+    vectors = embed_samples(settings, predictor.embedder, samples, stop)  # [N, D]
+    t_embed = time.perf_counter() - t0
+    now = time.time()
+    records = [Record(point_id(model, f"seed:{s.id}"), v, float(s.output_len), 1,
+                      [f"seed:{s.id}"], now) for s, v in zip(samples, vectors)]
+    predictor.store.upsert(model, records)
+    predictor.store.optimize(model)
+    predictor.store.flush()
+    return {"points": len(records), "embed_s": round(t_embed, 1),
+            "total_s": round(time.perf_counter() - t0, 1), "store_size": predictor.store.count(model)}
+
+
+def train_mlp(settings: PredictorSettings, embedder: Embedder, model: str,
+              limit: int | None = None, epochs: int = 60) -> tuple[MlpRegressor, Path]:
+    """Fit the MLP on the train split's embeddings and save it where the service looks."""
+    samples = train_samples(settings, limit)
+    vectors = embed_samples(settings, embedder, samples)
+    feats = length_feature(embedder.prepare([s.prompt for s in samples]))
+    lengths = np.array([s.output_len for s in samples], np.float32)
+    mlp = train(vectors, feats, lengths, epochs=epochs, log=log.info)
+    path = mlp_path(settings, model)
+    mlp.save(path)
+    return mlp, path
+
+
+def seed_if_empty(settings: PredictorSettings, predictor: LengthPredictor,
+                  stop: threading.Event | None = None) -> dict | None:
+    """Service start-up: seed an empty store, and train the MLP when it has no checkpoint."""
+    model = served_models(settings)[0]
+    report = None
+    if predictor.store is not None and predictor.store.count(model) == 0:
+        report = seed(settings, predictor, model, stop=stop)
+        log.info("seeded the %s store", model, extra=report)
+    if predictor.mlp is None:
+        predictor.mlp, path = train_mlp(settings, predictor.embedder, model)
+        predictor.prior = predictor.mlp.cfg.prior
+        log.info("trained the MLP fallback", extra={"path": str(path)})
+    return report

@@ -1,0 +1,129 @@
+"""`alise predictor serve | seed | train [--proxy] | eval | bench-store`."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _settings():
+    from services.common.settings import PredictorSettings
+
+    return PredictorSettings()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from services.common.logs import setup_logging
+    from services.predictor.server import start_predictor
+
+    settings = _settings()
+    setup_logging("predictor", settings.log_level, settings.log_format)
+
+    async def main() -> None:
+        handle = await start_predictor(settings)
+        print(f"predictor listening on {settings.predictor_host}:{handle.port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await handle.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def _seed(args: argparse.Namespace) -> int:
+    import logging
+
+    from services.predictor.build import build_predictor, seed, served_models
+
+    logging.basicConfig(level=logging.INFO)
+    settings = _settings()
+    predictor = build_predictor(settings)
+    model = served_models(settings)[0]
+    if args.force or predictor.store.count(model) == 0:
+        report = seed(settings, predictor, model, limit=args.limit)
+    else:
+        report = {"skipped": "store not empty (use --force)",
+                  "store_size": predictor.store.count(model)}
+    predictor.store.close()
+    print(json.dumps(report))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import logging
+
+    from services.predictor.build import make_embedder, served_models, train_mlp
+
+    logging.basicConfig(level=logging.INFO)
+    settings = _settings()
+    model = served_models(settings)[0]
+    if args.proxy:
+        from services.predictor.proxy import train_proxy
+
+        report = train_proxy(settings, limit=args.limit or 2000, epochs=args.epochs or 1)
+    else:
+        mlp, path = train_mlp(settings, make_embedder(settings), model, limit=args.limit,
+                              epochs=args.epochs or 60)
+        report = {"path": str(path), "prior": mlp.cfg.prior}
+    print(json.dumps(report))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from services.predictor.evaluate import main
+
+    return main(args)
+
+
+def _bench_store(args: argparse.Namespace) -> int:
+    from services.predictor.bench_store import main
+
+    return main(args)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("predictor", help="output-length predictor service")
+    sub = group.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND")
+    group.set_defaults(_parser=group)
+
+    serve = sub.add_parser("serve", help="run the gRPC predictor service")
+    serve.set_defaults(func=_serve)
+
+    seed = sub.add_parser("seed", help="bulk-load the ShareGPT train split into the store")
+    seed.add_argument("--limit", type=int, default=None, help="first N train samples only")
+    seed.add_argument("--force", action="store_true", help="seed even if the store has points")
+    seed.set_defaults(func=_seed)
+
+    train = sub.add_parser("train", help="train the MLP fallback (or --proxy, eval only)")
+    train.add_argument("--proxy", action="store_true",
+                       help="fine-tune the embedder end-to-end with a regression head")
+    train.add_argument("--limit", type=int, default=None,
+                       help="train samples used (proxy default 2000)")
+    train.add_argument("--epochs", type=int, default=None, help="MLP 60 (early stop), proxy 1")
+    train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
+    ev.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    ev.add_argument("--text", choices=("norm", "chat"), default="norm",
+                    help="embed the user text (norm) or the whole chat-formatted prompt")
+    ev.add_argument("--limit-test", type=int, default=None, help="first N test samples")
+    ev.add_argument("--limit-train", type=int, default=None, help="first N train samples")
+    ev.add_argument("--latency-samples", type=int, default=200,
+                    help="prompts timed one by one per method")
+    ev.add_argument("--batches", type=int, default=10, help="batches of 32 timed per method")
+    ev.add_argument("--no-proxy", action="store_true", help="leave the proxy out")
+    ev.add_argument("--tune", action="store_true",
+                    help="also sweep k and s0 on a validation part of the train split")
+    ev.set_defaults(func=_eval)
+
+    bench = sub.add_parser("bench-store", help="qdrant-client local mode vs Qdrant Edge")
+    bench.add_argument("--points", type=int, default=16_000)
+    bench.add_argument("--queries", type=int, default=300)
+    bench.add_argument("-k", type=int, default=8)
+    bench.add_argument("--vectors", default=None, help=".npz with a `vectors` array")
+    bench.set_defaults(func=_bench_store)

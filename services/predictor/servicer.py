@@ -1,0 +1,174 @@
+"""gRPC Predictor servicer: validate, run Algorithm 1 off the event loop, count metrics.
+
+Predict runs the (CPU-bound) prediction in a worker thread. Observe only validates and
+queues: `ObserveQueue` drains in the background, so learning never delays a prediction, and
+drops request ids it has already queued (the store itself also recognises them).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from services.common.grpc_server import invalid
+from services.common.metrics import Metrics
+from services.common.pb import common_pb2, predictor_pb2
+from services.predictor.core import LengthPredictor, Observation
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "alise.v1.Predictor"
+
+
+class PredictorMetrics(Metrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.latency = self.histogram("predictor_request_latency_seconds",
+                                      "Predict latency (whole batch).")
+        self.predictions = self.counter("predictor_predictions_total",
+                                        "Predictions by source.", ("source",))
+        self.observations = self.counter("predictor_observations_total",
+                                         "Observations by outcome.", ("outcome",))
+        self.store_size = self.gauge("predictor_store_points", "Points per model.", ("model",))
+        self.queue_depth = self.gauge("predictor_observe_queue_depth",
+                                      "Observations waiting to be learned.")
+
+
+class Malformed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def tolerant(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return Malformed(exc)
+    return parse
+
+
+def add_to_server(servicer: "PredictorServicer", server: grpc.aio.Server) -> None:
+    """Like the generated add_PredictorServicer_to_server, but malformed bytes reach the
+    servicer (as `Malformed`) so they get INVALID_ARGUMENT instead of INTERNAL."""
+    handlers = {
+        "Predict": grpc.unary_unary_rpc_method_handler(
+            servicer.Predict, request_deserializer=tolerant(predictor_pb2.PredictRequest),
+            response_serializer=predictor_pb2.PredictResponse.SerializeToString),
+        "Observe": grpc.unary_unary_rpc_method_handler(
+            servicer.Observe, request_deserializer=tolerant(predictor_pb2.ObserveRequest),
+            response_serializer=predictor_pb2.ObserveResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+class ObserveQueue:
+    """Background learner: batches of (model, observations), processed one at a time."""
+
+    def __init__(self, predictor: LengthPredictor, metrics: PredictorMetrics,
+                 remember: int = 100_000, chunk: int = 8) -> None:
+        self.predictor, self.metrics, self.chunk = predictor, metrics, chunk
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.remember = remember
+        self.task = asyncio.create_task(self._run())
+
+    def submit(self, model: str, observations: list[Observation]) -> int:
+        fresh = []
+        for obs in observations:
+            key = (model, obs.request_id)
+            if key in self.seen:
+                self.metrics.observations.labels("duplicate").inc()
+                continue
+            self.seen[key] = None
+            fresh.append(obs)
+        while len(self.seen) > self.remember:
+            self.seen.popitem(last=False)
+        for start in range(0, len(fresh), self.chunk):
+            self.queue.put_nowait((model, fresh[start:start + self.chunk]))
+        self.metrics.queue_depth.inc(len(fresh))
+        return len(fresh)
+
+    async def _run(self) -> None:
+        while True:
+            model, batch = await self.queue.get()
+            try:
+                changed = await asyncio.to_thread(self.predictor.observe, model, batch)
+                self.metrics.observations.labels("learned").inc(changed)
+                self.metrics.observations.labels("already_stored").inc(len(batch) - changed)
+                size = await asyncio.to_thread(self.predictor.store.count, model)
+                self.metrics.store_size.labels(model).set(size)
+            except Exception:  # noqa: BLE001 - keep learning after a failed batch
+                log.exception("observe batch failed")
+                self.metrics.observations.labels("failed").inc(len(batch))
+            finally:
+                self.metrics.queue_depth.dec(len(batch))
+                self.queue.task_done()
+
+    async def drain(self) -> None:
+        await self.queue.join()
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            pass
+
+
+class PredictorServicer:
+    def __init__(self, predictor: LengthPredictor, models: list[str], metrics: PredictorMetrics,
+                 observer: ObserveQueue, max_prompt_chars: int, max_batch: int) -> None:
+        self.predictor, self.models, self.metrics = predictor, set(models), metrics
+        self.observer = observer
+        self.max_prompt_chars, self.max_batch = max_prompt_chars, max_batch
+
+    def _check_common(self, request, items, what: str) -> None:
+        if isinstance(request, Malformed):
+            raise invalid(f"malformed request: {request.error}")
+        if request.model not in self.models:
+            raise invalid(f"unknown model id {request.model!r}; served: {sorted(self.models)}")
+        if not items:
+            raise invalid(f"no {what} given")
+        if len(items) > self.max_batch:
+            raise invalid(f"{len(items)} {what} exceed the limit of {self.max_batch}")
+
+    def _check_prompt(self, prompt: str, where: str) -> None:
+        if not prompt.strip():
+            raise invalid(f"{where}: empty prompt")
+        if len(prompt) > self.max_prompt_chars:
+            raise invalid(f"{where}: prompt of {len(prompt)} characters exceeds "
+                          f"{self.max_prompt_chars}")
+
+    async def Predict(self, request, context) -> predictor_pb2.PredictResponse:
+        prompts = [] if isinstance(request, Malformed) else list(request.prompts)
+        self._check_common(request, prompts, "prompts")
+        for i, prompt in enumerate(prompts):
+            self._check_prompt(prompt, f"prompts[{i}]")
+        t0 = time.perf_counter()
+        preds = await asyncio.to_thread(self.predictor.predict, request.model, prompts)
+        self.metrics.latency.observe(time.perf_counter() - t0)
+        for p in preds:
+            self.metrics.predictions.labels(p.source).inc()
+        return predictor_pb2.PredictResponse(predictions=[
+            common_pb2.Prediction(length=p.length, source=p.source, similarity=p.similarity,
+                                  neighbors=p.neighbors) for p in preds])
+
+    async def Observe(self, request, context) -> predictor_pb2.ObserveResponse:
+        items = [] if isinstance(request, Malformed) else list(request.observations)
+        self._check_common(request, items, "observations")
+        for i, o in enumerate(items):
+            if not o.request_id:
+                raise invalid(f"observations[{i}]: empty request_id")
+            if o.true_length < 0:
+                raise invalid(f"observations[{i}]: negative true_length {o.true_length}")
+            self._check_prompt(o.prompt, f"observations[{i}]")
+        accepted = self.observer.submit(request.model, [
+            Observation(o.request_id, o.prompt, o.true_length) for o in items])
+        return predictor_pb2.ObserveResponse(accepted=accepted)
