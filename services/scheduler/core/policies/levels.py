@@ -1,0 +1,93 @@
+"""Incremental structures for priority policies: level queues and an aging clock.
+
+Both avoid re-sorting every request every step: a request changes level only when its own
+state changes (it ran, it was demoted, it aged), and aging pops only due entries from a heap.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+
+class LevelQueues:
+    """Levels 0 (highest priority) .. n-1; FIFO inside a level (dict insertion order)."""
+
+    def __init__(self, num_levels: int):
+        if num_levels < 1:
+            raise ValueError(f"number of queues must be >= 1, got {num_levels}")
+        self.levels: list[dict] = [{} for _ in range(num_levels)]
+        self.level_of: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.level_of)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.level_of
+
+    def put(self, req, level: int) -> None:
+        """Insert, or move when the level changed (moving sends it to the back of the level)."""
+        rid = req.request_id
+        level = min(max(level, 0), len(self.levels) - 1)
+        old = self.level_of.get(rid)
+        if old == level:
+            return
+        if old is not None:
+            del self.levels[old][rid]
+        self.levels[level][rid] = req
+        self.level_of[rid] = level
+
+    def remove(self, rid: str) -> None:
+        old = self.level_of.pop(rid, None)
+        if old is not None:
+            del self.levels[old][rid]
+
+    def in_order(self):
+        """Requests from the highest priority level down (safe to mutate while iterating)."""
+        for level in self.levels:
+            if level:
+                yield from list(level.values())
+
+    def lowest_first(self):
+        for level in reversed(self.levels):
+            if level:
+                yield from reversed(list(level.values()))
+
+
+def bucket(value: float, base: float, ratio: float, num_levels: int) -> int:
+    """Level for a positive quantity: [0, base) -> 0, [base*r^(i-1), base*r^i) -> i."""
+    if value < base:
+        return 0
+    return min(num_levels - 1, 1 + int(math.log(value / base) / math.log(ratio)))
+
+
+class AgingClock:
+    """Fires once per `threshold` seconds a request keeps waiting (not scheduled)."""
+
+    def __init__(self, threshold: float | None):
+        self.threshold = threshold
+        self.since: dict[str, float] = {}
+        self._heap: list[tuple[float, str, float]] = []
+
+    def start(self, rid: str, now: float) -> None:
+        if rid in self.since:
+            return
+        self.since[rid] = now
+        if self.threshold:
+            heapq.heappush(self._heap, (now + self.threshold, rid, now))
+
+    def stop(self, rid: str) -> None:
+        self.since.pop(rid, None)
+
+    def waited(self, rid: str, now: float) -> float:
+        t = self.since.get(rid)
+        return 0.0 if t is None else now - t
+
+    def due(self, now: float) -> list[str]:
+        """Requests that waited another full threshold by `now` (each fires once per period)."""
+        fired, heap = [], self._heap
+        while heap and heap[0][0] <= now:
+            t, rid, stamp = heapq.heappop(heap)
+            if self.since.get(rid) == stamp:
+                fired.append(rid)
+                heapq.heappush(heap, (t + self.threshold, rid, stamp))
+        return fired

@@ -1,0 +1,18 @@
+"""`oracle`: `alise` fed the true output lengths (benchmarks and simulation only).
+
+The true length is read from `Request.true_len` when set; otherwise, for a request that ignores
+EOS, `max_tokens` is its exact length (the simulator replays traces that way); otherwise
+`max_tokens` is the best upper bound available.
+"""
+from __future__ import annotations
+
+from services.scheduler.core.policies.alise import AlisePolicy
+from services.scheduler.core.policies.base import register_policy
+
+
+@register_policy("oracle")
+class OraclePolicy(AlisePolicy):
+    def initial_prediction(self, req) -> int:
+        if req.true_len is not None:
+            return max(1, req.true_len)
+        return req.max_tokens

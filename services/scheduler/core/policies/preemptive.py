@@ -1,0 +1,219 @@
+"""Base for iteration-level preemptive priority policies (ALISE, FastServe, oracle).
+
+Each step:  age -> select (walk the level queues from the top, whole prefills, within the batch
+size and token budget) -> place (give each chosen request its KV: allocate, or swap in; make room
+by evicting the resident, unchosen requests with the highest estimated wait time, EWT) ->
+rebalance (ALISE Algorithm 2: keep at most M jobs on the device, prefetch swapped jobs that will
+run soon) -> remember who waited (virtual aging).
+
+Memory modes (ALISE section 3.2): 'swap' (EWT-ordered offload to host, the paper's design),
+'recompute' (drop the KV of evicted jobs), 'defer' (never evict for a new job: a new arrival
+waits while memory is full; a resident job that cannot grow evicts by recompute).
+"""
+from __future__ import annotations
+
+from services.scheduler.core.policies.base import Policy
+from services.scheduler.core.policies.levels import AgingClock, LevelQueues
+from services.scheduler.core.request import RequestStatus
+
+RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+MEMORY_MODES = ("swap", "recompute", "defer")
+INF = float("inf")
+
+
+class PreemptivePolicy(Policy):
+    KNOBS = {
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": None,   # None: max(2048, max_model_len)
+        "watermark": 0.01,
+        "num_queues": 8,
+        "aging_threshold_s": None,        # K: promote one level per K seconds waited; None: off
+        "memory_mode": "swap",            # swap | recompute | defer
+        "gpu_job_limit": None,            # M: jobs allowed on the device; None: memory decides
+        "prefetch_per_step": 4,           # swapped jobs uploaded ahead of need per step
+        "max_skips": 32,                  # prompts skipped for not fitting before giving up
+    }
+
+    def validate(self) -> None:
+        super().validate()
+        if self.memory_mode not in MEMORY_MODES:
+            raise ValueError(f"{self.name}: memory_mode must be one of {MEMORY_MODES}, "
+                             f"got {self.memory_mode!r}")
+        if self.num_queues < 1:
+            raise ValueError(f"{self.name}: num_queues must be >= 1")
+        if self.aging_threshold_s is not None and self.aging_threshold_s <= 0:
+            raise ValueError(f"{self.name}: aging_threshold_s must be > 0 or None")
+        if self.gpu_job_limit is not None and self.gpu_job_limit < 1:
+            raise ValueError(f"{self.name}: gpu_job_limit must be >= 1 or None")
+
+    def bind(self, sched) -> None:
+        super().bind(sched)
+        self.budget = self.max_num_batched_tokens or max(2048, sched.max_model_len)
+        if self.budget < sched.max_model_len:
+            raise ValueError(f"{self.name}: max_num_batched_tokens={self.budget} is below "
+                             f"max_model_len={sched.max_model_len}; whole prompts would not fit")
+        self.seqs = min(self.max_num_seqs, self.budget)
+        self.q = LevelQueues(self.num_queues)
+        self.aging = AgingClock(self.aging_threshold_s)
+        self.boost: dict[str, int] = {}
+        self.rem: dict[str, float] = {}
+        self.prev: set[str] = set()
+
+    # -- per-policy hooks -------------------------------------------------------------------
+    def entry_level(self, req, now: float) -> int:
+        raise NotImplementedError
+
+    def after_run(self, req, result, now: float) -> None:
+        """Called for every request that ran in a step and is still unfinished."""
+
+    def level_of(self, req) -> int:
+        return self.q.level_of.get(req.request_id, 0)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def on_add(self, req, now: float) -> None:
+        self.q.put(req, self.entry_level(req, now))
+        self.aging.start(req.request_id, now)
+
+    def on_finish(self, req, now: float) -> None:
+        rid = req.request_id
+        self.q.remove(rid)
+        self.aging.stop(rid)
+        self.boost.pop(rid, None)
+        self.rem.pop(rid, None)
+        self.prev.discard(rid)
+
+    def update(self, result, now: float) -> None:
+        reqs = self.sched.requests
+        for rid in result.output.num_scheduled_tokens:
+            req = reqs.get(rid)
+            if req is not None and not req.is_finished:
+                self.after_run(req, result, now)
+
+    # -- step -------------------------------------------------------------------------------
+    def schedule(self, s, now: float):
+        self._age(s, now)
+        b = s.new_batch(now, self.budget)
+        chosen = self._select(b)
+        self._place(s, b, chosen)
+        self._rebalance(s, b)
+        self._track_waits(b, now)
+        return b.finish()
+
+    def _age(self, s, now: float) -> None:
+        for rid in self.aging.due(now):
+            req = s.requests[rid]
+            level = self.q.level_of.get(rid)
+            if level:
+                self.boost[rid] = self.boost.get(rid, 0) + 1
+                self.q.put(req, level - 1)
+
+    def _select(self, b) -> list:
+        chosen, tokens, skips, budget, seqs = [], 0, 0, self.budget, self.seqs
+        for req in self.q.in_order():
+            n = req.num_uncomputed_tokens
+            if tokens + n > budget:
+                skips += 1
+                if skips > self.max_skips or tokens >= budget:
+                    break
+                continue
+            chosen.append((req, n))
+            tokens += n
+            if len(chosen) >= seqs:
+                break
+        return chosen
+
+    def _place(self, s, b, chosen) -> None:
+        bm = s.block_manager
+        self._chosen = chosen
+        self._victims = None
+        for i, (req, n) in enumerate(chosen):
+            status = req.status
+            if req.request_id in b.touched:
+                continue                    # evicted earlier in this step for a higher job
+            if status is SWAPPED:
+                need = max(bm.num_host_blocks_of(req.request_id),
+                           bm.blocks_for_tokens(req.num_computed_tokens + n))
+            else:
+                need = bm.num_new_blocks(req, n) + (self.watermark_blocks if status is WAITING else 0)
+            if need > bm.num_free_device_blocks:
+                if status is WAITING and self.memory_mode == "defer":
+                    continue
+                if not self._make_room(s, b, need, i):
+                    continue
+            if status is SWAPPED and not b.swap_in(req):
+                continue
+            b.schedule(req, n)
+
+    def _make_room(self, s, b, need: int, rank: int) -> bool:
+        """Free `need` device blocks for the chosen job at `rank` by evicting jobs of lower
+        priority only: unchosen residents by EWT, then chosen ones from the lowest rank up.
+        Evicts nothing when even all of them would not make enough room."""
+        bm = s.block_manager
+        if self._victims is None:
+            self._victims = self._victims_by_ewt(s, b)
+            self._vpos = 0
+        victims, pos = self._victims, self._vpos
+        eligible = []
+        for v_rank, victim in victims[pos:]:
+            if v_rank <= rank:
+                break
+            if victim.status is RUNNING and victim.request_id not in b.swapped_in:
+                eligible.append(victim)
+        if bm.num_free_device_blocks + sum(bm.num_device_blocks_of(v.request_id)
+                                           for v in eligible) < need:
+            return False
+        mode = "swap" if self.memory_mode == "swap" else "recompute"
+        for victim in eligible:
+            if bm.num_free_device_blocks >= need:
+                break
+            b.preempt(victim, mode)
+            self._vpos += 1
+        return bm.num_free_device_blocks >= need
+
+    def _victims_by_ewt(self, s, b) -> list:
+        """(rank, request) eviction candidates: resident unchosen requests, highest estimated
+        wait time first (ALISE eq. 7: EWT = min(work queued ahead, time until aging promotes
+        it)), then the resident chosen ones from the lowest priority up."""
+        ewt, ahead = [], 0.0
+        chosen = {r.request_id for r, _ in self._chosen}
+        rem, k = self.rem, self.aging_threshold_s
+        for req in self.q.in_order():
+            rid = req.request_id
+            if req.status is RUNNING and rid not in chosen:
+                promote = INF if not k else max(0.0, self.q.level_of[rid] * k
+                                                - self.aging.waited(rid, b.now))
+                ewt.append((-min(ahead, promote), -len(ewt), req))  # ties: lowest priority first
+            ahead += rem.get(rid, 0.0)
+        ewt.sort()
+        lowest = len(self._chosen)
+        tail = [(i, r) for i, (r, _) in reversed(list(enumerate(self._chosen)))
+                if r.status is RUNNING]
+        return [(lowest, req) for _, _, req in ewt] + tail
+
+    def _rebalance(self, s, b) -> None:
+        """ALISE Algorithm 2 (swap mode): offload jobs past the GPU job limit M, upload
+        swapped jobs inside it while free blocks stay above the watermark."""
+        if self.memory_mode != "swap" or not (s.swapped or self.gpu_job_limit):
+            return
+        bm, limit = s.block_manager, self.gpu_job_limit or self.seqs
+        uploads = self.prefetch_per_step
+        for rank, req in enumerate(self.q.in_order()):
+            if rank >= limit:
+                if self.gpu_job_limit is None:
+                    break
+                if req.status is RUNNING and req.request_id not in b.scheduled:
+                    b.offload(req)
+            elif req.status is SWAPPED and uploads > 0:
+                blocks = bm.num_host_blocks_of(req.request_id)
+                if blocks + self.watermark_blocks <= bm.num_free_device_blocks:
+                    uploads -= b.swap_in(req)
+
+    def _track_waits(self, b, now: float) -> None:
+        cur = set(b.scheduled)
+        aging = self.aging
+        for rid in self.prev - cur:
+            if rid in self.q:
+                aging.start(rid, now)
+        for rid in cur:
+            aging.stop(rid)
+        self.prev = cur
