@@ -1,0 +1,181 @@
+"""`alise predictor eval`: prior, MLP only, retrieval only, ours (Alg. 1), proxy on ShareGPT.
+
+One run, one process, on the fixed test split. Test prompts are chat-formatted with the serving
+model's template, as the gateway sends them. The store is a fresh Qdrant Edge shard holding
+the whole train split; the MLP is trained here on the train split (so eval depends on no saved
+state except the proxy, trained by `alise predictor train --proxy` or here when missing).
+
+Latency: every method answers the same prompts one at a time, interleaved prompt by prompt so
+machine noise hits all methods alike (p50/p99), then the same batches of 32 (prompts/s).
+Each method runs through its own `LengthPredictor`, so none reuses another's embeddings.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from services.predictor.core import LengthPredictor, combine, decide
+from services.predictor.metrics_eval import accuracy
+
+log = logging.getLogger(__name__)
+METHODS = ("prior", "mlp", "retrieval", "ours", "proxy")
+
+
+def chat_formatter(settings):
+    from services.common.models import load_tokenizer
+
+    tok = load_tokenizer(settings.model, settings.data_dir)
+    return lambda text: tok.apply_chat_template([{"role": "user", "content": text}],
+                                                tokenize=False, add_generation_prompt=True)
+
+
+def _load(settings, args):
+    from bench.traces.sharegpt import load_split
+
+    train = load_split("train", settings.model, settings.data_dir)[:args.limit_train]
+    test = load_split("test", settings.model, settings.data_dir)[:args.limit_test]
+    return train, test
+
+
+def _seeded_store(dim: int, model: str, root: Path, vectors, lengths):
+    from services.predictor.store import Record, point_id
+    from services.predictor.store_edge import EdgeStore
+
+    store = EdgeStore(dim, root)
+    store.upsert(model, [Record(point_id(model, str(i)), v, float(n))
+                         for i, (v, n) in enumerate(zip(vectors, lengths))])
+    store.optimize(model)
+    return store
+
+
+def _search_all(store, model: str, vectors: np.ndarray, k: int) -> list:
+    return [n for start in range(0, len(vectors), 256)
+            for n in store.search(model, vectors[start:start + 256], k)]
+
+
+def _predictions(neighbors, mlp_pred, prior, s0, n) -> tuple[dict, dict]:
+    ours = [decide(nb, m, prior, s0) for nb, m in zip(neighbors, mlp_pred)]
+    retrieval = [combine(nb, -1.0) for nb in neighbors]
+    preds = {"prior": np.full(n, round(prior)), "mlp": np.maximum(np.round(mlp_pred), 1),
+             "retrieval": np.array([max(1, round(r[0])) if r else round(prior)
+                                    for r in retrieval]),
+             "ours": np.array([p.length for p in ours])}
+    hits = {"prior": 0.0, "mlp": 0.0, "retrieval": float(np.mean([r is not None
+                                                                  for r in retrieval])),
+            "ours": float(np.mean([p.source == "retrieval" for p in ours]))}
+    return preds, hits
+
+
+def _proxy(settings, args, model: str):
+    from services.predictor.proxy import ProxyPredictor, proxy_dir, train_proxy
+
+    path = proxy_dir(settings, model)
+    if not (path / "head.pt").exists():
+        log.info("no proxy checkpoint: training one", extra=train_proxy(settings))
+    return ProxyPredictor.load(path, settings.predictor_embed_tokens)
+
+
+def _time(methods: dict, singles: list[str], batches: list[list[str]]) -> dict:
+    for fn in methods.values():
+        fn(["warm-up prompt"])
+    times = {m: [] for m in methods}
+    for prompt in singles:
+        for m, fn in methods.items():
+            t = time.perf_counter()
+            fn([prompt])
+            times[m].append(time.perf_counter() - t)
+    batch_s = {m: 0.0 for m in methods}
+    for batch in batches:
+        for m, fn in methods.items():
+            t = time.perf_counter()
+            fn(batch)
+            batch_s[m] += time.perf_counter() - t
+    n = sum(len(b) for b in batches)
+    return {m: {"p50_ms": float(np.median(times[m]) * 1000),
+                "p99_ms": float(np.percentile(times[m], 99) * 1000),
+                "batch32_prompts_per_s": n / batch_s[m] if batch_s[m] else float("inf")}
+            for m in methods}
+
+
+def run(settings, args) -> dict:
+    from services.predictor.build import embedding_cache, make_embedder, served_models
+    from services.predictor.mlp import length_feature, train
+
+    model = served_models(settings)[0]
+    normalize = args.text == "norm"
+    embedder = make_embedder(settings, normalize=normalize)
+    chat = chat_formatter(settings)
+    train_s, test_s = _load(settings, args)
+    train_p = [chat(s.prompt) for s in train_s]
+    test_p = [chat(s.prompt) for s in test_s]
+    cache = embedding_cache(settings, embedder)
+    t0 = time.perf_counter()
+    x_tr, x_te = cache.embed(train_p), cache.embed(test_p)  # [N, D], [M, D]
+    embed_s = time.perf_counter() - t0
+    f_tr, f_te = (length_feature(embedder.prepare(p)) for p in (train_p, test_p))
+    y_tr = np.array([s.output_len for s in train_s], np.float32)
+    y_te = np.array([s.output_len for s in test_s], np.float32)
+    mlp = train(x_tr, f_tr, y_tr, log=log.info)
+    k, s0, prior = settings.predictor_top_k, settings.predictor_threshold, float(y_tr.mean())
+    out: dict = {"config": {"text": args.text, "k": k, "s0": s0, "train": len(train_s),
+                            "test": len(test_s), "embed_tokens": embedder.max_seq_length,
+                            "embed_s_uncached": round(embed_s, 1), "store": "edge"},
+                 "methods": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = _seeded_store(embedder.dim, model, Path(tmp), x_tr, y_tr)
+        neighbors = _search_all(store, model, x_te, k)
+        preds, hits = _predictions(neighbors, mlp.predict(x_te, f_te), prior, s0, len(test_s))
+        proxy = None if args.no_proxy else _proxy(settings, args, model)
+        if proxy is not None:
+            preds["proxy"] = np.maximum(np.round(np.concatenate(
+                [proxy.predict(test_p[i:i + 64]) for i in range(0, len(test_p), 64)])), 1)
+            hits["proxy"] = 0.0
+        methods = {
+            "prior": lambda ps: [prior] * len(ps),
+            "mlp": LengthPredictor(embedder, None, mlp, prior, k, s0).predict,
+            "retrieval": LengthPredictor(embedder, store, None, prior, k, -1.0).predict,
+            "ours": LengthPredictor(embedder, store, mlp, prior, k, s0).predict,
+        }
+        methods = {m: (lambda fn: lambda ps: fn(model, ps))(fn) if m != "prior" else fn
+                   for m, fn in methods.items()}
+        if proxy is not None:
+            methods["proxy"] = proxy.predict
+        n_single = min(args.latency_samples, len(test_p))
+        batches = [test_p[n_single + 32 * b: n_single + 32 * (b + 1)] for b in range(args.batches)]
+        timing = _time(methods, test_p[:n_single], [b for b in batches if b])
+        store.close()
+    for m in preds:
+        out["methods"][m] = {**accuracy(preds[m], y_te), "hit_rate": hits[m], **timing[m]}
+    return out
+
+
+def table(result: dict) -> str:
+    cols = ("bucket_accuracy", "mean_relative_error", "mae", "kendall_tau", "spearman",
+            "hit_rate", "p50_ms", "p99_ms", "batch32_prompts_per_s")
+    lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for m, row in result["methods"].items():
+        lines.append(f"| {m} | " + " | ".join(f"{row[c]:.3f}" if row[c] < 100 else
+                                               f"{row[c]:.0f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from services.common.settings import PredictorSettings
+
+    logging.basicConfig(level=logging.INFO)
+    settings = PredictorSettings()
+    result = run(settings, args)
+    if args.tune:
+        from services.predictor.tune import sweep
+
+        result["tuning"] = sweep(settings, args)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print(json.dumps(result["config"]))
+    return 0
