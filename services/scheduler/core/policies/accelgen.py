@@ -1,0 +1,209 @@
+"""`accelgen`: AccelGen's SLO-guaranteed dynamic chunking, iteration-level slack ordering and
+multi-resource-aware batching (Algorithms 1 and 2).
+
+Each step:
+ 1. Requests are ordered by remaining slack T_r (core/policies/slack.py). Urgent ones
+    (T_r <= T_max: they must run in the next iteration) are forced into the batch, most urgent
+    first; when KV is short the resident request with the largest T_r outside the batch is
+    preempted (recompute by default, as AccelGen inherits vLLM's preemption).
+ 2. The token budget is S_b = S_pf * SLO_min / T_pf (cost-model pivot), with SLO_min the
+    tightest objective among the urgent requests and the head of the queue.
+ 3. SelectRequests: take the window of requests with T_r within T_r^1 + gamma of the first
+    non-urgent one, then pick nearest-(compute, KV) demand first (policies/multires.py).
+    Further windows are taken while budget and KV remain (work conservation; the paper's
+    pseudo-code stops after one window).
+ 4. Exclusive request allocation (ERA): a new long prompt does not start while
+    `max_long_prompts` long prompts are still being prefilled.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from services.scheduler.core.policies.base import Policy, register_policy
+from services.scheduler.core.policies.multires import select_nearest
+from services.scheduler.core.policies.slack import SlackQueue
+from services.scheduler.core.request import RequestStatus
+
+RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+
+
+@register_policy("accelgen")
+class AccelGenPolicy(Policy):
+    KNOBS = {
+        "default_tbt_s": 0.1875,       # normal reading speed (AccelGen's default TBT SLO)
+        "default_ttft_s": 1.0,         # TTFT objective of requests that give none
+        "gamma_s": 0.75,               # SelectRequests window (AccelGen sets 0.75 s)
+        "era": True,                   # exclusive request allocation for long prompts
+        "long_prompt_tokens": None,    # None: longer than the step's token budget S_b
+        "max_long_prompts": 1,
+        "min_token_budget": 16,
+        "max_token_budget": 8192,
+        "t_max_s": None,               # T_max; None: max iteration time of recent steps
+        "t_max_window": 32,
+        "avg_chunk_tokens": None,      # L_c; None: S_b at the default TBT
+        "preempt_max_s": 0.0,          # P_max and P of the JCT estimate
+        "preempt_prob": 0.0,
+        "max_window": 64,              # candidates examined per SelectRequests window
+        "max_windows": 4,
+        "max_num_seqs": 256,
+        "watermark": 0.01,
+        "preemption_mode": "recompute",
+    }
+
+    def validate(self) -> None:
+        super().validate()
+        for key in ("default_tbt_s", "default_ttft_s", "gamma_s"):
+            if not self.knobs[key] or self.knobs[key] < 0:
+                raise ValueError(f"accelgen: {key} must be > 0")
+        if self.min_token_budget < 1 or self.max_token_budget < self.min_token_budget:
+            raise ValueError("accelgen: need 1 <= min_token_budget <= max_token_budget")
+
+    def bind(self, sched) -> None:
+        super().bind(sched)
+        self.cost = sched.cost_model
+        self.sq = SlackQueue(self)
+        self.recent = deque(maxlen=self.t_max_window)
+        self.long_inflight: set[str] = set()
+        self._default_chunk = self.avg_chunk_tokens or self.budget_for(self.default_tbt_s)
+        self._t_max_guess = self.cost.iteration_time(self._default_chunk, 0, self._default_chunk)
+
+    # -- model ------------------------------------------------------------------------------
+    def budget_for(self, slo_min: float) -> int:
+        s_b = self.cost.accelgen_budget(slo_min)
+        return min(self.max_token_budget, max(self.min_token_budget, s_b))
+
+    def t_max(self) -> float:
+        if self.t_max_s:
+            return self.t_max_s
+        return max(self.recent) if self.recent else self._t_max_guess
+
+    def avg_chunk(self) -> int:
+        return self._default_chunk
+
+    def is_long(self, req, budget: int) -> bool:
+        return req.num_prompt_tokens > (self.long_prompt_tokens or budget)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def on_add(self, req, now: float) -> None:
+        self.sq.add(req, now)
+
+    def on_finish(self, req, now: float) -> None:
+        self.sq.remove(req.request_id)
+        self.long_inflight.discard(req.request_id)
+
+    def update(self, result, now: float) -> None:
+        out = result.output
+        self.recent.append(result.outcome.elapsed_s or self.cost.output_time(out))
+        reqs = self.sched.requests
+        got_token = {u.request_id for u in result.updates}
+        for rid in out.num_scheduled_tokens:
+            req = reqs[rid]
+            if req.is_finished:
+                continue
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                self.long_inflight.discard(rid)
+            if rid in got_token:
+                self.sq.reenter(req, now)        # returned TG task: its wait restarts
+            else:
+                self.sq.push(req)                # prompt chunk: same clock, fewer chunks left
+
+    # -- step -------------------------------------------------------------------------------
+    def schedule(self, s, now: float):
+        t_max = self.t_max()
+        urgent, back = [], []
+        while True:
+            due = self.sq.peek_due()
+            if due is None or due - now > t_max:
+                break
+            urgent.append(s.requests[self.sq.pop()[1]])
+        head = self.sq.peek_due()
+        slos = [self.sq.slo(r) for r in urgent[:64]]
+        if head is not None:
+            slos.append(self.sq.slo(s.requests[self.sq.heap[0][2]]))
+        budget = self.budget_for(min(slos)) if slos else self.max_token_budget
+        b = s.new_batch(now, budget)
+        for req in urgent:
+            if not self._force(s, b, req):
+                back.append(req)
+        back += self._select(s, b, now)
+        if not b.scheduled:
+            # nothing fitted without preemption: never idle while work waits, so treat the
+            # least-slack request as urgent (otherwise KV held by stalled prompts deadlocks)
+            back.sort(key=lambda r: self.sq.due.get(r.request_id, 0.0))
+            for i, req in enumerate(back):
+                if self._force(s, b, req):
+                    back.pop(i)
+                    break
+        for req in back:
+            if not req.is_finished and req.request_id not in self.sq.ver:
+                self.sq.push(req, self.sq.due[req.request_id])
+        for rid in b.scheduled:
+            self.sq.ran(s.requests[rid], now)
+        return b.finish()
+
+    def _force(self, s, b, req) -> bool:
+        """Put an urgent request in. A resident request that cannot grow preempts the
+        largest-slack resident request outside the batch (vLLM's KV-overflow preemption, with
+        AccelGen's max-T_r choice); a waiting one that does not fit is dropped from this
+        iteration instead (Algorithm 1 drops the max-T_r members of B; the urgent list is
+        processed in ascending T_r, so the ones dropped are the largest)."""
+        if req.status not in (RUNNING, WAITING, SWAPPED) or b.num_seqs >= self.max_num_seqs:
+            return False
+        n = min(req.num_uncomputed_tokens, b.tokens_left)
+        if n < 1:
+            return False
+        victims = None
+        while True:
+            if req.status is SWAPPED:
+                ok = b.swap_in(req) and b.schedule(req, n)
+            else:
+                ok = b.schedule(req, n)
+            if ok:
+                self._started(req, b)
+                return True
+            if req.status is not RUNNING:
+                return False
+            if victims is None:
+                victims = self._victims(s, b, req)
+            if not victims:
+                return False
+            victim = victims.pop()
+            b.preempt(victim, self.preemption_mode)
+            self.long_inflight.discard(victim.request_id)
+            self.sq.reenter(victim, b.now)
+
+    def _victims(self, s, b, req) -> list:
+        due = self.sq.due
+        cands = [r for rid, r in s.running.items()
+                 if rid not in b.scheduled and r is not req and rid not in b.swapped_in]
+        cands.sort(key=lambda r: due.get(r.request_id, 0.0))
+        return cands                     # pop() yields the largest remaining time
+
+    def _started(self, req, b) -> None:
+        if req.num_computed_tokens < req.num_prompt_tokens and self.is_long(req, b.token_budget):
+            self.long_inflight.add(req.request_id)
+
+    def _select(self, s, b, now: float) -> list:
+        """SelectRequests over successive gamma windows; returns the requests not taken."""
+        back = []
+
+        def allowed(req) -> bool:
+            if not self.era or req.num_computed_tokens > 0 or not self.is_long(req, b.token_budget):
+                return True
+            return len(self.long_inflight) < self.max_long_prompts
+
+        for _ in range(self.max_windows):
+            if b.tokens_left < 1 or b.num_seqs >= self.max_num_seqs:
+                break
+            first = self.sq.pop()
+            if first is None:
+                break
+            window = [s.requests[first[1]]]
+            limit = first[0] + self.gamma_s
+            while len(window) < self.max_window and (self.sq.peek_due() or limit + 1) <= limit:
+                window.append(s.requests[self.sq.pop()[1]])
+            before = set(b.scheduled)
+            back += select_nearest(b, window, self.watermark_blocks, allowed, self.max_num_seqs)
+            for rid in b.scheduled.keys() - before:
+                self._started(s.requests[rid], b)
+        return back

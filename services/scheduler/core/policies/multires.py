@@ -1,0 +1,88 @@
+"""AccelGen's multi-resource selection (SelectRequests, Algorithm 2), shared with `hybrid`.
+
+Among a window of candidates of similar urgency, repeatedly pick the one whose demand
+(D_c compute tokens, D_m KV tokens) is nearest in Euclidean distance to what is still free
+(A_c token budget, A_m free KV tokens), until nothing else fits. A prompt longer than the
+leftover budget (or the free KV) is chunked to fit, so it fills one resource exactly.
+Decodes have only two possible demands, (1, 0) and (1, one block), so they are grouped and the
+cost of a pick stays proportional to the number of distinct prompts in the window.
+"""
+from __future__ import annotations
+
+from services.scheduler.core.request import RequestStatus
+
+RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+
+
+def demand(bm, req, a_c: int, a_m: int, reserve: int) -> tuple[int, int] | None:
+    """(tokens, device blocks) `req` would take now, or None when it cannot fit."""
+    rid, bs = req.request_id, bm.block_size
+    status, computed, left = req.status, req.num_computed_tokens, req.num_uncomputed_tokens
+    if status is RUNNING:
+        room = (bm.num_device_blocks_of(rid) + a_m) * bs - computed
+    elif status is SWAPPED:
+        room = (a_m - reserve) * bs - computed
+        if bm.num_host_blocks_of(rid) > a_m - reserve:
+            return None
+    else:
+        room = (a_m - reserve) * bs
+    n = min(left, a_c, room)
+    if n < 1:
+        return None
+    if status is SWAPPED:
+        blocks = max(bm.num_host_blocks_of(rid), bm.blocks_for_tokens(computed + n))
+    else:
+        blocks = bm.num_new_blocks(req, n)
+    return n, blocks
+
+
+def select_nearest(b, candidates, reserve_new: int, allowed=None, max_seqs: int = 1 << 30) -> list:
+    """Schedule candidates into batch `b` nearest-demand first; returns the ones not taken.
+    `allowed(req)` may veto a candidate at pick time (exclusive request allocation)."""
+    bm, bs = b.bm, b.bm.block_size
+    dec0, dec1, general, rest = [], [], [], []
+    for req in candidates:
+        if req.status is RUNNING and req.num_uncomputed_tokens == 1:
+            (dec0 if bm.num_new_blocks(req, 1) == 0 else dec1).append(req)
+        else:
+            general.append(req)
+    dec0.reverse()
+    dec1.reverse()                       # pop() takes the most urgent first
+    while b.tokens_left >= 1 and b.num_seqs < max_seqs:
+        a_c, a_m = b.tokens_left, bm.num_free_device_blocks
+        best, best_d, best_n = None, None, 0
+        if dec0:
+            best, best_d, best_n = dec0, (a_c - 1) ** 2 + (a_m * bs) ** 2, 1
+        if dec1 and a_m >= 1:
+            d = (a_c - 1) ** 2 + ((a_m - 1) * bs) ** 2
+            if best_d is None or d < best_d:
+                best, best_d, best_n = dec1, d, 1
+        keep = []
+        for req in general:
+            if allowed is not None and not allowed(req):
+                rest.append(req)
+                continue
+            reserve = 0 if req.status is RUNNING else reserve_new
+            dm = demand(bm, req, a_c, a_m, reserve)
+            if dm is None:
+                rest.append(req)         # resources only shrink: it will not fit this step
+                continue
+            keep.append(req)
+            d = (a_c - dm[0]) ** 2 + ((a_m - dm[1]) * bs) ** 2
+            if best_d is None or d < best_d:
+                best, best_d, best_n = req, d, dm[0]
+        general = keep
+        if best is None:
+            break
+        if isinstance(best, list):
+            req = best.pop()
+            if not b.schedule(req, 1):
+                rest.append(req)
+            continue
+        general.remove(best)
+        if best.status is SWAPPED and not b.swap_in(best):
+            rest.append(best)
+            continue
+        if not b.schedule(best, best_n):
+            rest.append(best)
+    return rest + general + dec0[::-1] + dec1[::-1]

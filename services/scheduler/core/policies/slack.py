@@ -1,0 +1,107 @@
+"""AccelGen's iteration-level slack (section 4.3), kept incrementally in a heap.
+
+A request's remaining time is T_r = SLO - T_w - T_e, with T_w the time since it entered the
+queue (arrival, preemption, or return from its previous iteration) and T_e = N_ck * T_max the
+execution still needed before its next token (N_ck = ceil(remaining prompt / L_c); 1 for a
+decode). Since T_w grows at the same rate for everyone, T_r = due - now with a fixed
+`due = t_enter + SLO - T_e`, so a heap on `due` orders the queue without re-sorting.
+
+The SLO is the TTFT objective before the first token and the TBT objective after it.
+JCT (deadline) requests get a per-iteration allowed wait instead:
+    T_e,total = N_ck * T_max + S_g * (T_max + P_max * P),   base = (SLO_JCT - T_e,total) / (N_ck + S_g)
+and each iteration's over- or under-use of its allowed wait is carried to the next one.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+
+class SlackQueue:
+    def __init__(self, policy):
+        self.p = policy
+        self.heap: list[tuple[float, int, str]] = []
+        self.ver: dict[str, int] = {}
+        self.due: dict[str, float] = {}
+        self.enter: dict[str, float] = {}
+        self.jct_base: dict[str, float] = {}
+        self.carry: dict[str, float] = {}
+        self._seq = itertools.count()
+
+    # -- objectives -------------------------------------------------------------------------
+    def slo(self, req) -> float:
+        """The per-iteration objective that applies to the request's next token."""
+        if req.request_id in self.jct_base:
+            return self.jct_base[req.request_id] + self.p.t_max()
+        if req.output_token_ids:
+            return req.slo.tbt_s or self.p.default_tbt_s
+        return req.slo.ttft_s or self.p.default_ttft_s
+
+    def _exec(self, req) -> float:
+        n = req.num_uncomputed_tokens
+        chunks = 1 if n <= 1 else math.ceil(n / self.p.avg_chunk())
+        return chunks * self.p.t_max()
+
+    def _init_jct(self, req) -> None:
+        if req.slo.deadline_s is None:
+            return
+        t_max = self.p.t_max()
+        n_ck = math.ceil(req.num_prompt_tokens / self.p.avg_chunk())
+        s_g = self.p.predicted_len(req)
+        total = n_ck * t_max + s_g * (t_max + self.p.preempt_max_s * self.p.preempt_prob)
+        self.jct_base[req.request_id] = (req.slo.deadline_s - total) / (n_ck + s_g)
+        self.carry[req.request_id] = 0.0
+
+    # -- queue ------------------------------------------------------------------------------
+    def add(self, req, now: float) -> None:
+        self._init_jct(req)
+        self.enter[req.request_id] = now
+        self.push(req)
+
+    def push(self, req, due: float | None = None) -> None:
+        rid = req.request_id
+        if due is None:
+            t = self.enter[rid]
+            if rid in self.jct_base:
+                due = t + self.jct_base[rid] + self.carry[rid]
+            else:
+                due = t + self.slo(req) - self._exec(req)
+        seq = next(self._seq)
+        self.ver[rid], self.due[rid] = seq, due
+        heapq.heappush(self.heap, (due, seq, rid))
+
+    def reenter(self, req, now: float) -> None:
+        """The request (re)joins the queue at `now`: returned from an iteration or preempted."""
+        self.enter[req.request_id] = now
+        self.push(req)
+
+    def ran(self, req, now: float) -> None:
+        """Book the wait of a scheduled JCT request against its allowance (carry-over)."""
+        rid = req.request_id
+        if rid in self.jct_base:
+            waited = now - self.enter[rid]
+            self.carry[rid] = self.jct_base[rid] + self.carry[rid] - waited
+
+    def pop(self):
+        """(due, rid) of the most urgent valid entry, or None."""
+        heap, ver = self.heap, self.ver
+        while heap:
+            due, seq, rid = heapq.heappop(heap)
+            if ver.get(rid) == seq:
+                del ver[rid]
+                return due, rid
+        return None
+
+    def peek_due(self) -> float | None:
+        heap, ver = self.heap, self.ver
+        while heap and ver.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def remove(self, rid: str) -> None:
+        for table in (self.ver, self.due, self.enter, self.jct_base, self.carry):
+            table.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self.ver)
