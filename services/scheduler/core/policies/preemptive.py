@@ -48,7 +48,7 @@ class PreemptivePolicy(Policy):
 
     def bind(self, sched) -> None:
         super().bind(sched)
-        self.budget = self.max_num_batched_tokens or max(2048, sched.max_model_len)
+        self.budget = getattr(self, "max_num_batched_tokens", None) or max(2048, sched.max_model_len)
         if self.budget < sched.max_model_len:
             raise ValueError(f"{self.name}: max_num_batched_tokens={self.budget} is below "
                              f"max_model_len={sched.max_model_len}; whole prompts would not fit")
