@@ -150,6 +150,10 @@ class GatewaySettings(CommonSettings):
     max_connections: int = Field(
         0, ge=0, description="HTTP connections the gateway holds before answering 503 "
                              "(0 = unlimited).")
+    admission_wait_ms: float = Field(
+        250.0, ge=0, description="How long a streaming request waits for the scheduler to "
+                                 "accept or refuse it before the SSE response starts (a "
+                                 "refusal after that arrives as an error event).")
 
 
 class LauncherSettings(RedisSettings):

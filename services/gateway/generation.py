@@ -10,6 +10,7 @@ to the predictor.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -76,18 +77,22 @@ class Generation:
         self.text_parts: list[str] = []
         self.closed = False   # set by the route once close() bookkeeping ran
 
-    async def start(self) -> None:
+    async def start(self, admission_wait_s: float | None = None) -> None:
+        """Predict, then submit. Returns once the scheduler answered (first event, or a
+        refusal), or after `admission_wait_s` without news (None = wait as long as it takes)."""
         self.prediction = await self.upstream.predict(self.plan.model, self.plan.prompt_text)
         self.call = self.upstream.generate(self.plan.to_pb(self.prediction))
-        try:
-            await self.call.initial_metadata()
-        except grpc.aio.AioRpcError as exc:   # pragma: no cover - grpc reports via code()
-            raise from_grpc(exc) from exc
+        await self._admitted(admission_wait_s)
         if self.call.done():
             code = await self.call.code()
             if code != grpc.StatusCode.OK:
                 self.finish_reason = "error"
                 raise from_grpc(_call_error(code, await self.call.details()))
+
+    async def _admitted(self, wait_s: float | None) -> None:
+        waiter = asyncio.ensure_future(self.call.initial_metadata())
+        waiter.add_done_callback(_consume)
+        await asyncio.wait([waiter], timeout=wait_s)
 
     @property
     def finished(self) -> bool:
@@ -157,6 +162,11 @@ class Generation:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+
+def _consume(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()   # retrieved: a failed call reports through call.code() instead
 
 
 def _call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -66,7 +66,8 @@ async def _respond(request: Request, plan, body, chat: bool):
     gw.metrics.prompt_tokens.observe(len(plan.prompt_ids))
     gw.metrics.active_streams.inc()
     try:
-        await _until_disconnect(request, gen.start(), gw.settings.request_timeout_s)
+        wait = gw.settings.admission_wait_ms / 1000.0 if body.stream else None
+        await _until_disconnect(request, gen.start(wait), gw.settings.request_timeout_s)
         gw.metrics.predictions.labels(gen.prediction.source if gen.prediction else "none").inc()
         headers = {"X-ALISE-Prediction": prediction_header(gen.prediction)}
         if body.stream:
