@@ -5,19 +5,22 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
 
 
 @contextmanager
-def running_gateway(settings: GatewaySettings, start_timeout_s: float = 120.0) -> Iterator[str]:
-    """Serve `create_app(settings)` on 127.0.0.1 in a thread; yields the base URL."""
+def running_gateway(settings: GatewaySettings, port: int | None = None,
+                    start_timeout_s: float = 120.0) -> Iterator[str]:
+    """Serve `create_app(settings)` on 127.0.0.1:`port` (default: a free one) in a thread;
+    yields the base URL."""
     import uvicorn
 
     from services.gateway.app import create_app
 
-    port = settings.gateway_port or free_port()
+    port = port or free_port()
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_config=None,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
@@ -34,3 +37,101 @@ def running_gateway(settings: GatewaySettings, start_timeout_s: float = 120.0) -
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+class ProcessStack:
+    """Executor, scheduler and gateway as separate `alise ... serve` processes on free loopback
+    ports (plus a private embedded Redis), for benchmarks. `model="tiny"` builds a random-
+    weight model with the bundled tokenizer; `with_executor=False` leaves the scheduler
+    without one, so requests wait in its queue (idle streams)."""
+
+    def __init__(self, run_dir: Path, model: str = "tiny", with_executor: bool = True,
+                 env: dict[str, str] | None = None, health_timeout_s: float = 300.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.model = model
+        self.with_executor = with_executor
+        self.extra_env = env or {}
+        self.health_timeout_s = health_timeout_s
+        self.supervisor = None
+        self.redis = None
+        self.url = ""
+        self.model_id = ""
+
+    def _model_setting(self) -> str:
+        if self.model != "tiny":
+            return self.model
+        from services.executor.tiny import make_tiny_model
+
+        return str(make_tiny_model(self.run_dir / "tiny-model"))
+
+    def _specs(self, model: str):
+        from services.launcher.topology import ServiceSpec
+
+        ex_port, sch_port, gw_port = free_port(), free_port(), free_port()
+        executor = f"127.0.0.1:{ex_port}" if self.with_executor else f"127.0.0.1:{free_port()}"
+        specs = []
+        if self.with_executor:
+            specs.append(ServiceSpec("executor", ("executor", "serve"), {
+                "ALISE_EXECUTOR_PORT": str(ex_port), "ALISE_DEVICE": "cpu"},
+                ("grpc", executor)))
+        specs.append(ServiceSpec("scheduler", ("scheduler", "serve"), {
+            "ALISE_SCHEDULER_PORT": str(sch_port), "ALISE_EXECUTORS": executor,
+            "ALISE_REDIS_URL": self.redis.url, "ALISE_EXECUTOR_GRACE_S": "3600"},
+            ("grpc", f"127.0.0.1:{sch_port}"), ("executor",) if self.with_executor else ()))
+        self.url = f"http://127.0.0.1:{gw_port}"
+        specs.append(ServiceSpec("gateway", ("gateway", "serve"), {
+            "ALISE_GATEWAY_PORT": str(gw_port), "ALISE_SCHEDULER_ADDRESS": f"127.0.0.1:{sch_port}",
+            "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}"},
+            ("http", self.url + "/v1/models"), ("scheduler",)))
+        return specs
+
+    def __enter__(self) -> "ProcessStack":
+        from services.common.models import served_model_id
+        from services.common.redis_runner import EmbeddedRedis
+        from services.launcher.supervisor import Supervisor, base_env
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model = self._model_setting()
+        self.model_id = served_model_id(model)
+        self.redis = EmbeddedRedis(self.run_dir / "redis").start()
+        env = base_env({"ALISE_MODEL": model, "ALISE_LOG_LEVEL": "WARNING",
+                        "ALISE_KV_MEMORY_GB": "0.25", "ALISE_SWAP_MEMORY_GB": "0.1",
+                        **self.extra_env})
+        self.supervisor = Supervisor(self._specs(model), self.run_dir / "logs", env)
+        try:
+            self.supervisor.start_all(self.health_timeout_s)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    @property
+    def gateway_pid(self) -> int:
+        return self.supervisor.pids()["gateway"]
+
+    def __exit__(self, *exc) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop_all(timeout=10)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+class BackgroundLoop:
+    """An asyncio loop in a daemon thread, for in-process gRPC services under sync tests."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="services",
+                                       daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = 300.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
