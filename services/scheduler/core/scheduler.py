@@ -52,6 +52,11 @@ class Scheduler:
         self.num_finished = 0
         self.num_preemptions = 0
         policy.bind(self)
+        # ...and it must still fit when the admission watermark is kept free
+        reserve = getattr(policy, "watermark_blocks", 0)
+        if reserve:
+            usable = (block_manager.num_device_blocks - reserve) * block_manager.block_size
+            self.max_model_len = min(self.max_model_len, max(2, usable))
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -195,6 +195,8 @@ class PreemptivePolicy(Policy):
         swapped jobs inside it while free blocks stay above the watermark."""
         if self.memory_mode != "swap" or not (s.swapped or self.gpu_job_limit):
             return
+        if b.preempted and not self.gpu_job_limit:
+            return                          # memory is short right now: no prefetch
         bm, limit = s.block_manager, self.gpu_job_limit or self.seqs
         uploads = self.prefetch_per_step
         for rank, req in enumerate(self.q.in_order()):
