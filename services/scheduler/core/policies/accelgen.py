@@ -109,37 +109,55 @@ class AccelGenPolicy(Policy):
 
     # -- step -------------------------------------------------------------------------------
     def schedule(self, s, now: float):
-        t_max = self.t_max()
+        t_max, sq = self.t_max(), self.sq
         urgent, back = [], []
-        while True:
-            due = self.sq.peek_due()
-            if due is None or due - now > t_max:
-                break
-            urgent.append(s.requests[self.sq.pop()[1]])
-        head = self.sq.peek_due()
-        slos = [self.sq.slo(r) for r in urgent[:64]]
+        full = self._admission_closed(s)
+        while len(urgent) < 64 and self._urgent_next(now, t_max, full):
+            urgent.append(s.requests[sq.pop(full)[1]])
+        slos = [sq.slo(r) for r in urgent]
+        head = sq.peek(full)
         if head is not None:
-            slos.append(self.sq.slo(s.requests[self.sq.heap[0][2]]))
-        budget = self.budget_for(min(slos)) if slos else self.max_token_budget
-        b = s.new_batch(now, budget)
-        for req in urgent:
+            slos.append(sq.slo(s.requests[head[2]]))
+        b = s.new_batch(now, self.budget_for(min(slos)) if slos else self.max_token_budget)
+        i = 0
+        while b.tokens_left >= 1 and b.num_seqs < self.max_num_seqs:
+            full = full or self._admission_closed(s)
+            if i < len(urgent):
+                req, i = urgent[i], i + 1
+            elif self._urgent_next(now, t_max, full):
+                req = s.requests[sq.pop(full)[1]]
+            else:
+                break
             if not self._force(s, b, req):
                 back.append(req)
+        back += urgent[i:]
         back += self._select(s, b, now)
         if not b.scheduled:
             # nothing fitted without preemption: never idle while work waits, so treat the
             # least-slack request as urgent (otherwise KV held by stalled prompts deadlocks)
-            back.sort(key=lambda r: self.sq.due.get(r.request_id, 0.0))
-            for i, req in enumerate(back):
+            back.sort(key=lambda r: sq.due.get(r.request_id, 0.0))
+            for j, req in enumerate(back):
                 if self._force(s, b, req):
-                    back.pop(i)
+                    back.pop(j)
                     break
         for req in back:
-            if not req.is_finished and req.request_id not in self.sq.ver:
-                self.sq.push(req, self.sq.due[req.request_id])
+            if not req.is_finished and req.request_id not in sq.ver:
+                sq.push(req, sq.due[req.request_id])
         for rid in b.scheduled:
-            self.sq.ran(s.requests[rid], now)
+            sq.ran(s.requests[rid], now)
         return b.finish()
+
+    def _urgent_next(self, now: float, t_max: float, residents_only: bool) -> bool:
+        due = self.sq.peek_due(residents_only)
+        return due is not None and due - now <= t_max
+
+    def _admission_closed(self, s) -> bool:
+        """No new sequence can become resident now (vLLM's max_num_seqs or a full pool)."""
+        return (len(s.running) >= self.max_num_seqs
+                or s.block_manager.num_free_device_blocks <= self.watermark_blocks)
+
+    def on_move(self, req, status) -> None:
+        self.sq.moved(req)
 
     def _force(self, s, b, req) -> bool:
         """Put an urgent request in. A resident request that cannot grow preempts the
@@ -149,6 +167,8 @@ class AccelGenPolicy(Policy):
         processed in ascending T_r, so the ones dropped are the largest)."""
         if req.status not in (RUNNING, WAITING, SWAPPED) or b.num_seqs >= self.max_num_seqs:
             return False
+        if req.status is not RUNNING and len(s.running) >= self.max_num_seqs:
+            return False                 # vLLM's limit on resident sequences
         n = min(req.num_uncomputed_tokens, b.tokens_left)
         if n < 1:
             return False
@@ -188,6 +208,8 @@ class AccelGenPolicy(Policy):
         back = []
 
         def allowed(req) -> bool:
+            if req.status is not RUNNING and len(s.running) >= self.max_num_seqs:
+                return False
             if not self.era or req.num_computed_tokens > 0 or not self.is_long(req, b.token_budget):
                 return True
             return len(self.long_inflight) < self.max_long_prompts
@@ -195,13 +217,14 @@ class AccelGenPolicy(Policy):
         for _ in range(self.max_windows):
             if b.tokens_left < 1 or b.num_seqs >= self.max_num_seqs:
                 break
-            first = self.sq.pop()
+            full = self._admission_closed(s)
+            first = self.sq.pop(full)
             if first is None:
                 break
             window = [s.requests[first[1]]]
             limit = first[0] + self.gamma_s
-            while len(window) < self.max_window and (self.sq.peek_due() or limit + 1) <= limit:
-                window.append(s.requests[self.sq.pop()[1]])
+            while len(window) < self.max_window and (self.sq.peek_due(full) or limit + 1) <= limit:
+                window.append(s.requests[self.sq.pop(full)[1]])
             before = set(b.scheduled)
             back += select_nearest(b, window, self.watermark_blocks, allowed, self.max_num_seqs)
             for rid in b.scheduled.keys() - before:

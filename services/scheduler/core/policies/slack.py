@@ -17,11 +17,16 @@ import heapq
 import itertools
 import math
 
+from services.scheduler.core.request import RequestStatus
+
+RUNNING = RequestStatus.RUNNING
+
 
 class SlackQueue:
     def __init__(self, policy):
         self.p = policy
-        self.heap: list[tuple[float, int, str]] = []
+        self.heap: list[tuple[float, int, str]] = []       # waiting and swapped requests
+        self.resident: list[tuple[float, int, str]] = []   # requests with KV on the device
         self.ver: dict[str, int] = {}
         self.due: dict[str, float] = {}
         self.enter: dict[str, float] = {}
@@ -69,7 +74,14 @@ class SlackQueue:
                 due = t + self.slo(req) - self._exec(req)
         seq = next(self._seq)
         self.ver[rid], self.due[rid] = seq, due
-        heapq.heappush(self.heap, (due, seq, rid))
+        heap = self.resident if req.status is RUNNING else self.heap
+        heapq.heappush(heap, (due, seq, rid))
+
+    def moved(self, req) -> None:
+        """Keep a queued request in the heap matching its residency."""
+        rid = req.request_id
+        if rid in self.ver:
+            self.push(req, self.due[rid])
 
     def reenter(self, req, now: float) -> None:
         """The request (re)joins the queue at `now`: returned from an iteration or preempted."""
@@ -83,21 +95,34 @@ class SlackQueue:
             waited = now - self.enter[rid]
             self.carry[rid] = self.jct_base[rid] + self.carry[rid] - waited
 
-    def pop(self):
-        """(due, rid) of the most urgent valid entry, or None."""
-        heap, ver = self.heap, self.ver
-        while heap:
-            due, seq, rid = heapq.heappop(heap)
-            if ver.get(rid) == seq:
-                del ver[rid]
-                return due, rid
-        return None
-
-    def peek_due(self) -> float | None:
-        heap, ver = self.heap, self.ver
+    def _top(self, heap):
+        ver = self.ver
         while heap and ver.get(heap[0][2]) != heap[0][1]:
             heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        return heap[0] if heap else None
+
+    def peek(self, residents_only: bool = False):
+        """(due, seq, rid) of the most urgent valid entry, or None."""
+        top_r = self._top(self.resident)
+        if residents_only:
+            return top_r
+        top_w = self._top(self.heap)
+        if top_r is None or (top_w is not None and top_w < top_r):
+            return top_w
+        return top_r
+
+    def peek_due(self, residents_only: bool = False) -> float | None:
+        top = self.peek(residents_only)
+        return None if top is None else top[0]
+
+    def pop(self, residents_only: bool = False):
+        """(due, rid) of the most urgent valid entry (optionally resident ones only), or None."""
+        top = self.peek(residents_only)
+        if top is None:
+            return None
+        heapq.heappop(self.resident if self.resident and top is self.resident[0] else self.heap)
+        del self.ver[top[2]]
+        return top[0], top[2]
 
     def remove(self, rid: str) -> None:
         for table in (self.ver, self.due, self.enter, self.jct_base, self.carry):
