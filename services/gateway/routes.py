@@ -45,14 +45,29 @@ async def list_models(request: Request) -> ModelList:
                                       max_model_len=gw.max_model_len())])
 
 
-@router.post("/completions")
+def _header(name: str, kind: str, description: str) -> dict:
+    return {"name": name, "in": "header", "required": False, "description": description,
+            "schema": {"type": kind}}
+
+
+# Extensions for clients that cannot change bodies (the body wins when both are given).
+EXTENSION_HEADERS = {"parameters": [
+    _header("X-Priority", "integer", "Request priority, larger = more important."),
+    _header("X-SLO-TTFT-MS", "number", "Time-to-first-token objective (ms)."),
+    _header("X-SLO-TBT-MS", "number", "Time-between-tokens objective (ms)."),
+    _header("X-SLO-Deadline-MS", "number", "Completion deadline (ms after arrival)."),
+    _header("X-Request-Id", "string", "Echoed back; made up when absent or invalid."),
+]}
+
+
+@router.post("/completions", openapi_extra=EXTENSION_HEADERS)
 async def completions(body: CompletionRequest, request: Request):
     gw = request.app.state.gateway
     plan = await gw.prompts.completion(body, request.headers, request.state.request_id)
     return await _respond(request, plan, body, chat=False)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", openapi_extra=EXTENSION_HEADERS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     gw = request.app.state.gateway
     plan = await gw.prompts.chat(body, request.headers, request.state.request_id)

@@ -135,3 +135,39 @@ class BackgroundLoop:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+@contextmanager
+def inprocess_backend(run_dir: Path, model_dir: str | Path | None, redis_url: str,
+                      executor_kw: dict | None = None, **scheduler_kw) -> Iterator[dict]:
+    """A real executor (serving `model_dir` on CPU; None = no executor, requests stay queued)
+    and scheduler on loopback, run in a background loop. Yields {"loop", "scheduler",
+    "executor", "address"}."""
+    from services.common.settings import ExecutorSettings, SchedulerSettings
+    from services.scheduler.server import start_scheduler
+
+    loop = BackgroundLoop()
+    executor = scheduler = None
+    try:
+        if model_dir is not None:
+            from services.executor.server import start_executor
+
+            settings = ExecutorSettings(**{
+                "model": str(model_dir), "executor_port": 0, "device": "cpu",
+                "kv_memory_gb": 0.05, "swap_memory_gb": 0.02, "data_dir": run_dir,
+                **(executor_kw or {})})
+            executor = loop.run(start_executor(settings))
+            executors = [f"127.0.0.1:{executor.port}"]
+        else:
+            executors = [f"127.0.0.1:{free_port()}"]
+        scheduler = loop.run(start_scheduler(SchedulerSettings(**{
+            "redis_url": redis_url, "executors": executors, "scheduler_port": 0,
+            "data_dir": run_dir, "executor_grace_s": 600, **scheduler_kw})))
+        yield {"loop": loop, "scheduler": scheduler, "executor": executor,
+               "address": f"127.0.0.1:{scheduler.port}"}
+    finally:
+        if scheduler is not None:
+            loop.run(scheduler.stop())
+        if executor is not None:
+            loop.run(executor.stop())
+        loop.close()
