@@ -67,7 +67,7 @@ class AlisePolicy(PreemptivePolicy):
                 pred *= 2
             self.pred[rid] = pred
             self.demotions[rid] = self.demotions.get(rid, 0) + 1
-        self.q.put(req, self._level(req))
+        self._put(req, self._level(req))
 
     def on_finish(self, req, now: float) -> None:
         super().on_finish(req, now)

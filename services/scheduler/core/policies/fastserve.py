@@ -48,7 +48,7 @@ class FastServePolicy(PreemptivePolicy):
         used = self.used.get(rid, 0.0) + elapsed
         level = self.q.level_of[rid]
         if used >= self.quantum(level) and level < self.num_queues - 1:
-            self.q.put(req, level + 1)
+            self._put(req, level + 1)
             used = 0.0
         self.used[rid] = used
 

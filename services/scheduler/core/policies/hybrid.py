@@ -92,7 +92,7 @@ class HybridPolicy(AlisePolicy):
         self._chosen, self._victims = [], None
         self._decodes(s, b)
         self._ongoing_prefills(s, b)
-        if not b.preempted:
+        if not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs:
             urgent = self._urgent(s, now)
             self._admit(s, b, urgent[:self.max_window])
             for req in urgent:
@@ -155,7 +155,8 @@ class HybridPolicy(AlisePolicy):
         """Waiting requests whose TTFT objective needs them in this iteration."""
         t_max = max(self.recent) if self.recent else 0.0
         heap, out = self.ttft_heap, []
-        while heap and heap[0][0] - now <= t_max + self._prefill_estimate(s, heap[0][1]):
+        while (heap and len(out) < self.max_window
+               and heap[0][0] - now <= t_max + self._prefill_estimate(s, heap[0][1])):
             _, rid = heapq.heappop(heap)
             req = s.requests.get(rid)
             if req is not None and not req.is_finished and req.status is not RUNNING:

@@ -56,7 +56,9 @@ class PreemptivePolicy(Policy):
         self.q = LevelQueues(self.num_queues)
         self.aging = AgingClock(self.aging_threshold_s)
         self.boost: dict[str, int] = {}
-        self.rem: dict[str, float] = {}
+        self.rem: dict[str, float] = {}          # predicted remaining seconds per request
+        self.level_rem = [0.0] * self.num_queues  # their sum per level (for EWT, eq. 6)
+        self._booked: dict[str, tuple[int, float]] = {}
         self.prev: set[str] = set()
 
     # -- per-policy hooks -------------------------------------------------------------------
@@ -71,11 +73,25 @@ class PreemptivePolicy(Policy):
 
     # -- lifecycle --------------------------------------------------------------------------
     def on_add(self, req, now: float) -> None:
-        self.q.put(req, self.entry_level(req, now))
+        self._put(req, self.entry_level(req, now))
         self.aging.start(req.request_id, now)
+
+    def _put(self, req, level: int) -> None:
+        """Place `req` in a level and keep the per-level sums of remaining time current."""
+        rid = req.request_id
+        old = self._booked.get(rid)
+        if old is not None:
+            self.level_rem[old[0]] -= old[1]
+        self.q.put(req, level)
+        level, rem = self.q.level_of[rid], self.rem.get(rid, 0.0)
+        self.level_rem[level] += rem
+        self._booked[rid] = (level, rem)
 
     def on_finish(self, req, now: float) -> None:
         rid = req.request_id
+        old = self._booked.pop(rid, None)
+        if old is not None:
+            self.level_rem[old[0]] -= old[1]
         self.q.remove(rid)
         self.aging.stop(rid)
         self.boost.pop(rid, None)
@@ -105,7 +121,7 @@ class PreemptivePolicy(Policy):
             level = self.q.level_of.get(rid)
             if level:
                 self.boost[rid] = self.boost.get(rid, 0) + 1
-                self.q.put(req, level - 1)
+                self._put(req, level - 1)
 
     def _select(self, b) -> list:
         chosen, tokens, skips, budget, seqs = [], 0, 0, self.budget, self.seqs
@@ -152,43 +168,50 @@ class PreemptivePolicy(Policy):
         if self._victims is None:
             self._victims = self._victims_by_ewt(s, b)
             self._vpos = 0
-        victims, pos = self._victims, self._vpos
-        eligible = []
-        for v_rank, victim in victims[pos:]:
+        victims, p = self._victims, self._vpos
+        take, free = [], bm.num_free_device_blocks
+        while free < need and p < len(victims):
+            v_rank, victim = victims[p]
             if v_rank <= rank:
                 break
+            p += 1
             if victim.status is RUNNING and victim.request_id not in b.swapped_in:
-                eligible.append(victim)
-        if bm.num_free_device_blocks + sum(bm.num_device_blocks_of(v.request_id)
-                                           for v in eligible) < need:
+                take.append(victim)
+                free += bm.num_device_blocks_of(victim.request_id)
+        if free < need:
             return False
         mode = "swap" if self.memory_mode == "swap" else "recompute"
-        for victim in eligible:
-            if bm.num_free_device_blocks >= need:
-                break
+        for victim in take:
             b.preempt(victim, mode)
-            self._vpos += 1
+        self._vpos = p
         return bm.num_free_device_blocks >= need
 
     def _victims_by_ewt(self, s, b) -> list:
         """(rank, request) eviction candidates: resident unchosen requests, highest estimated
-        wait time first (ALISE eq. 7: EWT = min(work queued ahead, time until aging promotes
-        it)), then the resident chosen ones from the lowest priority up."""
-        ewt, ahead = [], 0.0
+        wait time first (ALISE eq. 7: EWT = min(predicted work in the higher-priority queues,
+        time until aging promotes it to the top); ties: lower level first), then the resident
+        chosen ones from the lowest priority up."""
         chosen = {r.request_id for r, _ in self._chosen}
-        rem, k = self.rem, self.aging_threshold_s
-        for req in self.q.in_order():
-            rid = req.request_id
-            if req.status is RUNNING and rid not in chosen:
-                promote = INF if not k else max(0.0, self.q.level_of[rid] * k
-                                                - self.aging.waited(rid, b.now))
-                ewt.append((-min(ahead, promote), -len(ewt), req))  # ties: lowest priority first
-            ahead += rem.get(rid, 0.0)
-        ewt.sort()
         lowest = len(self._chosen)
         tail = [(i, r) for i, (r, _) in reversed(list(enumerate(self._chosen)))
                 if r.status is RUNNING]
-        return [(lowest, req) for _, _, req in ewt] + tail
+        if not self.aging_threshold_s:   # EWT is then monotone in queue order: no sort needed
+            return [(lowest, r) for r in self.q.lowest_first()
+                    if r.status is RUNNING and r.request_id not in chosen] + tail
+        above, total = [], 0.0          # work queued in the levels above each level
+        for level_sum in self.level_rem:
+            above.append(total)
+            total += level_sum
+        k, level_of, waited = self.aging_threshold_s, self.q.level_of, self.aging.waited
+        ewt = []
+        for rid, req in self.sched.running.items():
+            if rid in chosen or rid not in level_of:
+                continue
+            level = level_of[rid]
+            promote = max(0.0, level * k - waited(rid, b.now))
+            ewt.append((-min(above[level], promote), -level, len(ewt), req))
+        ewt.sort()
+        return [(lowest, e[3]) for e in ewt] + tail
 
     def _rebalance(self, s, b) -> None:
         """ALISE Algorithm 2 (swap mode): offload jobs past the GPU job limit M, upload
