@@ -134,3 +134,15 @@ def test_placement_prefers_least_outstanding_work():
     assert choose_executor({"a": s1, "b": s2}, req("y", 10, 10), 0.0) == "b"
     assert choose_executor({"a": s1, "b": s2}, req("z", 100, 10), 0.0) == "a"
     assert choose_executor({"b": s2}, req("w", 100, 10), 0.0) is None
+
+
+def test_free_only_output_is_not_in_flight():
+    s = make_sched("fcfs")
+    s.add_request(req("a", 4, 1))
+    out = s.schedule(0.0)
+    s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
+    frees = s.schedule(0.02)
+    assert frees.free_request_ids == ["a"] and not frees.num_scheduled_tokens
+    assert s.update(StepOutcome(frees.step_id, {}), 0.03) == []     # sent: accepted as no-op
+    s.add_request(req("b", 4, 1, t=0.03))
+    assert s.schedule(0.04).num_scheduled_tokens == {"b": 4}        # dropped: still fine

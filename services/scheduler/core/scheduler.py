@@ -49,6 +49,7 @@ class Scheduler:
         self._pending_free: list[str] = []
         self._inflight: SchedulerOutput | None = None
         self._step_id = 0
+        self._last_step_id = 0
         self.num_finished = 0
         self.num_preemptions = 0
         policy.bind(self)
@@ -97,12 +98,17 @@ class Scheduler:
             out.free_request_ids = self._pending_free + out.free_request_ids
             self._pending_free = []
         self.num_preemptions += len(out.preempted_request_ids)
-        if not out.is_empty:
+        # only steps that compute or move KV need their result applied; an output that merely
+        # frees requests may be sent (update() accepts it as a no-op) or dropped by the caller
+        if out.num_scheduled_tokens or out.swap_out or out.swap_in:
             self._inflight = out
+        self._last_step_id = out.step_id
         return out
 
     def update(self, outcome: StepOutcome, now: float) -> list[RequestUpdate]:
         out = self._inflight
+        if out is None and outcome.step_id == self._last_step_id:
+            return []               # a step that only freed requests: nothing to apply
         if out is None or outcome.step_id != out.step_id:
             expected = None if out is None else out.step_id
             raise ValueError(f"outcome for step {outcome.step_id}, expected step {expected}")
