@@ -1,0 +1,85 @@
+"""What the executor needs to know about a model, read from its Hugging Face config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED = LLAMA_FAMILY + ("opt",)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    arch: str                     # "llama" | "mistral" | "qwen2" | "opt"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: object = None      # the transformers config, for RoPE and OPT details
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _eos_ids(config, model_dir: Path) -> list[int]:
+    ids = config.eos_token_id
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        import json
+
+        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+def load_spec(model_dir: Path) -> ModelSpec:
+    """Parse `model_dir/config.json`; unsupported architectures raise ValueError."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = config.model_type
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED)}")
+    heads = config.num_attention_heads
+    if arch == "opt":
+        kv_heads, inter = heads, config.ffn_dim
+    else:
+        kv_heads, inter = config.num_key_value_heads or heads, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    max_len = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    if arch != "opt" and window and getattr(config, "use_sliding_window", True):
+        max_len = min(max_len, window)  # sliding window never engages below this length
+    return ModelSpec(arch, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
+                     head_dim, inter, config.vocab_size, max_len, _eos_ids(config, model_dir),
+                     config)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda requested but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "fp16" and device.type == "cpu":
+        raise ValueError("fp16 is only supported on GPU; use fp32 or bf16 on CPU")
+    return DTYPES[name]

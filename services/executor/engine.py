@@ -1,0 +1,227 @@
+"""The in-process executor: applies one Step delta, runs one forward pass, samples.
+
+    engine = Engine(weights_dir("smollm2-135m-instruct", data_dir), num_device_blocks=256)
+    out = engine.step(StepInput(new_requests=[NewRequest("a", ids)],
+                                block_tables={"a": ([0, 1], False)},
+                                num_scheduled_tokens={"a": len(ids)}))
+    out.sampled["a"]  # (token id, logprob)
+
+Order inside a step (proto/executor.proto): swap_out, swap_in, free, new requests and block
+tables, one forward pass over the packed batch, sampling. A malformed step raises ValueError
+before anything changes.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from services.executor.batch import Chunk, build_batch
+from services.executor.config import resolve_device, resolve_dtype
+from services.executor.messages import RequestState, StepInput, StepOutput, StepTimings
+from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
+from services.executor.sampler import sample
+from services.executor.step_plan import Plan, StepChecker
+from services.executor.swap import SwapManager
+
+GIB = 1 << 30
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, *, model_name: str | None = None,
+                 device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
+                 block_size: int = 16, num_device_blocks: int | None = None,
+                 num_host_blocks: int | None = None, kv_memory_gb: float = 1.0,
+                 swap_memory_gb: float = 1.0, swap_compress: bool = False,
+                 attention_backend: str = "auto", max_model_len: int = 0,
+                 profile_path: str | Path | None = None) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
+        self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype)
+        self.kv_dtype, self.block_size = kv_dtype, block_size
+        per_block = bytes_per_block(self.spec, kv_dtype, block_size, self.dtype)
+        if num_device_blocks is None:
+            num_device_blocks = int(kv_memory_gb * GIB // per_block)
+        if num_device_blocks < 1:
+            raise ValueError(f"kv memory budget holds no block ({per_block} bytes each)")
+        self.cache = make_cache(self.spec, kv_dtype, num_device_blocks, block_size, self.dtype,
+                                self.device)
+        self.attn = make_attention(self.spec, attention_backend, self.device)
+        host_bytes = SwapManager.host_block_bytes(self.cache, swap_compress)
+        if num_host_blocks is None:
+            num_host_blocks = int(swap_memory_gb * GIB // host_bytes)
+        self.swap = SwapManager(self.cache, num_host_blocks, swap_compress)
+        self.max_model_len = self._max_len(max_model_len)
+        self.profile_path = Path(profile_path) if profile_path else None
+        self.instance_id = uuid.uuid4().hex
+        self.requests: dict[str, RequestState] = {}
+        self.owner: dict[int, str] = {}                 # device block -> request id
+        self.checker = StepChecker(self.requests, self.owner, num_device_blocks,
+                                   num_host_blocks, block_size, self.max_model_len,
+                                   self.spec.vocab_size)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings) -> "Engine":
+        """From an ExecutorSettings: loads `settings.model` (GGUF is dequantized once)."""
+        from services.common.models import served_model_id, weights_dir
+
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        return cls(weights_dir(settings.model, settings.data_dir),
+                   model_name=served_model_id(settings.model), device=settings.device,
+                   dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                   block_size=settings.block_size, kv_memory_gb=settings.kv_memory_gb,
+                   swap_memory_gb=settings.swap_memory_gb, swap_compress=settings.swap_compress,
+                   attention_backend=settings.attention_backend,
+                   max_model_len=settings.max_model_len, profile_path=settings.profile_path)
+
+    def _max_len(self, requested: int) -> int:
+        if requested and requested > self.spec.max_model_len:
+            raise ValueError(f"max_model_len {requested} exceeds the model's "
+                             f"{self.spec.max_model_len}")
+        return requested or self.spec.max_model_len
+
+    # -- description ----------------------------------------------------------------------
+    @property
+    def num_device_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.swap.num_host_blocks
+
+    def profile_json(self) -> str:
+        if self.profile_path and self.profile_path.exists():
+            return self.profile_path.read_text()
+        return ""
+
+    def describe(self) -> dict:
+        return {"model": self.model_name, "architecture": self.spec.arch,
+                "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": self.kv_dtype,
+                "max_model_len": self.max_model_len, "block_size": self.block_size,
+                "bytes_per_block": self.cache.bytes_per_block,
+                "num_device_blocks": self.num_device_blocks,
+                "num_host_blocks": self.num_host_blocks, "device": str(self.device),
+                "vocab_size": self.spec.vocab_size, "eos_token_ids": self.spec.eos_token_ids,
+                "profile_json": self.profile_json(), "instance_id": self.instance_id,
+                "attention_backend": self.attn.name}
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self, step: StepInput, all_logits: bool = False) -> StepOutput:
+        """Apply the delta, run the forward pass, sample. all_logits: also return the fp32
+        logits of every computed position per request (tests, perplexity)."""
+        start = time.perf_counter()
+        with self._lock:
+            plan = self.checker.plan(step)
+            self._apply(step, plan)
+            out = self._run(step.step_id, plan, all_logits)
+        out.timings.total_s = time.perf_counter() - start
+        return out
+
+    def _apply(self, step, plan: Plan) -> None:
+        self.swap.swap_out(list(step.swap_out))
+        self.swap.swap_in(list(step.swap_in))
+        for rid in plan.suspended:
+            self._release(rid)
+            self.requests[rid].block_table = None
+        for rid in plan.freed:
+            self._release(rid)
+            self.cache.close_request(rid)
+            del self.requests[rid]
+        for state in plan.new:
+            state.staging_slot = self.cache.open_request(state.request_id)
+            self.requests[state.request_id] = state
+        for rid, table in plan.tables.items():
+            self._release(rid)
+            self.requests[rid].block_table = table
+            self.owner.update(dict.fromkeys(table, rid))
+
+    def _release(self, rid: str) -> None:
+        for b in self.requests[rid].block_table or ():
+            if self.owner.get(b) == rid:
+                del self.owner[b]
+
+    def _chunks(self, plan: Plan) -> list[Chunk]:
+        chunks = []
+        for rid, n in plan.scheduled:
+            st = self.requests[rid]
+            end = st.num_computed + n
+            chunks.append(Chunk(rid, st.token_ids[st.num_computed:end], st.num_computed,
+                                st.block_table, st.staging_slot, end == len(st.token_ids)))
+        return chunks
+
+    def _run(self, step_id: int, plan: Plan, all_logits: bool) -> StepOutput:
+        timings, chunks = StepTimings(), self._chunks(plan)
+        if not chunks:
+            return StepOutput(step_id, {}, timings)
+        if self.swap.pending:
+            timings.swap_wait_s = self.swap.wait_for({b for c in chunks for b in c.block_table})
+        t0 = time.perf_counter()
+        batch = build_batch(chunks, self.block_size, self.device)
+        if all_logits:
+            batch.logits_rows = torch.arange(batch.num_tokens, device=self.device)
+        self.cache.prepare(batch)
+        self.attn.prepare(batch)
+        with torch.inference_mode():
+            hidden = self.runner.forward(batch, self.cache, self.attn)        # [T, hidden]
+            logits = self.runner.logits(hidden[batch.logits_rows])            # [S, V]
+        self._sync()
+        t1 = time.perf_counter()
+        timings.forward_s = t1 - t0
+        out = StepOutput(step_id, {}, timings)
+        self._count(out, batch)
+        if all_logits:
+            out.logits = self._split_logits(batch, logits)
+            sample_rows = [i for i, c in enumerate(batch.chunks) if c.sample]
+            ends = torch.tensor([c.q_len for c in batch.chunks]).cumsum(0) - 1
+            logits = logits[ends[sample_rows]] if sample_rows else logits[:0]
+        self._sample(batch, logits, out)
+        timings.sample_s = time.perf_counter() - t1
+        for c in batch.chunks:
+            self.requests[c.request_id].num_computed += c.q_len
+        return out
+
+    @staticmethod
+    def _split_logits(batch, logits) -> dict[str, torch.Tensor]:
+        parts = logits.split([c.q_len for c in batch.chunks])
+        return {c.request_id: p for c, p in zip(batch.chunks, parts)}
+
+    def _count(self, out: StepOutput, batch) -> None:
+        for c in batch.chunks:
+            if c.q_len == 1 and c.sample:
+                out.num_decode_tokens += 1
+            else:
+                out.num_prefill_tokens += c.q_len
+
+    def _sample(self, batch, logits: torch.Tensor, out: StepOutput) -> None:
+        if not batch.sample_ids:
+            return
+        states = [self.requests[rid] for rid in batch.sample_ids]
+        tokens, logprobs = sample(logits, [s.sampling for s in states],
+                                  [s.num_output_tokens for s in states])
+        for st, tok, lp in zip(states, tokens, logprobs):
+            st.token_ids.append(tok)
+            st.num_output_tokens += 1
+            out.sampled[st.request_id] = (tok, lp)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.swap.close()
+
+    def profile(self, quick: bool = True) -> dict:
+        from services.executor.profiler import profile_engine
+
+        return profile_engine(self, quick=quick)
+
+    def save_profile(self, profile: dict) -> None:
+        if self.profile_path:
+            self.profile_path.write_text(json.dumps(profile, indent=2))

@@ -1,0 +1,145 @@
+"""INT8 paged KV cache (ALISE asymmetric scale + zero-point, see quant.py).
+
+Granularity: keys per channel over each full block, values per token. A block is quantized
+once, when its last token is written; until then the request's open block lives exactly (model
+dtype) in a per-request staging buffer [bs, Hkv, D] per layer. So every key block's per-channel
+statistics cover exactly the tokens it holds, and the most recent tokens (which attention
+weighs most in decoding) are never rounded.
+
+Attention context of a request = its full blocks (dequantized) followed by its staging buffer.
+Attention does not depend on key order, only on the mask, so key positions are carried
+explicitly for the causal mask.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.executor import quant
+from services.executor.batch import Group, StepBatch
+from services.executor.kv_cache import allocate, layout_bytes
+
+
+def int8_layout(block_size: int, kv_heads: int, head_dim: int) -> dict:
+    """Per block and KV head: codes [bs, D], key scale/offset [D], value scale/offset [bs]."""
+    codes = ((block_size, head_dim), torch.uint8)
+    per_channel, per_token = ((head_dim,), quant.SCALE_DTYPE), ((block_size,), quant.SCALE_DTYPE)
+    return {"kq": codes, "ks": per_channel, "ko": per_channel,
+            "vq": codes, "vs": per_token, "vo": per_token}
+
+
+class Int8PagedKV:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 staging_slots: int = 8) -> None:
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
+        self.layout = int8_layout(block_size, kv_heads, head_dim)
+        self.tensors = allocate(num_layers, kv_heads, num_blocks, self.layout, device)
+        self.slots: dict[str, int] = {}
+        self.free_slots: list[int] = []
+        self._grow(staging_slots)
+        self._plan: dict[str, torch.Tensor] = {}
+
+    @property
+    def bytes_per_block(self) -> int:
+        return layout_bytes(self.num_layers, self.kv_heads, self.layout)
+
+    @property
+    def staging_bytes_per_request(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * \
+            torch.empty((), dtype=self.dtype).element_size()
+
+    # -- staging slots --------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        shape = (self.num_layers, self.kv_heads, capacity, self.block_size, self.head_dim)
+        new_k = torch.zeros(shape, dtype=self.dtype, device=self.device)     # [L, Hkv, S, bs, D]
+        new_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        old = getattr(self, "k_stage", None)
+        start = 0 if old is None else old.shape[2]
+        if old is not None:
+            new_k[:, :, :start] = old
+            new_v[:, :, :start] = self.v_stage
+        self.k_stage, self.v_stage = new_k, new_v
+        self.free_slots.extend(range(capacity - 1, start - 1, -1))
+
+    def open_request(self, request_id: str) -> int:
+        if not self.free_slots:
+            self._grow(2 * self.k_stage.shape[2])
+        slot = self.free_slots.pop()
+        self.slots[request_id] = slot
+        return slot
+
+    def close_request(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    # -- per step -------------------------------------------------------------------------
+    def prepare(self, batch: StepBatch) -> None:
+        self._plan = self._write_plan(batch)
+        for g in batch.groups:
+            self._prepare_group(g)
+
+    def _write_plan(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        bs, r = self.block_size, len(batch.chunks)
+        fq_src, fq_dst, st_src, row = [], [], [], 0
+        for i, c in enumerate(batch.chunks):
+            staged = c.ctx_before % bs
+            seq = [i * bs + j for j in range(staged)] + [r * bs + row + j for j in range(c.q_len)]
+            first = c.ctx_before // bs
+            n_full = c.ctx_after // bs - first
+            for m in range(n_full):
+                fq_src.append(seq[m * bs:(m + 1) * bs])
+                fq_dst.append(c.block_table[first + m])
+            tail = seq[n_full * bs:]
+            st_src.append(tail + [0] * (bs - len(tail)))
+            row += c.q_len
+
+        def t(values, shape=None):
+            out = torch.tensor(values, dtype=torch.long, device=self.device)
+            return out.view(shape) if shape else out
+        return {"slots": t([c.staging_slot for c in batch.chunks]), "fq_src": t(fq_src, (-1, bs)),
+                "fq_dst": t(fq_dst), "st_src": t(st_src, (-1, bs))}
+
+    def _prepare_group(self, g: Group) -> None:
+        bs = self.block_size
+        n_full = g.ctx_after // bs                                           # [B]
+        nf_max = int(n_full.max())
+        full_pos = torch.arange(nf_max * bs, device=self.device).expand(g.size, -1)
+        tail_pos = n_full[:, None] * bs + torch.arange(bs, device=self.device)  # [B, bs]
+        g.extra["full_tables"] = g.tables[:, :nf_max]
+        g.extra["slots"] = torch.tensor([c.staging_slot for c in g.chunks], device=self.device)
+        g.extra["key_pos"] = torch.cat([full_pos, tail_pos], dim=1)          # [B, Lk]
+        g.extra["key_valid"] = torch.cat(
+            [full_pos < (n_full * bs)[:, None], tail_pos < g.ctx_after[:, None]], dim=1)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
+        """Complete blocks are quantized into the pool; the open remainder goes to staging."""
+        p = self._plan
+        self._write_one(layer, k, self.k_stage, p, "k", quant.quantize_keys)
+        self._write_one(layer, v, self.v_stage, p, "v", quant.quantize_values)
+
+    def _write_one(self, layer, new, stage, p, name, quantize) -> None:
+        hkv, d, bs = self.kv_heads, self.head_dim, self.block_size
+        staged = stage[layer][:, p["slots"]].view(hkv, -1, d)                # [Hkv, R*bs, D]
+        combined = torch.cat([staged, new.transpose(0, 1)], dim=1)           # [Hkv, R*bs+T, D]
+        if p["fq_dst"].numel():
+            blocks = combined[:, p["fq_src"]]                                # [Hkv, Nf, bs, D]
+            codes, scale, offset = quantize(blocks)
+            self.tensors[name + "q"][layer][:, p["fq_dst"]] = codes
+            self.tensors[name + "s"][layer][:, p["fq_dst"]] = scale
+            self.tensors[name + "o"][layer][:, p["fq_dst"]] = offset
+        stage[layer][:, p["slots"]] = combined[:, p["st_src"]]               # [Hkv, R, bs, D]
+
+    def gather(self, layer: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [Hkv, B, NFmax*bs + bs, D]: dequantized full blocks, then the staging buffer."""
+        ft, slots = g.extra["full_tables"], g.extra["slots"]
+        b, nf = ft.shape
+        ids = ft.reshape(-1)
+        t = {name: x[layer].index_select(1, ids) for name, x in self.tensors.items()}
+        k = quant.dequantize_keys(t["kq"], t["ks"], t["ko"], self.dtype)     # [Hkv, B*NF, bs, D]
+        v = quant.dequantize_values(t["vq"], t["vs"], t["vo"], self.dtype)
+        shape = (self.kv_heads, b, nf * self.block_size, self.head_dim)
+        k = torch.cat([k.view(shape), self.k_stage[layer].index_select(1, slots)], dim=2)
+        v = torch.cat([v.view(shape), self.v_stage[layer].index_select(1, slots)], dim=2)
+        return k, v

@@ -1,0 +1,116 @@
+"""Llama-family runner (Llama 2/3, SmolLM2, Mistral, Qwen2 with its QKV bias).
+
+One forward pass over a packed ragged batch: every projection is one matmul over all T tokens
+of all requests; only attention looks at per-request structure (through the batch groups).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.executor.batch import StepBatch
+from services.executor.config import ModelSpec
+from services.executor.weights import cat_rows, take
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: normalize in fp32, scale in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] and the cos/sin scaling, via transformers' RoPE init."""
+    config = spec.hf_config
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = spec.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"RoPE type {rope_type!r} depends on sequence length: not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+
+
+@dataclass
+class LlamaLayer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor             # [Q + 2KV, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor               # [hidden, Q]
+    ln2: torch.Tensor
+    gate_up: torch.Tensor         # [2I, hidden]
+    down: torch.Tensor            # [hidden, I]
+
+
+class LlamaRunner:
+    def __init__(self, spec: ModelSpec, state: dict[str, torch.Tensor], device, dtype) -> None:
+        self.spec, self.device, self.dtype = spec, device, dtype
+        self.eps = spec.hf_config.rms_norm_eps
+        embed = take(state, "embed_tokens.weight", required=False)
+        lm_head = take(state, "lm_head.weight", required=False)
+        if embed is None and spec.hf_config.tie_word_embeddings:
+            embed = lm_head  # a tied checkpoint may store only one of the two
+        self.embed = take({"embed_tokens.weight": embed} if embed is not None else {},
+                          "embed_tokens.weight")
+        self.lm_head = self.embed if lm_head is None else lm_head
+        self.norm = take(state, "norm.weight")
+        self.layers = [self._layer(state, i) for i in range(spec.num_layers)]
+        inv_freq, self.rope_scale = rope_inv_freq(spec)
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+
+    @staticmethod
+    def _layer(state, i: int) -> LlamaLayer:
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        return LlamaLayer(
+            take(state, p + "input_layernorm.weight"),
+            cat_rows(*(take(state, f"{a}{n}_proj.weight") for n in "qkv")),
+            cat_rows(*(take(state, f"{a}{n}_proj.bias", required=False) for n in "qkv")),
+            take(state, a + "o_proj.weight"), take(state, p + "post_attention_layernorm.weight"),
+            cat_rows(take(state, m + "gate_proj.weight"), take(state, m + "up_proj.weight")),
+            take(state, m + "down_proj.weight"))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]         # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                               # [T, D]
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)[:, None, :]       # [T, 1, D]
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :]
+        return cos, sin
+
+    def forward(self, batch: StepBatch, cache, attn) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        s = self.spec
+        x = F.embedding(batch.token_ids, self.embed)                          # [T, hidden]
+        cos, sin = self.rope(batch.positions)
+        t = x.shape[0]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.ln1, self.eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)                      # [T, Q+2KV]
+            q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+            q = q.view(t, s.num_heads, s.head_dim)                            # [T, H, D]
+            k = k.view(t, s.num_kv_heads, s.head_dim)                         # [T, Hkv, D]
+            v = v.view(t, s.num_kv_heads, s.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = attn.forward(i, q, k, v.contiguous(), cache, batch)          # [T, H*D]
+            x = x + F.linear(o, layer.o)
+            h = rms_norm(x, layer.ln2, self.eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)            # [T, I] each
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(x, self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> fp32 logits [S, V]."""
+        return F.linear(hidden, self.lm_head).float()

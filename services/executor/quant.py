@@ -1,0 +1,54 @@
+"""ALISE's asymmetric INT8 quantization: x_q = round(x/λ + z), x = λ(x_q − z).
+
+Codes are stored unsigned (0..255). We store λ (`scale`) and λ·z as `offset` = −min, both in
+fp16, so dequantization is one fused multiply-add: x = scale·x_q − offset. The statistics are
+taken over `dims` (the elements that share one scale/zero-point):
+- keys: per channel over a whole block (reduce the token axis), as KIVI recommends, because key
+  outliers live in fixed channels;
+- values: per token (reduce the channel axis), because value error averages out across
+  channels in the attention-weighted sum.
+"""
+from __future__ import annotations
+
+import torch
+
+SCALE_DTYPE = torch.float16
+_EPS = 1e-6
+
+
+def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize along `dim`; returns (codes uint8 like x, scale, offset) with `dim` reduced."""
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True)
+    hi = xf.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / 255.0).clamp_min(_EPS).to(SCALE_DTYPE)
+    offset = (-lo).to(SCALE_DTYPE)
+    # quantize against the stored (rounded) parameters so dequantization matches exactly
+    codes = torch.round((xf + offset.float()) / scale.float()).clamp_(0, 255).to(torch.uint8)
+    return codes, scale.squeeze(dim), offset.squeeze(dim)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dim: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize` (scale/offset have `dim` reduced)."""
+    s = scale.unsqueeze(dim).float()
+    o = offset.unsqueeze(dim).float()
+    return (codes.float() * s - o).to(dtype)
+
+
+def quantize_keys(k: torch.Tensor):
+    """k [..., bs, D] (one block) -> codes [..., bs, D], scale/offset [..., D] (per channel)."""
+    return quantize(k, dim=-2)
+
+
+def quantize_values(v: torch.Tensor):
+    """v [..., bs, D] -> codes [..., bs, D], scale/offset [..., bs] (per token)."""
+    return quantize(v, dim=-1)
+
+
+def dequantize_keys(codes, scale, offset, dtype):
+    return dequantize(codes, scale, offset, dim=-2, dtype=dtype)
+
+
+def dequantize_values(codes, scale, offset, dtype):
+    return dequantize(codes, scale, offset, dim=-1, dtype=dtype)

@@ -1,0 +1,140 @@
+"""Check a step against the executor's state and compute its effects, without applying them.
+
+Everything that can make a step malformed is found here, so a rejected step (ValueError)
+leaves the executor untouched. Semantics, in the contract's order:
+- swap_out suspends every request owning a swapped-out block (its table becomes unknown until
+  the scheduler sends a replacing table);
+- free forgets requests (unknown ids are ignored: freeing is idempotent);
+- new requests, then block-table appends/replacements, are applied;
+- no device block may end up in two tables, nor be a swap-in target still owned by another
+  request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.executor.messages import RequestState, sampling_from
+
+
+@dataclass
+class Plan:
+    suspended: set[str] = field(default_factory=set)        # swapped-out owners
+    freed: list[str] = field(default_factory=list)
+    new: list[RequestState] = field(default_factory=list)
+    tables: dict[str, list[int]] = field(default_factory=dict)  # final table of touched reqs
+    scheduled: list[tuple[str, int]] = field(default_factory=list)
+
+
+class StepChecker:
+    def __init__(self, requests: dict[str, RequestState], owner: dict[int, str],
+                 num_device_blocks: int, num_host_blocks: int, block_size: int,
+                 max_model_len: int, vocab_size: int) -> None:
+        self.requests, self.owner = requests, owner
+        self.nd, self.nh, self.bs = num_device_blocks, num_host_blocks, block_size
+        self.max_len, self.vocab = max_model_len, vocab_size
+
+    def plan(self, step) -> Plan:
+        p = Plan()
+        self._swaps(step.swap_out, self.nd, self.nh, "swap_out")
+        self._swaps(step.swap_in, self.nh, self.nd, "swap_in")
+        for src, _ in step.swap_out:
+            if src in self.owner:
+                p.suspended.add(self.owner[src])
+        p.freed = [r for r in dict.fromkeys(step.free_request_ids) if r in self.requests]
+        live = set(self.requests) - set(p.freed)
+        self._new_requests(step.new_requests, live, p)
+        self._tables(step.block_tables, live | {r.request_id for r in p.new}, p)
+        self._swap_in_targets(step.swap_in, p)
+        self._scheduled(step.num_scheduled_tokens, p)
+        return p
+
+    @staticmethod
+    def _swaps(pairs, n_src: int, n_dst: int, what: str) -> None:
+        for src, dst in pairs:
+            if not (0 <= src < n_src and 0 <= dst < n_dst):
+                raise ValueError(f"{what} ({src} -> {dst}) out of range: source blocks "
+                                 f"0..{n_src - 1}, target blocks 0..{n_dst - 1}")
+        for i, name in ((0, "source"), (1, "target")):
+            ids = [pair[i] for pair in pairs]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{what} names a {name} block twice")
+
+    def _new_requests(self, new_requests, live: set[str], p: Plan) -> None:
+        for nr in new_requests:
+            rid = nr.request_id
+            if rid in live or any(r.request_id == rid for r in p.new):
+                raise ValueError(f"new request {rid!r} already exists")
+            ids = list(nr.token_ids)
+            if not ids:
+                raise ValueError(f"new request {rid!r} has no tokens")
+            if len(ids) > self.max_len:
+                raise ValueError(f"new request {rid!r} has {len(ids)} tokens, more than "
+                                 f"max_model_len {self.max_len}")
+            if min(ids) < 0 or max(ids) >= self.vocab:
+                raise ValueError(f"new request {rid!r} has a token id outside 0..{self.vocab - 1}")
+            if not 0 <= nr.num_output_tokens <= len(ids):
+                raise ValueError(f"new request {rid!r}: num_output_tokens out of range")
+            p.new.append(RequestState(rid, ids, sampling_from(nr.sampling), nr.num_output_tokens))
+
+    def _current_table(self, rid: str, p: Plan) -> list[int] | None:
+        if rid in p.tables:
+            return p.tables[rid]
+        if rid in p.suspended:
+            return None
+        state = self.requests.get(rid)
+        if state is None:
+            return []                       # a new request
+        return None if state.block_table is None else list(state.block_table)
+
+    def _tables(self, updates, live: set[str], p: Plan) -> None:
+        gone = p.suspended | set(p.freed)
+        released = {b for b, r in self.owner.items() if r in gone} if gone else set()
+        claims: dict[int, str] = {}
+        for rid, (ids, replace) in updates.items():
+            if rid not in live:
+                raise ValueError(f"block table for unknown request {rid!r}")
+            table = self._current_table(rid, p)
+            if replace:
+                released.update(table or [])
+                table = []
+            elif table is None:
+                raise ValueError(f"request {rid!r} is swapped out: send a replacing block table")
+            for b in ids:
+                if not 0 <= b < self.nd:
+                    raise ValueError(f"block id {b} out of range 0..{self.nd - 1} ({rid!r})")
+                if b in table or b in claims:
+                    raise ValueError(f"block {b} given twice ({rid!r}, {claims.get(b, rid)!r})")
+                claims[b] = rid
+            p.tables[rid] = table + list(ids)
+        for b, rid in claims.items():
+            holder = self.owner.get(b)
+            if holder is not None and holder != rid and b not in released:
+                raise ValueError(f"block {b} given to {rid!r} but still owned by {holder!r}")
+
+    def _swap_in_targets(self, swap_in, p: Plan) -> None:
+        for _, dst in swap_in:
+            holder = self.owner.get(dst)
+            if holder and holder not in p.suspended and holder not in p.freed \
+                    and (holder not in p.tables or dst in p.tables[holder]):
+                raise ValueError(f"swap_in target block {dst} still belongs to {holder!r}")
+
+    def _scheduled(self, scheduled: dict[str, int], p: Plan) -> None:
+        new = {r.request_id: r for r in p.new}
+        for rid, n in scheduled.items():
+            state = new.get(rid) or (self.requests.get(rid) if rid not in p.freed else None)
+            if state is None:
+                raise ValueError(f"scheduled unknown request {rid!r}")
+            if n < 1:
+                raise ValueError(f"request {rid!r}: num_new_tokens must be >= 1, got {n}")
+            end = state.num_computed + n
+            if end > len(state.token_ids):
+                raise ValueError(f"request {rid!r}: chunk of {n} tokens goes past its "
+                                 f"{len(state.token_ids)} known tokens "
+                                 f"({state.num_computed} computed)")
+            table = self._current_table(rid, p)
+            if table is None:
+                raise ValueError(f"request {rid!r} is swapped out and has no block table")
+            if len(table) * self.bs < end:
+                raise ValueError(f"request {rid!r} needs {-(-end // self.bs)} blocks for "
+                                 f"{end} tokens but its table has {len(table)}")
+            p.scheduled.append((rid, n))

@@ -1,0 +1,42 @@
+"""Helpers that drive an Engine with hand-made step schedules (tests, quality measurements)."""
+from __future__ import annotations
+
+import torch
+
+from services.executor.messages import NewRequest, StepInput
+
+
+def teacher_forced_logits(engine, prompts: list[list[int]], chunk_sizes: list[int | None],
+                          first_block: int = 0) -> list[torch.Tensor]:
+    """Feed every prompt through the engine in one mixed batch per step, request i advancing
+    chunk_sizes[i] tokens a step (None = whole prompt at once). Returns per prompt the fp32
+    logits [len, V] at every position. Requests are freed at the end."""
+    bs = engine.block_size
+    step = StepInput(0)
+    next_block = first_block
+    for i, ids in enumerate(prompts):
+        n_blocks = -(-len(ids) // bs)
+        step.new_requests.append(NewRequest(f"tf{i}", list(ids)))
+        step.block_tables[f"tf{i}"] = (list(range(next_block, next_block + n_blocks)), False)
+        next_block += n_blocks
+    done = [0] * len(prompts)
+    parts: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        for i, ids in enumerate(prompts):
+            if done[i] < len(ids):
+                n = min(chunk_sizes[i] or len(ids), len(ids) - done[i])
+                step.num_scheduled_tokens[f"tf{i}"] = n
+                done[i] += n
+        out = engine.step(step, all_logits=True)
+        for rid, logits in out.logits.items():
+            parts[int(rid[2:])].append(logits)
+        step = StepInput(step.step_id + 1)
+    engine.step(StepInput(step.step_id, free_request_ids=[f"tf{i}" for i in range(len(prompts))]))
+    return [torch.cat(p) for p in parts]
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp(mean NLL) of ids[1:] under logits[:-1]."""
+    target = torch.tensor(ids[1:])
+    nll = torch.nn.functional.cross_entropy(logits[:-1], target)
+    return float(torch.exp(nll))

@@ -1,0 +1,127 @@
+"""Engine on tiny random-weight models: parity with transformers, step validation, sampling."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.executor.engine import Engine
+from services.executor.messages import NewRequest, StepInput
+from services.executor.testing import teacher_forced_logits
+from services.executor.tiny import ARCHS, make_tiny_model
+
+PROMPTS = [list(range(200, 290)), list(range(1000, 1013)), list(range(5000, 5070)),
+           list(range(300, 302))]
+CHUNKS = [1, 7, 64, None]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(root / arch, arch, seed=1) for arch in ARCHS}
+
+
+def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_parity_mixed_chunks(tiny_dirs, arch):
+    engine = Engine(tiny_dirs[arch], num_device_blocks=32, num_host_blocks=4)
+    ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)
+    for ids, logits in zip(PROMPTS, ours):
+        ref = hf_logits(tiny_dirs[arch], ids)
+        assert logits.shape == ref.shape
+        assert (logits - ref).abs().max() < 1e-4
+
+
+def _engine(tiny_dirs, **kw):
+    return Engine(tiny_dirs["llama"], num_device_blocks=16, num_host_blocks=4, **kw)
+
+
+def _admit(engine, rid="a", n=20, blocks=(0, 1)):
+    return engine.step(StepInput(0, [NewRequest(rid, list(range(100, 100 + n)))],
+                                 {rid: (list(blocks), False)}, {rid: n}))
+
+
+def _state(engine):
+    return (copy.deepcopy({k: vars(v) for k, v in engine.requests.items()}), dict(engine.owner))
+
+
+BAD_STEPS = {
+    "unknown request": StepInput(1, num_scheduled_tokens={"nope": 1}),
+    "block out of range": StepInput(1, block_tables={"a": ([99], False)}),
+    "negative block": StepInput(1, block_tables={"a": ([-1], False)}),
+    "block given twice": StepInput(1, [NewRequest("b", [5, 6])], {"b": ([1], False)}, {"b": 2}),
+    "block twice in one table": StepInput(1, block_tables={"a": ([3, 3], False)}),
+    "chunk past tokens": StepInput(1, num_scheduled_tokens={"a": 2}),
+    "table too short": StepInput(1, [NewRequest("b", list(range(40)))], {"b": ([2], False)},
+                                 {"b": 40}),
+    "duplicate new": StepInput(1, [NewRequest("a", [1, 2])]),
+    "empty prompt": StepInput(1, [NewRequest("b", [])]),
+    "token out of vocab": StepInput(1, [NewRequest("b", [10 ** 7])]),
+    "swap out of range": StepInput(1, swap_out=[(0, 99)]),
+    "swap into owned block": StepInput(1, swap_in=[(0, 1)]),
+    "zero tokens": StepInput(1, num_scheduled_tokens={"a": 0}),
+    "table for unknown": StepInput(1, block_tables={"zz": ([5], False)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_STEPS))
+def test_malformed_step_rejected_without_change(tiny_dirs, name):
+    engine = _engine(tiny_dirs)
+    _admit(engine)
+    before = _state(engine)
+    kv_before = {k: t.clone() for k, t in engine.cache.tensors.items()}
+    # the bad step also carries a valid decode and a new request that must not be applied
+    bad = copy.deepcopy(BAD_STEPS[name])
+    bad.new_requests.append(NewRequest("c", [1, 2, 3]))
+    bad.block_tables.setdefault("c", ([7], False))
+    bad.num_scheduled_tokens.setdefault("c", 3)
+    bad.num_scheduled_tokens.setdefault("a", 1)
+    with pytest.raises(ValueError):
+        engine.step(bad)
+    assert _state(engine) == before
+    assert all(torch.equal(kv_before[k], t) for k, t in engine.cache.tensors.items())
+    out = engine.step(StepInput(2, num_scheduled_tokens={"a": 1}))  # still serves
+    assert "a" in out.sampled
+
+
+def test_swapped_request_needs_replacing_table(tiny_dirs):
+    engine = _engine(tiny_dirs)
+    _admit(engine)
+    engine.step(StepInput(1, swap_out=[(0, 0), (1, 1)]))
+    assert engine.requests["a"].block_table is None
+    with pytest.raises(ValueError, match="swapped out"):
+        engine.step(StepInput(2, num_scheduled_tokens={"a": 1}))
+    # its old blocks are free for another request now
+    _admit(engine, "b", 5, blocks=(0,))
+    out = engine.step(StepInput(3, swap_in=[(0, 5), (1, 6)], block_tables={"a": ([5, 6], True)},
+                                num_scheduled_tokens={"a": 1}))
+    assert "a" in out.sampled
+
+
+def test_free_is_idempotent_and_releases_blocks(tiny_dirs):
+    engine = _engine(tiny_dirs)
+    _admit(engine)
+    engine.step(StepInput(1, free_request_ids=["a", "never-seen"]))
+    assert engine.requests == {} and engine.owner == {}
+    _admit(engine, "b", blocks=(0, 1))   # same blocks, no conflict
+    assert engine.owner == {0: "b", 1: "b"}
+
+
+def test_counts_and_describe(tiny_dirs):
+    engine = _engine(tiny_dirs, kv_dtype="int8")
+    out = _admit(engine, n=20)
+    assert out.num_prefill_tokens == 20 and out.num_decode_tokens == 0
+    out = engine.step(StepInput(1, num_scheduled_tokens={"a": 1}))
+    assert out.num_decode_tokens == 1 and out.timings.forward_s > 0
+    info = engine.describe()
+    assert info["architecture"] == "llama" and info["kv_dtype"] == "int8"
+    assert info["num_device_blocks"] == 16 and info["bytes_per_block"] > 0
+    assert len(info["instance_id"]) == 32
