@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 import time
 import uuid
 from pathlib import Path
@@ -64,7 +65,7 @@ class Engine:
         self.checker = StepChecker(self.requests, self.owner, num_device_blocks,
                                    num_host_blocks, block_size, self.max_model_len,
                                    self.spec.vocab_size)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @classmethod
     def from_settings(cls, settings) -> "Engine":
@@ -213,6 +214,12 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def exclusive(self):
+        """Hold off other threads' steps (the profiler's many steps run as one unit)."""
+        with self._lock:
+            yield self
 
     def close(self) -> None:
         self.swap.close()

@@ -1,0 +1,64 @@
+"""`alise executor serve | profile`."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _settings():
+    from services.common.settings import ExecutorSettings
+
+    return ExecutorSettings()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from services.common.logs import setup_logging
+    from services.executor.server import start_executor
+
+    settings = _settings()
+    setup_logging("executor", settings.log_level, settings.log_format)
+
+    async def main() -> None:
+        handle = await start_executor(settings)
+        print(f"executor listening on {settings.executor_host}:{handle.port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await handle.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from services.common.logs import setup_logging
+    from services.executor.engine import Engine
+    from services.executor.profiler import profile_engine, summary
+
+    settings = _settings()
+    setup_logging("executor", settings.log_level, settings.log_format)
+    engine = Engine.from_settings(settings)
+    profile = profile_engine(engine, quick=args.quick)
+    engine.close()
+    with open(args.out, "w") as f:
+        json.dump(profile, f, indent=2)
+    print(json.dumps(summary(profile)))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("executor", help="model executor service")
+    group.set_defaults(_parser=group)
+    inner = group.add_subparsers(dest="executor_command", metavar="COMMAND")
+    serve = inner.add_parser("serve", help="serve the Executor gRPC API (ALISE_* settings)")
+    serve.set_defaults(func=_serve)
+    profile = inner.add_parser(
+        "profile", help="time a grid of batches and fit the iteration-time cost model")
+    profile.add_argument("--out", required=True, help="profile JSON to write")
+    profile.add_argument("--quick", action="store_true", help="a small grid (seconds)")
+    profile.set_defaults(func=_profile)

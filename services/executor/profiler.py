@@ -1,0 +1,133 @@
+"""Self-profiler: time a grid of batches on this engine and fit the cost model (DESIGN.md §4).
+
+    iteration_time = c0 + c_prefill*P + c_decode*D + c_context*C
+
+P = prefill tokens, D = decode tokens, C = attention context (sum over scheduled requests of
+computed + new tokens). Coefficients are fitted by non-negative least squares. ALISE's model
+is fitted on its own samples: T_pre(s) = s*T0 on lone prefills, T_dec(s, n) = n*(alpha*s + beta)
+on decode-only batches. AccelGen's pivot forward size S_pf is the smallest prefill forward size
+whose throughput reaches 90% of the best measured; T_pf is its iteration time.
+
+Decode contexts are not computed: the profiler declares them computed over blocks of
+arbitrary (finite) KV, which costs the same to attend over. It must run on an idle engine.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from itertools import product
+
+import numpy as np
+from scipy.optimize import nnls
+
+from services.executor.messages import NewRequest, StepInput
+
+FULL = {"prefill": (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),
+        "decode": (1, 4, 8, 16, 32, 64), "context": (128, 512, 1024),
+        "mixed": ((64, 8, 512), (256, 8, 512), (256, 32, 512), (512, 32, 256)), "reps": 3}
+QUICK = {"prefill": (16, 64, 128, 256), "decode": (1, 8), "context": (64, 256),
+         "mixed": ((64, 8, 128),), "reps": 2}
+SATURATION = 0.9
+
+
+class _Bench:
+    """Builds and times batches on an engine, reusing blocks from a private free list."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.bs = engine, engine.block_size
+        self.free = list(range(engine.num_device_blocks))
+        self.n = 0
+
+    def _new(self, step: StepInput, length: int, computed: int) -> str:
+        rid = f"profile-{self.n}"
+        self.n += 1
+        blocks = [self.free.pop() for _ in range(-(-(length + 8) // self.bs))]
+        step.new_requests.append(NewRequest(rid, [1] * length))
+        step.block_tables[rid] = (blocks, False)
+        self._computed[rid] = (computed, blocks)
+        return rid
+
+    def fits(self, prefill: int, decodes: int, context: int) -> bool:
+        need = -(-(prefill + 8) // self.bs) + decodes * -(-(context + 8) // self.bs)
+        return need <= len(self.free) and prefill + 8 <= self.engine.max_model_len \
+            and context + 8 <= self.engine.max_model_len
+
+    def time(self, prefill: int, decodes: int, context: int, reps: int) -> dict:
+        """Median time of a batch: one fresh prefill of `prefill` tokens + `decodes` decodes
+        at `context` tokens of KV each."""
+        self._computed: dict[str, tuple[int, list[int]]] = {}
+        setup = StepInput(0)
+        dec = [self._new(setup, context, context - 1) for _ in range(decodes)]
+        self.engine.step(setup)                      # admit, nothing scheduled
+        for rid in dec:
+            self.engine.requests[rid].num_computed = context - 1
+        times = []
+        for rep in range(reps + 1):                  # first run is warm-up
+            step = StepInput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1))
+            if prefill:
+                step.num_scheduled_tokens[self._new(step, prefill, 0)] = prefill
+            start = time.perf_counter()
+            self.engine.step(step)
+            times.append(time.perf_counter() - start)
+            self._release([r for r in step.num_scheduled_tokens if r not in dec])
+        self._release(dec)
+        ctx = decodes * context + prefill
+        return {"prefill_tokens": prefill, "decode_tokens": decodes, "context_tokens": ctx,
+                "time_s": statistics.median(times[1:])}
+
+    def _release(self, rids: list[str]) -> None:
+        if rids:
+            self.engine.step(StepInput(0, free_request_ids=rids))
+            for rid in rids:
+                self.free.extend(self._computed.pop(rid)[1])
+
+
+def _grid(cfg: dict) -> list[tuple[int, int, int]]:
+    points = [(p, 0, 0) for p in cfg["prefill"]]
+    points += [(0, n, c) for n, c in product(cfg["decode"], cfg["context"])]
+    return points + list(cfg["mixed"])
+
+
+def fit(samples: list[dict]) -> dict:
+    """Least-squares cost model, ALISE's T0/alpha/beta, pivot and fit error from samples."""
+    x = np.array([[1, s["prefill_tokens"], s["decode_tokens"], s["context_tokens"]]
+                  for s in samples], dtype=float)
+    t = np.array([s["time_s"] for s in samples])
+    coef, _ = nnls(x / t[:, None], np.ones_like(t))    # minimize relative error
+    pred = x @ coef
+    pre = [s for s in samples if s["decode_tokens"] == 0]
+    dec = [s for s in samples if s["prefill_tokens"] == 0]
+    t0 = sum(s["prefill_tokens"] * s["time_s"] for s in pre) / \
+        sum(s["prefill_tokens"] ** 2 for s in pre)
+    a = np.array([[s["context_tokens"], s["decode_tokens"]] for s in dec], dtype=float)
+    (alpha, beta), _ = nnls(a, np.array([s["time_s"] for s in dec]))
+    best = max(s["prefill_tokens"] / s["time_s"] for s in pre)
+    pivot = min((s for s in pre if s["prefill_tokens"] / s["time_s"] >= SATURATION * best),
+                key=lambda s: s["prefill_tokens"])
+    return {"coefficients": dict(zip(("c0", "c_prefill", "c_decode", "c_context"),
+                                     map(float, coef))),
+            "t0": t0, "alpha": float(alpha), "beta": float(beta),
+            "pivot_tokens": pivot["prefill_tokens"], "pivot_time_s": pivot["time_s"],
+            "fit_error": float(np.sqrt(np.mean(((pred - t) / t) ** 2)))}
+
+
+def profile_engine(engine, quick: bool = False) -> dict:
+    """Run the grid (QUICK or FULL) on an idle engine and return the profile JSON dict."""
+    if engine.requests:
+        raise ValueError("the executor is serving requests: profile an idle executor")
+    cfg = QUICK if quick else FULL
+    bench = _Bench(engine)
+    with engine.exclusive():
+        samples = [bench.time(p, d, c, cfg["reps"]) for p, d, c in _grid(cfg)
+                   if bench.fits(p, d, c)]
+    info = engine.describe()
+    return {"device": info["device"], "model": info["model"], **fit(samples),
+            "samples": samples, "block_size": engine.block_size,
+            "num_device_blocks": engine.num_device_blocks,
+            "num_host_blocks": engine.num_host_blocks, "dtype": info["dtype"],
+            "kv_dtype": info["kv_dtype"], "quick": quick}
+
+
+def summary(profile: dict) -> dict:
+    return {k: v for k, v in profile.items() if k != "samples"} | \
+        {"num_samples": len(profile["samples"])}

@@ -1,0 +1,78 @@
+"""gRPC Executor servicer: protobuf <-> engine messages, engine work off the event loop."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from services.common.pb import executor_pb2, executor_pb2_grpc
+from services.executor.messages import NewRequest, StepInput, StepOutput
+from services.executor.sampler import SamplingParams
+
+
+def sampling_from_pb(p) -> SamplingParams:
+    return SamplingParams(temperature=p.temperature,
+                          top_p=p.top_p if 0 < p.top_p < 1 else 1.0, top_k=p.top_k,
+                          seed=p.seed if p.HasField("seed") else None)
+
+
+def _unique(ids: list[str], what: str) -> None:
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{what} lists a request twice")
+
+
+def step_from_pb(req: executor_pb2.StepRequest) -> StepInput:
+    _unique([t.request_id for t in req.block_tables], "block_tables")
+    _unique([s.request_id for s in req.scheduled], "scheduled")
+    return StepInput(
+        step_id=req.step_id,
+        new_requests=[NewRequest(r.request_id, list(r.token_ids), sampling_from_pb(r.sampling),
+                                 r.num_output_tokens) for r in req.new_requests],
+        block_tables={t.request_id: (list(t.block_ids), t.replace) for t in req.block_tables},
+        num_scheduled_tokens={s.request_id: s.num_new_tokens for s in req.scheduled},
+        swap_out=[(m.src, m.dst) for m in req.swap_out],
+        swap_in=[(m.src, m.dst) for m in req.swap_in],
+        free_request_ids=list(req.free_request_ids))
+
+
+def result_to_pb(out: StepOutput) -> executor_pb2.StepResult:
+    t = out.timings
+    return executor_pb2.StepResult(
+        step_id=out.step_id,
+        sampled=[executor_pb2.SampledToken(request_id=rid, token_id=tok, logprob=lp)
+                 for rid, (tok, lp) in out.sampled.items()],
+        timings=executor_pb2.StepTimings(forward_s=t.forward_s, sample_s=t.sample_s,
+                                         swap_wait_s=t.swap_wait_s, total_s=t.total_s),
+        num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens)
+
+
+def info_to_pb(info: dict) -> executor_pb2.ExecutorInfo:
+    fields = set(executor_pb2.ExecutorInfo.DESCRIPTOR.fields_by_name)
+    return executor_pb2.ExecutorInfo(**{k: v for k, v in info.items() if k in fields})
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, engine, metrics=None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._profiling = asyncio.Lock()
+
+    async def Describe(self, request, context):
+        return info_to_pb(self.engine.describe())
+
+    async def Step(self, request, context):
+        start = time.perf_counter()
+        step = step_from_pb(request)
+        out = await asyncio.to_thread(self.engine.step, step)
+        out.timings.total_s = time.perf_counter() - start
+        if self.metrics is not None:
+            self.metrics.observe(out)
+        return result_to_pb(out)
+
+    async def Profile(self, request, context):
+        if self._profiling.locked():
+            raise ValueError("a profile is already running")
+        async with self._profiling:
+            profile = await asyncio.to_thread(self.engine.profile, request.quick)
+        self.engine.save_profile(profile)
+        return executor_pb2.ProfileResult(profile_json=json.dumps(profile))

@@ -1,0 +1,83 @@
+"""The executor gRPC service over real loopback gRPC, serving a tiny random-weight model."""
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from services.common.pb import common_pb2, executor_pb2, executor_pb2_grpc
+from services.common.settings import ExecutorSettings
+from services.executor.server import start_executor
+from services.executor.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
+
+
+@pytest.fixture
+async def executor(tiny_dir, tmp_path):
+    profile = tmp_path / "profile.json"
+    settings = ExecutorSettings(model=str(tiny_dir), executor_port=0, device="cpu",
+                                kv_memory_gb=0.01, swap_memory_gb=0.002,
+                                profile_path=profile, data_dir=tmp_path)
+    handle = await start_executor(settings)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    yield handle, executor_pb2_grpc.ExecutorStub(channel), profile
+    await channel.close()
+    await handle.stop()
+
+
+def _prefill(rid: str, ids: list[int], blocks: list[int], **sampling):
+    return executor_pb2.StepRequest(
+        step_id=1,
+        new_requests=[executor_pb2.NewRequest(request_id=rid, token_ids=ids,
+                                              sampling=common_pb2.SamplingParams(**sampling))],
+        block_tables=[executor_pb2.BlockTableUpdate(request_id=rid, block_ids=blocks)],
+        scheduled=[executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=len(ids))])
+
+
+async def test_describe_reports_budget_derived_blocks(executor):
+    handle, stub, _ = executor
+    info = await stub.Describe(executor_pb2.DescribeRequest())
+    assert info.architecture == "llama" and info.block_size == 16
+    assert info.bytes_per_block == handle.engine.cache.bytes_per_block
+    assert info.num_device_blocks == int(0.01 * 2 ** 30 // info.bytes_per_block)
+    assert info.num_host_blocks == int(0.002 * 2 ** 30 // info.bytes_per_block)
+    assert info.eos_token_ids and info.max_model_len == 2048 and info.profile_json == ""
+    assert len(info.instance_id) == 32
+
+
+async def test_step_decodes_and_rejects_malformed(executor):
+    _, stub, _ = executor
+    result = await stub.Step(_prefill("a", list(range(100, 120)), [0, 1]))
+    assert [s.request_id for s in result.sampled] == ["a"]
+    assert result.num_prefill_tokens == 20 and result.timings.total_s > 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Step(_prefill("b", [1, 2, 3], [1]))          # block 1 belongs to "a"
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    decode = executor_pb2.StepRequest(step_id=2, scheduled=[
+        executor_pb2.ScheduledTokens(request_id="a", num_new_tokens=1)])
+    result = await stub.Step(decode)
+    assert result.num_decode_tokens == 1 and result.sampled[0].logprob <= 0
+
+
+async def test_seeded_sampling_is_reproducible(executor):
+    _, stub, _ = executor
+    params = dict(temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    a = await stub.Step(_prefill("s1", list(range(300, 310)), [2], **params))
+    b = await stub.Step(_prefill("s2", list(range(300, 310)), [3], **params))
+    assert a.sampled[0].token_id == b.sampled[0].token_id
+
+
+async def test_profile_quick_writes_profile_and_describe_reports_it(executor):
+    _, stub, profile_path = executor
+    result = await stub.Profile(executor_pb2.ProfileRequest(quick=True))
+    profile = json.loads(result.profile_json)
+    assert set(profile["coefficients"]) == {"c0", "c_prefill", "c_decode", "c_context"}
+    assert profile["t0"] > 0 and profile["pivot_tokens"] > 0 and len(profile["samples"]) >= 5
+    assert json.loads(profile_path.read_text())["t0"] == profile["t0"]
+    info = await stub.Describe(executor_pb2.DescribeRequest())
+    assert json.loads(info.profile_json)["pivot_tokens"] == profile["pivot_tokens"]
