@@ -1,0 +1,217 @@
+"""The OpenAI protocol over loopback: a real gateway backed by the real scheduler and executor
+(tiny random-weight model with the bundled tokenizer). SSE framing byte-wise with httpx, the
+official openai client for every endpoint, stop strings, disconnect -> upstream abort, 429.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from services.common.redis_runner import free_port
+from services.common.settings import GatewaySettings
+from services.gateway.testing import inprocess_backend, running_gateway
+
+CHAT = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from services.executor.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    from services.common.redis_runner import EmbeddedRedis
+
+    run_dir = tmp_path_factory.mktemp("gw-protocol")
+    with EmbeddedRedis(run_dir / "redis") as redis, \
+            inprocess_backend(run_dir, tiny_model, redis.url) as backend:
+        settings = GatewaySettings(model=str(tiny_model), scheduler_address=backend["address"],
+                                   predictor_addresses=[f"127.0.0.1:{free_port()}"])
+        with running_gateway(settings) as url:
+            yield {"url": url, **backend}
+
+
+@pytest.fixture
+def openai_client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack["url"] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def model(openai_client):
+    return openai_client.models.list().data[0].id
+
+
+def stats(stack):
+    from services.common.grpc_client import aio_channel
+    from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+
+    async def ask():
+        async with aio_channel(stack["address"]) as channel:
+            return await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
+                scheduler_pb2.StatsRequest(), timeout=5)
+
+    return stack["loop"].run(ask())
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"\n\n")
+    events = raw[:-2].split(b"\n\n")
+    for event in events:
+        assert event.startswith(b"data: ") and b"\n" not in event, event
+    return [e[len(b"data: "):] for e in events]
+
+
+def test_chat_sse_framing_is_byte_exact(stack, model):
+    body = {"model": model, "messages": CHAT, "stream": True, "max_tokens": 7,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", stack["url"] + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-alise-prediction"] == "none"   # predictor is down
+        raw = b"".join(response.iter_raw())
+    payloads = sse_events(raw)
+    assert payloads[-1] == b"[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == model for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *content, final, usage = chunks[1:]
+    assert content and all(c["choices"][0]["finish_reason"] is None for c in content)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert final["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                   "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 7
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 7
+
+
+def test_completion_sse_without_usage_has_no_usage_chunk(stack, model):
+    body = {"model": model, "prompt": "Once upon a time", "stream": True, "max_tokens": 5,
+            "ignore_eos": True}
+    raw = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=60).content
+    payloads = sse_events(raw)
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert payloads[-1] == b"[DONE]"
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_openai_client_chat_streaming_matches_non_streaming(openai_client, model):
+    kwargs = dict(model=model, messages=CHAT, max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = openai_client.chat.completions.create(**kwargs)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens > 5
+    stream = openai_client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_openai_client_completions(openai_client, model):
+    full = openai_client.completions.create(model=model, prompt="The weather today",
+                                            max_tokens=9, temperature=0, seed=3,
+                                            extra_body={"ignore_eos": True})
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 9 and full.choices[0].text
+    pieces = list(openai_client.completions.create(
+        model=model, prompt="The weather today", max_tokens=9, temperature=0, seed=3,
+        stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(p.choices[0].text for p in pieces) == full.choices[0].text
+
+
+def test_token_id_prompt_and_max_completion_tokens(openai_client, model):
+    out = openai_client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=3,
+                                           extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 3
+    chat = openai_client.chat.completions.create(model=model, messages=CHAT,
+                                                 max_completion_tokens=4,
+                                                 extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 4
+
+
+def test_stop_string_cuts_text_and_aborts_upstream(openai_client, model, stack):
+    kwargs = dict(model=model, prompt="Numbers:", temperature=0,
+                  extra_body={"ignore_eos": True})
+    reference = openai_client.completions.create(max_tokens=24, **kwargs).choices[0].text
+    stop = next(reference[i:i + 3] for i in range(4, len(reference) - 3)
+                if reference[i:i + 3].strip() and reference[i:i + 3] not in reference[:i + 2])
+    aborted = stats(stack).aborted
+    for stream in (False, True):
+        result = openai_client.completions.create(max_tokens=24, stop=[stop, "\x00never"],
+                                                  stream=stream, **kwargs)
+        if stream:
+            chunks = list(result)
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = result.choices[0].text, result.choices[0].finish_reason
+        assert text == reference[:reference.index(stop)]
+        assert reason == "stop"
+    assert wait_for(lambda: stats(stack).aborted >= aborted + 2)
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_disconnect_aborts_upstream_and_frees_kv(stack, model):
+    before = stats(stack)
+    body = {"model": model, "prompt": "Go on forever", "stream": True, "max_tokens": 1000,
+            "ignore_eos": True}
+    with httpx.stream("POST", stack["url"] + "/v1/completions", json=body,
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(l for l in lines if l.startswith("data: "))
+        mid = stats(stack)
+        assert mid.running >= 1
+    # Leaving the block closed the connection mid-stream.
+    def freed():
+        now = stats(stack)
+        ex = now.executors[0]
+        return (now.aborted > before.aborted and now.running == 0
+                and ex.free_device_blocks == ex.num_device_blocks)
+    assert wait_for(freed), stats(stack)
+
+
+def test_full_queue_is_429_with_retry_after(tmp_path, model, redis_server):
+    # A scheduler with room for one waiting request and no executor to drain it.
+    with inprocess_backend(tmp_path, None, redis_server.url, max_waiting_requests=1) as backend:
+        settings = GatewaySettings(scheduler_address=backend["address"],
+                                   predictor_addresses=[f"127.0.0.1:{free_port()}"])
+        with running_gateway(settings) as url:
+            body = {"prompt": "hello", "max_tokens": 4, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as first:
+                assert first.status_code == 200   # accepted; waits in the queue
+                second = httpx.post(url + "/v1/completions", json=body, timeout=30)
+                assert second.status_code == 429, second.text
+                assert int(second.headers["retry-after"]) >= 1
+                assert second.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_health_and_metrics_with_scheduler_up(stack):
+    health = httpx.get(stack["url"] + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["scheduler"] is True
+    text = httpx.get(stack["url"] + "/metrics", timeout=10).text
+    assert 'alise:request_success_total{finished_reason="length"}' in text
+    assert "alise:time_to_first_token_seconds_count" in text
