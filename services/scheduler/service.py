@@ -158,7 +158,8 @@ class SchedulerService:
 
     def prediction_used(self, req: Request):
         """The prediction the policy works with: the request's own, or the policy's prior."""
-        return prediction_pb(self.probe.predicted_len(req), req.prediction_source)
+        prior = getattr(self.probe, "initial_prediction", None) or self.probe.predicted_len
+        return prediction_pb(prior(req), req.prediction_source)
 
     @property
     def model_name(self) -> str:
