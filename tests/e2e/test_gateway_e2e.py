@@ -1,0 +1,128 @@
+"""End to end with the real bundled SmolLM2 model: gateway -> predictor -> scheduler ->
+executor, through the official openai client and a headless Chromium on the playground.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.common.redis_runner import EmbeddedRedis
+from services.common.settings import GatewaySettings, PredictorSettings
+from services.gateway.testing import inprocess_backend, running_gateway
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from services.predictor.server import start_predictor
+
+    run_dir = tmp_path_factory.mktemp("gw-e2e")
+    with EmbeddedRedis(run_dir / "redis") as redis, \
+            inprocess_backend(run_dir, "smollm2-135m-instruct", redis.url,
+                              executor_kw={"data_dir": PredictorSettings().data_dir,
+                                           "kv_memory_gb": 0.25}) as backend:
+        loop = backend["loop"]
+        predictor = loop.run(start_predictor(PredictorSettings(
+            data_dir=run_dir, predictor_port=0, predictor_seed=False)))
+        try:
+            settings = GatewaySettings(scheduler_address=backend["address"],
+                                       predictor_addresses=[f"127.0.0.1:{predictor.port}"],
+                                       predictor_timeout_ms=2000)
+            with running_gateway(settings) as url:
+                yield {"url": url, "predictor": predictor, **backend}
+        finally:
+            loop.run(predictor.stop())
+
+
+@pytest.fixture
+def client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack["url"] + "/v1", api_key="none", max_retries=0, timeout=180)
+
+
+def stored(stack) -> int:
+    predictor = stack["predictor"].predictor
+    return predictor.store.count("smollm2-135m-instruct")
+
+
+def test_chat_answers_the_capital_of_france_and_teaches_the_predictor(stack, client):
+    before = stored(stack)
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2-135m-instruct", temperature=0, max_tokens=48,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    prediction = raw.headers["x-alise-prediction"]
+    assert prediction.startswith("length=") and "source=" in prediction
+    answer = raw.parse()
+    assert "Paris" in answer.choices[0].message.content, answer.choices[0].message.content
+    assert answer.choices[0].finish_reason == "stop"      # ended on EOS: a true length
+    deadline = time.monotonic() + 30
+    while stored(stack) <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stored(stack) == before + 1
+
+
+def test_requests_cut_by_max_tokens_are_not_observed(stack, client):
+    before = stored(stack)
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=3, temperature=0,
+        messages=[{"role": "user", "content": "Write a long poem about the sea."}])
+    assert out.choices[0].finish_reason == "length"
+    time.sleep(2.0)
+    assert stored(stack) == before
+
+
+def test_multibyte_answer_streams_valid_text(stack, client):
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct", stream=True, temperature=0, max_tokens=40,
+        messages=[{"role": "user", "content": "Repeat exactly: café, naïve, 東京, 😀"}])
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    text = "".join(pieces)
+    assert "\ufffd" not in text
+    assert "東京" in text or "😀" in text, text       # 3- and 4-byte characters came through
+    assert len([p for p in pieces if p]) > 3
+
+
+def test_playground_streams_an_answer_in_headless_chromium(stack):
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM.exists(), "install Debian chromium: apt-get install -y chromium"
+    artifacts = ROOT / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(stack["url"] + "/")
+            page.fill("#prompt", "What is the capital of France?")
+            page.fill("#max_tokens", "32")
+            page.fill("#ttft_ms", "5000")
+            page.click("#send")
+            page.wait_for_function("document.getElementById('output').textContent.length > 0",
+                                   timeout=120_000)
+            page.wait_for_function("document.getElementById('output').dataset.state === 'done'",
+                                   timeout=120_000)
+            page.screenshot(path=str(artifacts / "gateway_playground.png"), full_page=True)
+            output = page.text_content("#output")
+            ttft = page.text_content("#ttft")
+            prediction = page.text_content("#prediction")
+            error = page.text_content("#error")
+        finally:
+            browser.close()
+    assert not error, error
+    assert "Paris" in output, output
+    assert ttft.endswith(" ms")
+    assert "tokens" in prediction or "length=" in prediction
+    assert (artifacts / "gateway_playground.png").stat().st_size > 10_000
+
+
+def test_health_reports_the_real_model_length(stack):
+    body = httpx.get(stack["url"] + "/health", timeout=10).json()
+    assert body["scheduler"] is True and body["max_model_len"] >= 2048
