@@ -7,7 +7,12 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import grpc
 
@@ -107,3 +112,22 @@ async def start_tiny_executor(model_dir, num_device_blocks: int = 256, num_host_
     settings = ExecutorSettings(model=str(model_dir), executor_host="127.0.0.1",
                                 executor_port=port, device="cpu", block_size=block_size)
     return await start_executor(settings, engine=engine)
+
+
+def cached_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
+    """`make_tiny_model` once per machine: kept under the temp dir, keyed by the generator's
+    source hash (a changed generator writes a new model); written atomically."""
+    import services.executor.tiny as tiny
+
+    digest = hashlib.sha256(Path(tiny.__file__).read_bytes()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"alise-tiny-{arch}-{seed}-{digest}-{os.getuid()}"
+    if (path / "config.json").exists():
+        return path
+    staging = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    tiny.make_tiny_model(staging / "model", arch, seed=seed)
+    try:
+        os.rename(staging / "model", path)
+    except OSError:            # another process won the race: use its copy
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
+    return path

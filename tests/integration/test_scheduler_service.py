@@ -12,7 +12,7 @@ from services.common.redis_runner import free_port
 from services.common.settings import SchedulerSettings
 from services.scheduler.core.policies.base import available_policies
 from services.scheduler.server import start_scheduler
-from services.scheduler.testing import (core_request, gen_request, generate, reference_run,
+from services.scheduler.testing import (cached_tiny_model, core_request, gen_request, generate, reference_run,
                                         running_scheduler, start_tiny_executor, status_of,
                                         tokens_of)
 
@@ -20,10 +20,8 @@ POLICY = "hybrid" if "hybrid" in available_policies() else "fcfs"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from services.executor.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+def tiny_model():
+    return cached_tiny_model("llama")
 
 
 @pytest.fixture
