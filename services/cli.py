@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # (module, registers) in the order `alise --help` lists them.
@@ -44,7 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _die_with_parent() -> None:
+    """Under `alise serve`: get SIGTERM when the launcher dies, even by SIGKILL."""
+    parent = os.environ.pop("ALISE_DIE_WITH_PARENT", "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the launcher died before we asked
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

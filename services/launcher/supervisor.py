@@ -2,13 +2,14 @@
 crashed services with exponential backoff, stop everything in reverse order.
 
 Each child runs `python -m services.cli <command>` in its own session (a terminal Ctrl-C
-reaches only the launcher, which then stops the children in order) and with a parent-death
-signal, so no child outlives a launcher that was killed outright. Logs go to
-`<run_dir>/<service>.log`.
+reaches only the launcher, which then stops the children in order) and asks the kernel for a
+parent-death signal as its first act (services/cli.py, `ALISE_DIE_WITH_PARENT`), so no child
+outlives a launcher that was killed outright. (Not a `preexec_fn`: forking a process whose
+gRPC threads are running crashes gRPC's fork handlers; without one, Python spawns with vfork.)
+Logs go to `<run_dir>/<service>.log`.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -24,14 +25,6 @@ from services.common.grpc_client import check_health_sync
 from services.launcher.topology import ServiceSpec
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def healthy(spec: ServiceSpec, timeout: float = 2.0) -> bool:
@@ -55,12 +48,12 @@ class Child:
     backoff: float = field(default=1.0)
 
     def start(self, base_env: dict[str, str]) -> None:
-        env = {**base_env, **self.spec.env}
+        env = {**base_env, **self.spec.env, "ALISE_DIE_WITH_PARENT": str(os.getpid())}
         log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *self.spec.command], env=env,
             stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent)
+            start_new_session=True)
         log_file.close()
         self.started_at = time.monotonic()
         log.info("started %s (pid %d), log %s", self.spec.name, self.process.pid, self.log_path)
