@@ -124,16 +124,32 @@ class SchedulerService:
         entry = Entry(req, RequestStream(rid, prediction=self.prediction_used(req)))
         self.entries[rid] = entry
         self.backlog_add(rid, req.num_prompt_tokens)
+        # The record is written even if the client hangs up meanwhile (then it is aborted), so
+        # Redis never holds a record that no one will finish.
+        create = asyncio.ensure_future(
+            self.store.create(rid, new_record(req, self.model_name), req.arrival_time))
         try:
-            await self.store.create(rid, new_record(req, self.model_name), req.arrival_time)
+            await asyncio.shield(create)
+        except asyncio.CancelledError:
+            create.add_done_callback(lambda task: self._created(entry, task, client_gone=True))
+            raise
         except Exception:
+            self._created(entry, create, client_gone=False)
+            raise
+        self._created(entry, create, client_gone=False)
+        return entry.stream
+
+    def _created(self, entry: Entry, task: asyncio.Future, client_gone: bool) -> None:
+        rid = entry.req.request_id
+        if task.cancelled() or task.exception() is not None:
             self.entries.pop(rid, None)
             self.backlog_pop(rid)
-            raise
-        self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+            return
+        self.metrics.prompt_tokens.inc(entry.req.num_prompt_tokens)
         if not entry.final:
             self.place(entry, time.time())
-        return entry.stream
+        if client_gone:
+            self.abort(rid)
 
     def check_backpressure(self, prompt_tokens: int) -> None:
         s = self.settings
