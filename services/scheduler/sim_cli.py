@@ -124,6 +124,36 @@ def _sweep(args) -> int:
     return 0
 
 
+def _fidelity(args) -> int:
+    from dataclasses import replace
+
+    from bench.traces.arrivals import poisson_arrivals
+    from bench.traces.trace import build_trace
+    from bench.traces.workloads import sample_shapes, sharegpt_pool
+    from services.common.models import load_tokenizer
+    from services.common.settings import ExecutorSettings
+    from services.executor.engine import Engine
+    from services.scheduler.sim.fidelity import check
+
+    settings = ExecutorSettings()
+    pool = [replace(s, output_len=min(s.output_len, args.max_output))
+            for s in sharegpt_pool("test", settings.model) if s.prompt_len <= args.max_prompt]
+    shapes = sample_shapes(pool, args.num_requests, args.seed)
+    items = build_trace(shapes, poisson_arrivals(len(shapes), args.rate, args.seed))
+    engine = Engine.from_settings(settings)
+    try:
+        report = check(engine, items, args.policy, args.profile,
+                       load_tokenizer(settings.model, settings.data_dir))
+    finally:
+        engine.close()
+    report["rate"] = args.rate
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0 if report["within_15pct"] else 1
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser("sim", help="discrete-event simulator of the scheduling core")
     group.set_defaults(_parser=group)
@@ -156,6 +186,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sw.add_argument("--no-plots", action="store_true")
     _common(sw)
     sw.set_defaults(func=_sweep)
+    fid = inner.add_parser("fidelity", help="simulator vs the real in-process executor on "
+                                            "one ShareGPT trace (ALISE_EXECUTOR_* settings)")
+    fid.add_argument("--profile", required=True, help="JSON from `alise executor profile`")
+    fid.add_argument("--policy", default="fcfs")
+    fid.add_argument("--rate", type=float, default=2.0)
+    fid.add_argument("--num-requests", type=int, default=100)
+    fid.add_argument("--max-prompt", type=int, default=512)
+    fid.add_argument("--max-output", type=int, default=64)
+    fid.add_argument("--seed", type=int, default=0)
+    fid.add_argument("--json", help="also write the report here")
+    fid.set_defaults(func=_fidelity)
 
 
 if __name__ == "__main__":
