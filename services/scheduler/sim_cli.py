@@ -154,6 +154,14 @@ def _fidelity(args) -> int:
     return 0 if report["within_15pct"] else 1
 
 
+def _report(args) -> int:
+    from services.scheduler.sim.report import report
+
+    results = json.loads(Path(args.results).read_text())
+    print(report(results, args.metrics, args.baseline))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser("sim", help="discrete-event simulator of the scheduling core")
     group.set_defaults(_parser=group)
@@ -197,6 +205,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fid.add_argument("--seed", type=int, default=0)
     fid.add_argument("--json", help="also write the report here")
     fid.set_defaults(func=_fidelity)
+    rep = inner.add_parser("report", help="Markdown tables from a sweep's results.json")
+    rep.add_argument("results", help="results.json of `alise sim sweep`")
+    rep.add_argument("--metrics", nargs="*", default=["mean_normalized_latency", "p99_tbt"],
+                     help="per-rate tables of these point metrics")
+    rep.add_argument("--baseline", default="fcfs", help="capacity ratios against this policy")
+    rep.set_defaults(func=_report)
 
 
 if __name__ == "__main__":

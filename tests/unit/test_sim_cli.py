@@ -75,3 +75,16 @@ def test_bisection_finds_the_threshold():
     assert not strict.passes({"p99_tbt": 0.05, "median_scheduling_delay": 3.0})
     assert sarathi_tbt_slo(lambda p, d, c: 0.001 * d + 1e-6 * c) == pytest.approx(
         5 * (0.032 + 0.131072))
+
+
+def test_report_tables():
+    from services.scheduler.sim.report import capacity_table, metric_table
+
+    results = {"capacity": {"fcfs": {"normalized_latency": 10.0},
+                            "alise": {"normalized_latency": 15.0}},
+               "capacity_detail": {"alise": {"normalized_latency": {"bounded": False}}},
+               "points": [{"policy": "fcfs", "rate": 4.0, "p99_tbt": 0.2},
+                          {"policy": "alise", "rate": 4.0, "p99_tbt": 0.1}]}
+    cap = capacity_table(results)
+    assert "| alise | 15 (≥) | 1.5 |" in cap and "| fcfs | 10 | 1 |" in cap
+    assert "| 4 | 0.1 | 0.2 |" in metric_table(results, "p99_tbt")
