@@ -129,6 +129,9 @@ class SchedulerSettings(RedisSettings):
         0.5, gt=0, description="How often a down executor is polled (Describe) to bring it back.")
     redis_namespace: str = Field(
         "alise", min_length=1, description="Prefix of every scheduler key in Redis.")
+    request_max_failures: int = Field(
+        3, ge=1, description="Executor failures one request survives (recomputed each time) "
+                             "before it fails with finish_reason `error`.")
 
 
 class GatewaySettings(CommonSettings):

@@ -83,7 +83,7 @@ def write_status(entry, w: IterationWrite) -> None:
         entry.written_status = req.status
 
 
-def record(service, loop, out, updates, stale, result) -> IterationWrite:
+def record(service, loop, out, updates, result) -> IterationWrite:
     """The Redis write (and metrics) of one completed Step."""
     w, addr, now, m = IterationWrite(), loop.address, time.time(), service.metrics
     new_ids = {nr.request_id for nr in out.new_requests}
@@ -91,7 +91,7 @@ def record(service, loop, out, updates, stale, result) -> IterationWrite:
         service.backlog_pop(rid)
         w.held_add[addr].add(rid)
         w.set(rid, executor=addr)
-    w.held_remove[addr].update(set(out.free_request_ids).union(stale) - new_ids)
+    w.held_remove[addr].update(set(out.free_request_ids) - new_ids)
     touched = set(out.num_scheduled_tokens).union(out.preempted_request_ids)
     touched.update(u.request_id for u in updates)
     for rid in touched:

@@ -35,6 +35,8 @@ class ExecutorLoop:
         self.health_interval_s = health_interval_s
         self.overheads: deque[float] = deque(maxlen=100_000)  # seconds per iteration
         self.steps = 0
+        self.failures = 0                  # consecutive failed attempts (reconnect backoff)
+        self.max_backoff_s = 5.0
         self._wake = asyncio.Event()
         self._last_send: float | None = None
         self._last_exec_s = 0.0
@@ -69,6 +71,8 @@ class ExecutorLoop:
 
     # -- connecting and health ---------------------------------------------------------------
     async def _connect(self) -> None:
+        if self.failures:       # back off from an executor that keeps failing
+            await self._sleep(min(self.max_backoff_s, 0.05 * 2 ** self.failures))
         try:
             info = await self.client.describe(timeout=2.0)
         except (grpc.aio.AioRpcError, TimeoutError):
@@ -76,12 +80,33 @@ class ExecutorLoop:
             return
         if self.info is not None and info.instance_id != self.info.instance_id:
             log.warning("executor restarted: its KV is lost", extra={"executor": self.address})
+        if not await self._free_stale():
+            return
         self.info = info
         self.sched = self.service.make_scheduler(info)
         self.up, self.down_since, self._last_send = True, None, None
+        self.failures = 0
         log.info("executor up", extra={"executor": self.address, "instance": info.instance_id,
                                        "blocks": info.num_device_blocks})
         self.service.executor_up(self)
+
+    async def _free_stale(self) -> bool:
+        """Before anything is sent again, a free-only Step drops every request the executor may
+        still hold from before (a restart of this service, or a failed Step)."""
+        if not self.stale:
+            return True
+        stale = sorted(self.stale)
+        try:
+            await self.client.step(executor_pb2.StepRequest(free_request_ids=stale),
+                                   timeout=self.service.settings.step_timeout_s)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            self.failures += 1
+            log.warning("freeing stale requests failed", extra={
+                "executor": self.address, "error": _brief(exc)})
+            return False
+        self.stale.difference_update(stale)
+        self.service.stale_freed(self, stale)
+        return True
 
     async def _health_check(self) -> None:
         """While idle: notice a restarted executor (new instance id) or a dead one."""
@@ -121,21 +146,20 @@ class ExecutorLoop:
             if not await self._sleep(self.health_interval_s):
                 await self._health_check()
             return
-        stale, self.stale = list(self.stale), set()
-        pb = step_request(out, stale)  # frees run before new requests: re-adding is safe
+        pb = step_request(out)
         t_send = time.perf_counter()
         if self._last_send is not None:
             self.overheads.append(t_send - self._last_send - self._last_exec_s)
         try:
             result = await self.client.step(pb, timeout=self.service.settings.step_timeout_s)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
-            self.stale.update(stale)
+            self.failures += 1
             self._down(f"Step failed: {_brief(exc)}")
             return
         self._last_send, self._last_exec_s = t_send, result.timings.total_s
         self.steps += 1
         updates = self.sched.update(step_outcome(result), time.time())
-        self.service.iteration_done(self, out, updates, stale, result)
+        self.service.iteration_done(self, out, updates, result)
 
 
 def _brief(exc: BaseException) -> str:

@@ -41,6 +41,7 @@ class Entry:
     written_status: RequestStatus = RequestStatus.WAITING
     first_sched_written: bool = False
     final: bool = False
+    failures: int = 0                    # executor failures it went through
 
 
 def parse_policy_config(text: str) -> dict:
@@ -76,8 +77,10 @@ class SchedulerService:
         await self._recover()
         self.writer.start()
         for addr in self.settings.executors:
-            loop = ExecutorLoop(addr, self, await self.store.held(addr),
-                                poll_interval_s=self.settings.health_poll_s)
+            # Any recovered request may still live on any executor (its placement may not have
+            # reached Redis): the first Step frees them all before they are sent again.
+            stale = await self.store.held(addr) | set(self.entries)
+            loop = ExecutorLoop(addr, self, stale, poll_interval_s=self.settings.health_poll_s)
             self.loops[addr] = loop
             loop.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="scheduler-sweeper")
@@ -239,6 +242,11 @@ class SchedulerService:
             if entry is None or entry.final or req.is_finished or entry.executor != loop.address:
                 continue
             entry.req = recompute_copy(req)
+            entry.failures += 1
+            if entry.failures >= self.settings.request_max_failures:
+                iteration.finalize(self, entry, "error", w, now,
+                                   f"failed on executors {entry.failures} times; last: {reason}")
+                continue
             iteration.write_status(entry, w)
             w.set(rid, executor="", num_preemptions=entry.req.num_preemptions)
             self._to_pending(entry, now)
@@ -248,8 +256,13 @@ class SchedulerService:
                     extra={"executor": loop.address, "requests": moved, "reason": reason})
         self.place_pending()
 
-    def iteration_done(self, loop, out, updates, stale, result) -> None:
-        self.writer.submit(iteration.record(self, loop, out, updates, stale, result))
+    def iteration_done(self, loop, out, updates, result) -> None:
+        self.writer.submit(iteration.record(self, loop, out, updates, result))
+
+    def stale_freed(self, loop: ExecutorLoop, ids: list[str]) -> None:
+        w = IterationWrite()
+        w.held_remove[loop.address].update(ids)
+        self.writer.submit(w)
 
     # -- finishing ---------------------------------------------------------------------------
     def abort(self, rid: str, reason: str = "abort", error: str = "") -> bool:
