@@ -160,7 +160,7 @@ class Engine:
     def _run(self, step_id: int, plan: Plan, all_logits: bool) -> StepOutput:
         timings, chunks = StepTimings(), self._chunks(plan)
         if not chunks:
-            return StepOutput(step_id, {}, timings)
+            return StepOutput(step_id, {}, timings, logits={} if all_logits else None)
         if self.swap.pending:
             timings.swap_wait_s = self.swap.wait_for({b for c in chunks for b in c.block_table})
         t0 = time.perf_counter()
