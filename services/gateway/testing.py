@@ -56,6 +56,7 @@ class ProcessStack:
         self.redis = None
         self.url = ""
         self.model_id = ""
+        self.scheduler_address = ""
 
     def _model_setting(self) -> str:
         if self.model != "tiny":
@@ -79,6 +80,7 @@ class ProcessStack:
             "ALISE_REDIS_URL": self.redis.url, "ALISE_EXECUTOR_GRACE_S": "3600"},
             ("grpc", f"127.0.0.1:{sch_port}"), ("executor",) if self.with_executor else ()))
         self.url = f"http://127.0.0.1:{gw_port}"
+        self.scheduler_address = f"127.0.0.1:{sch_port}"
         specs.append(ServiceSpec("gateway", ("gateway", "serve"), {
             "ALISE_GATEWAY_PORT": str(gw_port), "ALISE_SCHEDULER_ADDRESS": f"127.0.0.1:{sch_port}",
             "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}"},
