@@ -215,3 +215,21 @@ def test_health_and_metrics_with_scheduler_up(stack):
     text = httpx.get(stack["url"] + "/metrics", timeout=10).text
     assert 'alise:request_success_total{finished_reason="length"}' in text
     assert "alise:time_to_first_token_seconds_count" in text
+
+
+def test_request_timeout_is_504_and_aborts_upstream(tmp_path, redis_server):
+    # No executor: the request waits in the scheduler's queue until the gateway gives up.
+    with inprocess_backend(tmp_path, None, redis_server.url) as backend:
+        settings = GatewaySettings(scheduler_address=backend["address"], request_timeout_s=1.5,
+                                   predictor_addresses=[f"127.0.0.1:{free_port()}"])
+        with running_gateway(settings) as url:
+            body = {"prompt": "hello", "max_tokens": 4}
+            response = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            assert response.status_code == 504, response.text
+            assert response.json()["error"]["code"] == "timeout"
+            raw = httpx.post(url + "/v1/completions", json={**body, "stream": True},
+                             timeout=30).content
+            payloads = sse_events(raw)
+            assert payloads[-1] == b"[DONE]"
+            assert json.loads(payloads[-2])["error"]["code"] == "timeout"
+            assert wait_for(lambda: stats(backend).aborted >= 2 and stats(backend).waiting == 0)
