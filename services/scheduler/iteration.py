@@ -119,8 +119,6 @@ def record(service, loop, out, updates, result) -> IterationWrite:
     m.swap_out.inc(len(out.swap_out))
     m.swap_in.inc(len(out.swap_in))
     m.iteration_tokens.observe(out.total_num_scheduled_tokens)
-    if loop.overheads and loop.steps > 1:
-        m.overhead.observe(max(0.0, loop.overheads[-1]))
     w.executors[addr] = budget_fields(loop)
     return w
 

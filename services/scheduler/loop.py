@@ -33,13 +33,16 @@ class ExecutorLoop:
         self.stale: set[str] = set(stale)  # ids the executor may hold: freed in the next Step
         self.poll_interval_s = poll_interval_s
         self.health_interval_s = health_interval_s
-        self.overheads: deque[float] = deque(maxlen=100_000)  # seconds per iteration
+        # (scheduler seconds between two Steps minus the first Step's executor time,
+        #  requests in that first Step), for the overhead benchmark and metric
+        self.overheads: deque[tuple[float, int]] = deque(maxlen=100_000)
         self.steps = 0
         self.failures = 0                  # consecutive failed attempts (reconnect backoff)
         self.max_backoff_s = 5.0
         self._wake = asyncio.Event()
         self._last_send: float | None = None
         self._last_exec_s = 0.0
+        self._last_batch = 0
         self._task: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -149,7 +152,9 @@ class ExecutorLoop:
         pb = step_request(out)
         t_send = time.perf_counter()
         if self._last_send is not None:
-            self.overheads.append(t_send - self._last_send - self._last_exec_s)
+            overhead = t_send - self._last_send - self._last_exec_s
+            self.overheads.append((overhead, self._last_batch))
+            self.service.metrics.overhead.observe(max(0.0, overhead))
         try:
             result = await self.client.step(pb, timeout=self.service.settings.step_timeout_s)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
@@ -157,6 +162,7 @@ class ExecutorLoop:
             self._down(f"Step failed: {_brief(exc)}")
             return
         self._last_send, self._last_exec_s = t_send, result.timings.total_s
+        self._last_batch = len(out.num_scheduled_tokens)
         self.steps += 1
         updates = self.sched.update(step_outcome(result), time.time())
         self.service.iteration_done(self, out, updates, result)

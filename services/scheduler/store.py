@@ -13,8 +13,8 @@ Layout under a namespace `ns` (default `alise`):
     {ns}:stats          hash    counters (finished, aborted, preemptions)
 
 Loops describe what changed in an `IterationWrite`; the `StoreWriter` task commits every write
-submitted since its last flush in one MULTI/EXEC pipeline, then runs the writes' callbacks (which
-publish token events). So a client never sees a token that Redis does not hold, and a crash
+submitted since its last flush in one atomic Lua script call (store_script.py), then runs the
+writes' callbacks (which publish token events). So a client never sees a token that Redis does not hold, and a crash
 leaves Redis at an iteration boundary.
 """
 from __future__ import annotations
@@ -118,6 +118,7 @@ class Store:
         self.client = aioredis.Redis.from_url(url, decode_responses=False)
         self.keys = Keys(namespace)
         self.retention_s = retention_s
+        self._script = None
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -178,40 +179,13 @@ class Store:
         return {_text(k): int(v) for k, v in raw.items()}
 
     async def commit(self, writes: list[IterationWrite]) -> None:
-        """Apply several iteration writes, in order, in one MULTI/EXEC pipeline."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            for write in writes:
-                self._apply(pipe, write)
-            await pipe.execute()
+        """Apply several iteration writes, in order, atomically (one Lua script call)."""
+        from services.scheduler.store_script import LUA, script_args
 
-    def _apply(self, pipe, w: IterationWrite) -> None:
-        k = self.keys
-        for rid, (start, buf) in w.tokens.items():
-            pipe.setrange(k.out(rid), start * TOKEN.size, bytes(buf))
-        for rid, values in w.fields.items():
-            if values:
-                pipe.hset(k.req(rid), mapping=values)
-        for rid, (queue, score) in w.queue.items():
-            for name in QUEUES:
-                if name != queue:
-                    pipe.zrem(k.queue(name), rid)
-            if queue is not None:
-                pipe.zadd(k.queue(queue), {rid: score})
-        for rid in w.finished:
-            ttl_ms = max(1, int(self.retention_s * 1000))
-            pipe.pexpire(k.req(rid), ttl_ms)
-            pipe.pexpire(k.out(rid), ttl_ms)
-        for addr, ids in w.held_add.items():
-            if ids:
-                pipe.sadd(k.held(addr), *ids)
-        for addr, ids in w.held_remove.items():
-            if ids:
-                pipe.srem(k.held(addr), *ids)
-        for addr, values in w.executors.items():
-            pipe.hset(k.executor(addr), mapping=values)
-        for name, delta in w.counters.items():
-            if delta:
-                pipe.hincrby(k.stats, name, delta)
+        if self._script is None:
+            self._script = self.client.register_script(LUA)
+        ttl_ms = max(1, int(self.retention_s * 1000))
+        await self._script(args=script_args(self.keys.ns, ttl_ms, writes))
 
 
 class StoreWriter:

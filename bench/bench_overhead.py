@@ -1,0 +1,133 @@
+"""`alise bench overhead`: the live scheduler's own time per iteration.
+
+One CPU executor (a separate process) serves a tiny random-weight model, so model time is small
+and steady; the scheduler runs in this process against real Redis; a client process streams
+`--requests` concurrent requests (ignore_eos, fixed length). For every pair of consecutive
+Steps sent while all requests run, overhead = wall time between the two Step calls minus the
+executor's reported time for the first one (gRPC transport, core schedule/update, Redis
+hand-off, token streaming). Reported per policy: p50 and p99 in milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _client(address: str, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
+    """Runs in a child process: n concurrent Generate streams, each read to the end."""
+    from services.common.grpc_client import aio_channel
+    from services.common.pb import scheduler_pb2_grpc
+    from services.scheduler.testing import gen_request, generate
+
+    async def main() -> None:
+        async with aio_channel(address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            prompts = [[(i * 97 + j) % 4000 + 3 for j in range(prompt_len)] for i in range(n)]
+            results = await asyncio.gather(*[
+                generate(stub, gen_request(f"{tag}-{i}", p, max_tokens), timeout=600)
+                for i, p in enumerate(prompts)])
+        assert all(r[-1].usage.completion_tokens == max_tokens for r in results)
+
+    asyncio.run(main())
+
+
+def _start_executor(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, ALISE_MODEL=str(model_dir), ALISE_EXECUTOR_PORT=str(port),
+               ALISE_DEVICE="cpu", ALISE_NUM_THREADS="1", ALISE_KV_MEMORY_GB="0.05", ALISE_SWAP_MEMORY_GB="0.01",
+               ALISE_LOG_LEVEL="WARNING", HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "executor", "serve"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+
+
+async def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    from services.common.grpc_client import aio_channel, check_health
+
+    async with aio_channel(address) as channel:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"executor exited with {proc.returncode}")
+            if await check_health(channel, timeout=1.0):
+                return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"executor at {address} did not come up")
+
+
+async def _measure(policy: str, redis_url: str, executor: str, args) -> dict:
+    import multiprocessing
+
+    from services.scheduler.testing import running_scheduler
+
+    async with running_scheduler(redis_url, [executor], policy=policy,
+                                 redis_namespace=f"bench-{policy}",
+                                 log_level="WARNING") as handle:
+        loop = handle.service.loops[executor]
+        while not loop.up:
+            await asyncio.sleep(0.05)
+        child = multiprocessing.get_context("spawn").Process(
+            target=_client, args=(handle.address, args.requests, args.prompt_len,
+                                  args.max_tokens, policy))
+        child.start()
+        while child.is_alive():
+            await asyncio.sleep(0.05)
+        if child.exitcode != 0:
+            raise RuntimeError(f"client failed ({child.exitcode})")
+        samples = [o * 1000 for o, batch in loop.overheads if batch == args.requests]
+    if len(samples) < 10:
+        raise RuntimeError(f"only {len(samples)} iterations ran all {args.requests} requests")
+    return {"p50_ms": round(_percentile(samples, 0.5), 3),
+            "p99_ms": round(_percentile(samples, 0.99), 3),
+            "mean_ms": round(statistics.fmean(samples), 3), "iterations": len(samples)}
+
+
+async def _run_all(args) -> dict:
+    from services.common.redis_runner import EmbeddedRedis, free_port
+    from services.scheduler.testing import cached_tiny_model
+
+    model = cached_tiny_model("llama")
+    work = Path(tempfile.mkdtemp(prefix="alise-bench-overhead-"))
+    port = free_port()
+    proc = _start_executor(model, port, work / "executor.log")
+    address = f"127.0.0.1:{port}"
+    try:
+        await _wait_serving(address, proc)
+        with EmbeddedRedis(work / "redis") as redis:
+            policies = {p: await _measure(p, redis.url, address, args)
+                        for p in args.policies.split(",")}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"policies": policies, "requests": args.requests, "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens, "executor": "cpu, tiny random llama (2 layers)"}
+
+
+def _run(args: argparse.Namespace) -> int:
+    result = asyncio.run(_run_all(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("overhead", help="scheduler's own time per iteration (p50/p99)")
+    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--policies", default="fcfs,hybrid", help="comma-separated policy names")
+    p.add_argument("--requests", type=int, default=64, help="concurrent running requests")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
+    p.set_defaults(func=_run)
