@@ -101,12 +101,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 def _add_service_routes(app: FastAPI, metrics: GatewayMetrics) -> None:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
+        """200 while the scheduler serves; the predictor is optional (reported only)."""
         gw: GatewayState = request.app.state.gateway
-        up = await gw.upstream.scheduler_up()
+        up, predictor = await asyncio.gather(gw.upstream.scheduler_up(),
+                                             gw.upstream.predictor_up())
         if up and not gw.upstream.max_model_len:
             await gw.upstream.stats()
         return JSONResponse({"status": "ok" if up else "unavailable", "scheduler": up,
-                             "model": gw.model_id, "max_model_len": gw.max_model_len()},
+                             "predictor": predictor, "model": gw.model_id,
+                             "max_model_len": gw.max_model_len()},
                             status_code=200 if up else 503)
 
     @app.get("/metrics", include_in_schema=False)

@@ -91,7 +91,8 @@ async def _respond(request: Request, plan, body, chat: bool):
                                body.return_token_times)
             return SSEResponse(_stream(gen, maker, gw, arrival), headers,
                                on_close=lambda: _close(gw, gen))
-        await _until_disconnect(request, _collect(gen), gw.settings.request_timeout_s)
+        left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
+        await _until_disconnect(request, _collect(gen), max(left, 0.0))
         _record(gw, gen, arrival)
         return JSONResponse(full_response(gen, chat), headers=headers)
     except BaseException:

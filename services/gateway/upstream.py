@@ -34,7 +34,7 @@ class Upstream:
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
         self.predictor = predictor_pb2_grpc.PredictorStub(self.predictor_channel)
         self._tasks: set[asyncio.Task] = set()
-        self._health: tuple[float, bool] = (0.0, False)
+        self._health: dict[str, tuple[float, bool]] = {}
         self.max_model_len: int = 0   # from the scheduler's Stats, 0 = unknown yet
 
     async def close(self) -> None:
@@ -51,12 +51,19 @@ class Upstream:
 
     # Scheduler.
 
-    async def scheduler_up(self, force: bool = False) -> bool:
-        checked_at, up = self._health
-        if not force and time.monotonic() - checked_at < HEALTH_CACHE_S:
+    async def scheduler_up(self) -> bool:
+        return await self._up("scheduler", self.scheduler_channel)
+
+    async def predictor_up(self) -> bool:
+        return await self._up("predictor", self.predictor_channel)
+
+    async def _up(self, name: str, channel) -> bool:
+        """Health check, cached for HEALTH_CACHE_S so /health polling stays cheap."""
+        checked_at, up = self._health.get(name, (0.0, False))
+        if time.monotonic() - checked_at < HEALTH_CACHE_S:
             return up
-        up = await check_health(self.scheduler_channel, timeout=1.0)
-        self._health = (time.monotonic(), up)
+        up = await check_health(channel, timeout=1.0)
+        self._health[name] = (time.monotonic(), up)
         return up
 
     async def stats(self) -> scheduler_pb2.StatsResponse | None:

@@ -125,4 +125,5 @@ def test_playground_streams_an_answer_in_headless_chromium(stack):
 
 def test_health_reports_the_real_model_length(stack):
     body = httpx.get(stack["url"] + "/health", timeout=10).json()
-    assert body["scheduler"] is True and body["max_model_len"] >= 2048
+    assert body["scheduler"] is True and body["predictor"] is True
+    assert body["max_model_len"] >= 2048

@@ -45,7 +45,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
 def test_health_is_503_while_the_scheduler_is_down(client):
     response = client.get("/health")
     assert response.status_code == 503
-    assert response.json()["scheduler"] is False
+    assert response.json()["scheduler"] is False and response.json()["predictor"] is False
 
 
 def test_generate_is_503_while_the_scheduler_is_down(client):
