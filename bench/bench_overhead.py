@@ -5,7 +5,8 @@ and steady; the scheduler runs in this process against real Redis; a client proc
 `--requests` concurrent requests (ignore_eos, fixed length). For every pair of consecutive
 Steps sent while all requests run, overhead = wall time between the two Step calls minus the
 executor's reported time for the first one (gRPC transport, core schedule/update, Redis
-hand-off, token streaming). Reported per policy: p50 and p99 in milliseconds.
+hand-off, token streaming). Reported per policy: p50 and p99 in milliseconds, plus the part
+spent in the loop's own code (`loop_code_*`) and, for scale, the round trip of an empty Step.
 """
 from __future__ import annotations
 
@@ -85,12 +86,29 @@ async def _measure(policy: str, redis_url: str, executor: str, args) -> dict:
             await asyncio.sleep(0.05)
         if child.exitcode != 0:
             raise RuntimeError(f"client failed ({child.exitcode})")
-        samples = [o * 1000 for o, batch in loop.overheads if batch == args.requests]
-    if len(samples) < 10:
-        raise RuntimeError(f"only {len(samples)} iterations ran all {args.requests} requests")
+        full = [(o * 1000, c * 1000) for o, batch, c in loop.overheads if batch == args.requests]
+    if len(full) < 10:
+        raise RuntimeError(f"only {len(full)} iterations ran all {args.requests} requests")
+    samples, compute = [o for o, _ in full], [c for _, c in full]
     return {"p50_ms": round(_percentile(samples, 0.5), 3),
             "p99_ms": round(_percentile(samples, 0.99), 3),
-            "mean_ms": round(statistics.fmean(samples), 3), "iterations": len(samples)}
+            "mean_ms": round(statistics.fmean(samples), 3), "iterations": len(samples),
+            "loop_code_p50_ms": round(_percentile(compute, 0.5), 3),
+            "loop_code_p99_ms": round(_percentile(compute, 0.99), 3)}
+
+
+async def _rpc_floor_ms(address: str, n: int = 200) -> float:
+    """p50 round trip of an empty Step minus the executor's own time: the transport floor."""
+    from services.common.pb import executor_pb2
+    from services.scheduler.executor_client import ExecutorClient
+
+    client, times = ExecutorClient(address), []
+    for _ in range(n):
+        start = time.perf_counter()
+        reply = await client.step(executor_pb2.StepRequest(), timeout=10)
+        times.append((time.perf_counter() - start - reply.timings.total_s) * 1000)
+    await client.close()
+    return round(_percentile(times, 0.5), 3)
 
 
 async def _run_all(args) -> dict:
@@ -104,6 +122,7 @@ async def _run_all(args) -> dict:
     address = f"127.0.0.1:{port}"
     try:
         await _wait_serving(address, proc)
+        floor = await _rpc_floor_ms(address)
         with EmbeddedRedis(work / "redis") as redis:
             policies = {p: await _measure(p, redis.url, address, args)
                         for p in args.policies.split(",")}
@@ -111,7 +130,9 @@ async def _run_all(args) -> dict:
         proc.terminate()
         proc.wait(30)
     return {"policies": policies, "requests": args.requests, "prompt_len": args.prompt_len,
-            "max_tokens": args.max_tokens, "executor": "cpu, tiny random llama (2 layers)"}
+            "max_tokens": args.max_tokens, "empty_step_rpc_p50_ms": floor,
+            "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "executor": "cpu (1 torch thread), tiny random llama (2 layers)"}
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -92,6 +92,7 @@ def record(service, loop, out, updates, result) -> IterationWrite:
         w.held_add[addr].add(rid)
         w.set(rid, executor=addr)
     w.held_remove[addr].update(set(out.free_request_ids) - new_ids)
+    _forget_finished(loop.sched, out.free_request_ids)
     touched = set(out.num_scheduled_tokens).union(out.preempted_request_ids)
     touched.update(u.request_id for u in updates)
     for rid in touched:
@@ -121,6 +122,15 @@ def record(service, loop, out, updates, result) -> IterationWrite:
     m.iteration_tokens.observe(out.total_num_scheduled_tokens)
     w.executors[addr] = budget_fields(loop)
     return w
+
+
+def _forget_finished(sched, freed: list[str]) -> None:
+    """Drop finished requests from the core once the executor was told to free them (the
+    core keeps every request it ever saw otherwise)."""
+    for rid in freed:
+        req = sched.requests.get(rid)
+        if req is not None and req.is_finished:
+            del sched.requests[rid]
 
 
 def _tokens(service, w: IterationWrite, updates) -> None:

@@ -69,6 +69,7 @@ async def test_300_requests_with_random_aborts_leave_nothing_behind(redis_server
                 statuses[key.decode()] = (await client.hget(key, "status")).decode()
             queued = [await client.zcard(keys.queue(q)) for q in QUEUES]
             open_streams = [e for e in service.entries.values()]
+            core_left = [r for lp in service.loops.values() for r in lp.sched.requests]
     finally:
         await executor.stop()
 
@@ -78,7 +79,7 @@ async def test_300_requests_with_random_aborts_leave_nothing_behind(redis_server
     missing = {pb.request_id for pb in pbs} - {k.rsplit(":", 1)[1] for k in statuses}
     assert all(mode == "hangup" for pb, mode in zip(pbs, modes) if pb.request_id in missing)
     assert len(statuses) >= 250 and set(statuses.values()) <= FINAL
-    assert queued == [0, 0, 0] and open_streams == []
+    assert queued == [0, 0, 0] and open_streams == [] and core_left == []
     assert stats.waiting == stats.running == stats.swapped == 0
     aborted = sum(1 for s in statuses.values() if s == "finished_aborted")
     assert stats.aborted == aborted and stats.finished == len(statuses) - aborted
