@@ -54,15 +54,17 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
     if not settings.redis_url:
         embedded = await asyncio.to_thread(EmbeddedRedis(settings.data_dir / "redis").start)
         settings = settings.model_copy(update={"redis_url": embedded.url})
-    service = SchedulerService(settings)
+    service = None
     try:
+        service = SchedulerService(settings)   # unknown policy or knob: ValueError
         await service.start()
         server = await start_server(
             [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(service),
               "alise.v1.Scheduler")],
             f"{settings.scheduler_host}:{settings.scheduler_port}")
     except BaseException:
-        await service.stop()
+        if service is not None:
+            await service.stop()
         if embedded is not None:
             embedded.stop()
         raise
