@@ -113,22 +113,22 @@ class Int8PagedKV:
         g.extra["key_valid"] = torch.cat(
             [full_pos < (n_full * bs)[:, None], tail_pos < g.ctx_after[:, None]], dim=1)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
-        """Complete blocks are quantized into the pool; the open remainder goes to staging."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
+              block_writer=None) -> None:
+        """Complete blocks are quantized into the pool; the open remainder goes to staging.
+        block_writer(cache, layer, "k"|"v", combined, src_idx, dst) quantizes the completed
+        blocks (default: torch; the Triton backend passes its kernel)."""
         p = self._plan
-        self._write_one(layer, k, self.k_stage, p, "k", quant.quantize_keys)
-        self._write_one(layer, v, self.v_stage, p, "v", quant.quantize_values)
+        writer = block_writer or torch_block_writer
+        self._write_one(layer, k, self.k_stage, p, "k", writer)
+        self._write_one(layer, v, self.v_stage, p, "v", writer)
 
-    def _write_one(self, layer, new, stage, p, name, quantize) -> None:
-        hkv, d, bs = self.kv_heads, self.head_dim, self.block_size
+    def _write_one(self, layer, new, stage, p, name, writer) -> None:
+        hkv, d = self.kv_heads, self.head_dim
         staged = stage[layer][:, p["slots"]].view(hkv, -1, d)                # [Hkv, R*bs, D]
         combined = torch.cat([staged, new.transpose(0, 1)], dim=1)           # [Hkv, R*bs+T, D]
         if p["fq_dst"].numel():
-            blocks = combined[:, p["fq_src"]]                                # [Hkv, Nf, bs, D]
-            codes, scale, offset = quantize(blocks)
-            self.tensors[name + "q"][layer][:, p["fq_dst"]] = codes
-            self.tensors[name + "s"][layer][:, p["fq_dst"]] = scale
-            self.tensors[name + "o"][layer][:, p["fq_dst"]] = offset
+            writer(self, layer, name, combined, p["fq_src"], p["fq_dst"])
         stage[layer][:, p["slots"]] = combined[:, p["st_src"]]               # [Hkv, R, bs, D]
 
     def gather(self, layer: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,3 +143,13 @@ class Int8PagedKV:
         k = torch.cat([k.view(shape), self.k_stage[layer].index_select(1, slots)], dim=2)
         v = torch.cat([v.view(shape), self.v_stage[layer].index_select(1, slots)], dim=2)
         return k, v
+
+
+def torch_block_writer(cache: Int8PagedKV, layer: int, name: str, combined: torch.Tensor,
+                       src_idx: torch.Tensor, dst: torch.Tensor) -> None:
+    """Quantize blocks combined[:, src_idx[f]] ([Hkv, Nf, bs, D]) into pool blocks dst[f]."""
+    quantize = quant.quantize_keys if name == "k" else quant.quantize_values
+    codes, scale, offset = quantize(combined[:, src_idx])
+    cache.tensors[name + "q"][layer][:, dst] = codes
+    cache.tensors[name + "s"][layer][:, dst] = scale
+    cache.tensors[name + "o"][layer][:, dst] = offset

@@ -24,7 +24,8 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
     scale = ((hi - lo) / 255.0).clamp_min(_EPS).to(SCALE_DTYPE)
     offset = (-lo).to(SCALE_DTYPE)
     # quantize against the stored (rounded) parameters so dequantization matches exactly
-    codes = torch.round((xf + offset.float()) / scale.float()).clamp_(0, 255).to(torch.uint8)
+    # round half up (not torch.round's half-to-even) so the Triton kernel matches bit for bit
+    codes = torch.floor((xf + offset.float()) / scale.float() + 0.5).clamp_(0, 255).to(torch.uint8)
     return codes, scale.squeeze(dim), offset.squeeze(dim)
 
 

@@ -55,5 +55,5 @@ def make_attention(spec: ModelSpec, backend: str, device: torch.device):
     if backend == "triton":
         from services.executor.triton_attention import TritonAttention
 
-        return TritonAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
+        return TritonAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, device)
     raise ValueError(f"unknown attention backend {backend!r}: expected auto, torch or triton")
