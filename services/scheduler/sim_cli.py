@@ -49,6 +49,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-swaps", action="store_true",
                    help="add swap time to the step instead of overlapping it")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-iterations", type=int, default=None,
+                   help="give up on a point after this many steps (run: 5M; sweep: 400K); "
+                        "a sweep records it as a failed point")
 
 
 def _base_config(args, policy: str = "fcfs"):
@@ -59,7 +62,9 @@ def _base_config(args, policy: str = "fcfs"):
                      num_device_blocks=args.device_blocks, num_host_blocks=args.host_blocks,
                      max_model_len=max_len, prediction=args.prediction,
                      swap_bandwidth_gbs=args.swap_bandwidth_gbs,
-                     overlap_swaps=not args.no_overlap_swaps, seed=args.seed)
+                     overlap_swaps=not args.no_overlap_swaps, seed=args.seed,
+                     max_iterations=args.max_iterations or (
+                         400_000 if args.sim_command == "sweep" else 5_000_000))
 
 
 def _trace_spec(args):

@@ -88,3 +88,14 @@ def test_report_tables():
     cap = capacity_table(results)
     assert "| alise | 15 (≥) | 1.5 |" in cap and "| fcfs | 10 | 1 |" in cap
     assert "| 4 | 0.1 | 0.2 |" in metric_table(results, "p99_tbt")
+
+
+def test_runaway_points_are_recorded_as_failures(trace_file, tmp_path):
+    out = tmp_path / "sweep"
+    assert main(["sim", "sweep", "--policies", "fcfs", "--rates", "5", "--jobs", "1",
+                 "--trace", f"jsonl:{trace_file}", "--out", str(out), "--no-plots",
+                 "--max-iterations", "20"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    (point,) = results["points"]
+    assert "more than 20 iterations" in point["error"] and point["completed"] == 0
+    assert results["capacity"]["fcfs"] == {"normalized_latency": 0.0, "p99_tbt": 0.0}

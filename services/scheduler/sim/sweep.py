@@ -16,6 +16,7 @@ from bench.metrics import e2e, normalized_latency, ttft
 from bench.traces.spec import make_trace
 from bench.traces.trace import TraceItem
 from services.scheduler.sim.config import SimConfig, load_profile, parse_policy
+from services.scheduler.sim.engine import SimulationError
 
 POINT_KEYS = ("mean_normalized_latency", "p99_tbt", "median_ttft", "slo_attainment",
               "goodput", "throughput_tok_s")
@@ -62,7 +63,12 @@ def run_point(task: tuple) -> dict:
     entry, rate, base, spec, keep_cdf = task
     config = policy_config(entry, base)
     profile = _profile(config.profile)
-    result = simulate(build_trace(spec, rate, profile), config, profile)
+    items = build_trace(spec, rate, profile)
+    try:
+        result = simulate(items, config, profile)
+    except SimulationError as exc:  # a stalled or runaway policy: a failed point, not a crash
+        return {"policy": entry, "rate": rate, "error": str(exc), "num_requests": len(items),
+                "completed": 0, **{k: None for k in POINT_KEYS}}
     point = {"policy": entry, "rate": rate, **result.summary}
     if keep_cdf:
         done = [r for r in result.records if r.completed and r.token_times]
