@@ -84,9 +84,10 @@ class PredictorSettings(CommonSettings):
     embedder: str = Field(
         "all-minilm-l6-v2",
         description="Sentence-transformers model: `all-minilm-l6-v2` (bundled) or a directory.")
-    predictor_top_k: int = Field(8, ge=1, le=256, description="Neighbours searched (k).")
+    predictor_top_k: int = Field(
+        2, ge=1, le=256, description="Neighbours searched (k; chosen on a train-split holdout).")
     predictor_threshold: float = Field(
-        0.8, ge=-1.0, le=1.0, description="Similarity threshold s0 for retrieval.")
+        0.9, ge=-1.0, le=1.0, description="Similarity threshold s0 for retrieval.")
     predictor_mlp_path: Path | None = Field(
         None, description="MLP regressor checkpoint (default under data_dir).")
     predictor_capacity: int = Field(
@@ -103,6 +104,9 @@ class PredictorSettings(CommonSettings):
         256, ge=1, description="Most prompts or observations in one Predict/Observe call.")
     predictor_embed_tokens: int = Field(
         256, ge=16, le=512, description="Word pieces of each prompt the embedder reads.")
+    predictor_threads: int = Field(
+        1, ge=0, description="torch threads of the predictor (0 = torch default); 1 keeps "
+                             "latency steady on a host shared with executors.")
     predictor_models: StrList = Field(
         default_factory=list,
         description="Model ids Predict/Observe accept (empty = the id of the model setting).")

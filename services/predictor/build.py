@@ -41,6 +41,10 @@ def mlp_path(settings: PredictorSettings, model: str) -> Path:
 
 
 def make_embedder(settings: PredictorSettings, normalize: bool = True) -> Embedder:
+    if settings.predictor_threads:
+        import torch
+
+        torch.set_num_threads(settings.predictor_threads)
     return Embedder(settings.embedder, normalize=normalize,
                     max_seq_length=settings.predictor_embed_tokens)
 

@@ -71,6 +71,8 @@ def train_proxy(settings, limit: int = 2000, epochs: int = 1, batch: int = 16,
     from services.predictor.embedder import embedder_dir
 
     model_id = served_models(settings)[0]
+    if settings.predictor_threads:
+        torch.set_num_threads(settings.predictor_threads)
     rng = np.random.default_rng(seed)
     samples = train_samples(settings)
     samples = [samples[i] for i in rng.permutation(len(samples))[:limit]]
