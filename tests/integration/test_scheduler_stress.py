@@ -70,6 +70,8 @@ async def test_300_requests_with_random_aborts_leave_nothing_behind(redis_server
             queued = [await client.zcard(keys.queue(q)) for q in QUEUES]
             open_streams = [e for e in service.entries.values()]
             core_left = [r for lp in service.loops.values() for r in lp.sched.requests]
+            swapped_out = service.metrics.registry.get_sample_value(
+                "alise:swap_out_blocks_total")
     finally:
         await executor.stop()
 
@@ -99,4 +101,4 @@ async def test_300_requests_with_random_aborts_leave_nothing_behind(redis_server
         else:
             assert final.finish_reason in ("abort", "stop", "length")
     assert held == [set()]            # the executor was told to free every request
-    assert stats.preemptions > 0      # the small KV pool made the policy preempt
+    assert stats.preemptions > 0 and swapped_out > 0   # the small KV pool forced preemptions
