@@ -50,14 +50,14 @@ def request_from_record(rid: str, record: dict[str, str],
         max_model_len=p.get("max_model_len"))
 
 
-def recompute_copy(req: Request) -> Request:
-    """A fresh copy of `req` to admit again after its KV was lost: output kept, nothing
-    computed, no policy state carried over; counts as one preemption."""
+def recompute_copy(req: Request, preempted: bool = True) -> Request:
+    """A fresh copy of `req` to admit again elsewhere: output kept, nothing computed, no policy
+    state carried over; counts as one preemption when it lost KV (`preempted`)."""
     return dataclasses.replace(
         req, output_token_ids=list(req.output_token_ids),
         output_logprobs=list(req.output_logprobs), token_times=list(req.token_times),
         num_computed_tokens=0, status=RequestStatus.WAITING, finish_reason=None,
-        finished_time=None, num_preemptions=req.num_preemptions + 1)
+        finished_time=None, num_preemptions=req.num_preemptions + int(preempted))
 
 
 def queue_of(status: RequestStatus) -> str | None:

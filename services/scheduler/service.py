@@ -18,11 +18,11 @@ from services.common.grpc_server import ServiceError
 from services.common.settings import SchedulerSettings
 from services.scheduler import iteration
 from services.scheduler.convert import prediction_pb
-from services.scheduler.core.placement import choose_executor
 from services.scheduler.core.policies.base import make_policy
 from services.scheduler.core.request import Request, RequestStatus
 from services.scheduler.loop import ExecutorLoop
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.placer import Placer
 from services.scheduler.records import new_record, recompute_copy, request_from_record
 from services.scheduler.store import IterationWrite, Store, StoreWriter
 from services.scheduler.streams import RequestStream
@@ -68,6 +68,7 @@ class SchedulerService:
         self.backlog_tokens = 0
         self.loops: dict[str, ExecutorLoop] = {}
         self.limits = ModelLimits()
+        self.placer = Placer()
         self.stopping = False
         self._sweeper: asyncio.Task | None = None
 
@@ -193,7 +194,7 @@ class SchedulerService:
         """Put `entry` on the up executor with least predicted outstanding work that can hold
         it; otherwise leave it pending (failed after executor_grace_s)."""
         up = {a: loop.sched for a, loop in self.loops.items() if loop.up and loop.sched}
-        addr = choose_executor(up, entry.req, now) if up else None
+        addr = self.placer.choose(up, entry.req, now)
         if addr is None:
             self._to_pending(entry, now)
             return False
@@ -202,6 +203,7 @@ class SchedulerService:
         self.pending.pop(entry.req.request_id, None)
         entry.executor, entry.pending_since = addr, None
         iteration.add_request(loop.sched, entry.req)
+        self.placer.placed(addr, loop.sched, entry.req)
         loop.wake()
         return True
 
@@ -224,6 +226,7 @@ class SchedulerService:
                                   vocab_size=min(i.vocab_size for i in infos),
                                   eos_token_ids=tuple(infos[0].eos_token_ids))
         self.metrics.executor_up.labels(loop.address).set(1)
+        self.placer.forget(loop.address)
         w = IterationWrite()
         w.executors[loop.address] = iteration.budget_fields(loop)
         self.writer.submit(w)
@@ -232,6 +235,7 @@ class SchedulerService:
     def executor_down(self, loop: ExecutorLoop, sched, reason: str) -> None:
         """Move every unfinished request of a failed executor to the others (recompute)."""
         self.metrics.executor_up.labels(loop.address).set(0)
+        self.placer.forget(loop.address)
         now = time.time()
         w = IterationWrite()
         w.executors[loop.address] = iteration.budget_fields(loop)
@@ -241,8 +245,9 @@ class SchedulerService:
             entry = self.entries.get(rid)
             if entry is None or entry.final or req.is_finished or entry.executor != loop.address:
                 continue
-            entry.req = recompute_copy(req)
-            entry.failures += 1
+            had_kv = req.status is not RequestStatus.WAITING
+            entry.req = recompute_copy(req, preempted=had_kv)
+            entry.failures += had_kv
             if entry.failures >= self.settings.request_max_failures:
                 iteration.finalize(self, entry, "error", w, now,
                                    f"failed on executors {entry.failures} times; last: {reason}")
