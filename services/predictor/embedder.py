@@ -69,8 +69,9 @@ class Embedder:
         self.name = name
         self.path = embedder_dir(name)
         self.model = SentenceTransformer(str(self.path), device=device, local_files_only=True)
-        self.dim = int(self.model.get_embedding_dimension() if hasattr(
-            self.model, "get_embedding_dimension") else self.model.get_sentence_embedding_dimension())
+        dim_of = getattr(self.model, "get_embedding_dimension", None) or \
+            self.model.get_sentence_embedding_dimension
+        self.dim = int(dim_of())
         if max_seq_length:
             self.model.max_seq_length = max_seq_length
         self.max_seq_length = int(self.model.max_seq_length)

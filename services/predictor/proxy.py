@@ -33,7 +33,8 @@ class ProxyPredictor:
         self.y_mean, self.y_std, self.normalize = y_mean, y_std, normalize
 
     def _forward(self, texts: list[str]) -> torch.Tensor:
-        features = self.encoder.tokenize(texts)
+        prep = getattr(self.encoder, "preprocess", None) or self.encoder.tokenize
+        features = prep(texts)
         return self.head(self.encoder(features)["sentence_embedding"])[:, 0]  # [N]
 
     @torch.inference_mode()
@@ -81,7 +82,7 @@ def train_proxy(settings, limit: int = 2000, epochs: int = 1, batch: int = 16,
     encoder.max_seq_length = train_tokens
     y = np.log1p(np.array([s.output_len for s in samples], np.float32))
     y_mean, y_std = float(y.mean()), float(y.std())
-    head = nn.Linear(encoder.get_sentence_embedding_dimension(), 1)
+    head = nn.Linear(encoder[0].auto_model.config.hidden_size, 1)
     proxy = ProxyPredictor(encoder, head, y_mean, y_std)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW([{"params": encoder.parameters(), "lr": lr},
