@@ -96,9 +96,9 @@ def _time(methods: dict, singles: list[str], batches: list[list[str]]) -> dict:
             fn(batch)
             batch_s[m] += time.perf_counter() - t
     n = sum(len(b) for b in batches)
-    return {m: {"p50_ms": float(np.median(times[m]) * 1000),
-                "p99_ms": float(np.percentile(times[m], 99) * 1000),
-                "batch32_prompts_per_s": n / batch_s[m] if batch_s[m] else float("inf")}
+    ms = {m: np.array(t) * 1000 if t else np.full(1, np.nan) for m, t in times.items()}
+    return {m: {"p50_ms": float(np.median(ms[m])), "p99_ms": float(np.percentile(ms[m], 99)),
+                "batch32_prompts_per_s": n / batch_s[m] if batch_s[m] else float("nan")}
             for m in methods}
 
 
