@@ -28,5 +28,9 @@ class ExecutorClient:
                    timeout: float) -> executor_pb2.StepResult:
         return await self.stub.Step(request, timeout=timeout)
 
+    def start_step(self, request: executor_pb2.StepRequest, timeout: float):
+        """Start a Step; await the returned call for its StepResult."""
+        return self.stub.Step(request, timeout=timeout)
+
     async def close(self) -> None:
         await self.channel.close(grace=None)

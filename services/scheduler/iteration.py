@@ -143,6 +143,7 @@ def _tokens(service, w: IterationWrite, updates) -> None:
         times = entry.req.token_times
         t = times[index] if index < len(times) else time.time()
         w.add_token(u.request_id, index, token_id, logprob, t)
+        entry.n_out = index + 1
         w.callbacks.append(partial(entry.stream.publish, index, [(token_id, logprob, t)]))
         gained += 1
         if index == 0:
@@ -158,7 +159,7 @@ def finalize(service, entry, reason: str, w: IterationWrite, now: float, error: 
     req, rid = entry.req, entry.req.request_id
     service.pending.pop(rid, None)
     service.backlog_pop(rid)
-    n_out = len(req.output_token_ids)
+    n_out = entry.n_out          # tokens recorded; an abort may land before a Step is recorded
     w.set(rid, status=FINAL_STATUS[reason].value, finish_reason=reason, finished_at=now,
           error=error, num_preemptions=req.num_preemptions)
     w.finish(rid)

@@ -1,7 +1,8 @@
 """One loop per executor: `schedule -> Step -> update`, plus health polling while it is down.
 
 The loop awaits only its executor: Redis writes are handed to the store writer and token
-events go to per-request logs (see streams.py). A failed or timed-out Step marks the executor
+events go to per-request logs (see streams.py). A Step's bookkeeping (its Redis write, token
+events, metrics) runs while the next Step is already in flight, or before the loop idles. A failed or timed-out Step marks the executor
 down; the service then recomputes its requests elsewhere (service.executor_down).
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ExecutorLoop:
         self._last_exec_s = 0.0
         self._last_batch = 0
         self._last_compute = 0.0
+        self._deferred: tuple | None = None   # (out, updates, result) of the last Step
         self._task: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -72,6 +74,7 @@ class ExecutorLoop:
                 raise
             except Exception:  # noqa: BLE001 - a bug in one iteration must not kill the loop
                 log.exception("executor loop iteration failed", extra={"executor": self.address})
+                self._deferred = None
                 self._down("internal error in the loop")
 
     # -- connecting and health ---------------------------------------------------------------
@@ -127,6 +130,7 @@ class ExecutorLoop:
         if not self.up:
             return
         log.warning("executor down", extra={"executor": self.address, "reason": reason})
+        self._flush_record()
         self.up, self.down_since, self._last_send = False, time.time(), None
         sched, self.sched = self.sched, None
         self.service.executor_down(self, sched, reason)
@@ -148,6 +152,7 @@ class ExecutorLoop:
         out = self.sched.schedule(now)
         if not (out.num_scheduled_tokens or out.swap_out or out.swap_in
                 or out.free_request_ids or out.new_requests):
+            self._flush_record()
             self._last_send = None
             if not await self._sleep(self.health_interval_s):
                 await self._health_check()
@@ -159,8 +164,11 @@ class ExecutorLoop:
             compute = self._last_compute + (t_send - t_start)
             self.overheads.append((overhead, self._last_batch, compute))
             self.service.metrics.overhead.observe(max(0.0, overhead))
+        call = self.client.start_step(pb, timeout=self.service.settings.step_timeout_s)
+        await asyncio.sleep(0)      # the Step goes out; the previous one is recorded meanwhile
+        self._flush_record()
         try:
-            result = await self.client.step(pb, timeout=self.service.settings.step_timeout_s)
+            result = await call
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             self.failures += 1
             self._down(f"Step failed: {_brief(exc)}")
@@ -170,8 +178,14 @@ class ExecutorLoop:
         self.steps += 1
         t_recv = time.perf_counter()
         updates = self.sched.update(step_outcome(result), time.time())
-        self.service.iteration_done(self, out, updates, result)
+        self._deferred = (out, updates, result)
         self._last_compute = time.perf_counter() - t_recv
+
+    def _flush_record(self) -> None:
+        """Record the last completed Step (Redis write, token events, metrics)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self.service.iteration_done(self, *deferred)
 
 
 def _brief(exc: BaseException) -> str:

@@ -42,6 +42,7 @@ class Entry:
     first_sched_written: bool = False
     final: bool = False
     failures: int = 0                    # executor failures it went through
+    n_out: int = 0                       # output tokens recorded (written to Redis)
 
 
 def parse_policy_config(text: str) -> dict:
@@ -107,7 +108,7 @@ class SchedulerService:
             record, tokens = loaded
             req = request_from_record(rid, record, tokens)
             entry = Entry(req, RequestStream(rid, tokens, self.prediction_used(req)),
-                written_status=RequestStatus(record["status"]),
+                written_status=RequestStatus(record["status"]), n_out=len(tokens),
                 first_sched_written=req.first_scheduled_time is not None)
             self.entries[rid] = entry
             self._to_pending(entry, now)
