@@ -48,10 +48,24 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-bandwidth-gbs", type=float, default=25.0)
     p.add_argument("--no-overlap-swaps", action="store_true",
                    help="add swap time to the step instead of overlapping it")
+    p.add_argument("--prefill-attention", default="off",
+                   help="add the O(n^2) prefill attention FLOPs the linear cost model omits: "
+                        "off | auto (from the roofline GPU/model) | seconds per token pair")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-iterations", type=int, default=None,
                    help="give up on a point after this many steps (run: 5M; sweep: 400K); "
                         "a sweep records it as a failed point")
+
+
+def _attention(text: str) -> float | None:
+    if text == "off":
+        return None
+    if text == "auto":
+        return -1.0
+    try:
+        return float(text)
+    except ValueError:
+        raise SystemExit(f"--prefill-attention: off, auto or a number, got {text!r}") from None
 
 
 def _base_config(args, policy: str = "fcfs"):
@@ -63,6 +77,7 @@ def _base_config(args, policy: str = "fcfs"):
                      max_model_len=max_len, prediction=args.prediction,
                      swap_bandwidth_gbs=args.swap_bandwidth_gbs,
                      overlap_swaps=not args.no_overlap_swaps, seed=args.seed,
+                     prefill_attention_s=_attention(args.prefill_attention),
                      max_iterations=args.max_iterations or (
                          400_000 if args.sim_command == "sweep" else 5_000_000))
 

@@ -118,3 +118,16 @@ def test_policy_spec_parsing_and_bad_knobs():
         Simulation(_trace(5), SimConfig(policy="fcfs", knobs={"nope": 1}), profile=PROFILE)
     with pytest.raises(ValueError, match="max_model_len"):
         Simulation([TraceItem("r", 0.0, 5000, 3)], SimConfig(), profile=PROFILE).run()
+
+
+def test_prefill_attention_term_charges_long_prompts_quadratically():
+    cost = CostModel.from_profile(PROFILE)
+    times = {}
+    for n in (1000, 4000):
+        sim = Simulation([TraceItem("r", 0.0, n, 1)], SimConfig(prefill_attention_s=1e-9),
+                         profile=PROFILE).run()
+        times[n] = sim.requests["r"].token_times[0] - cost.iteration_time(n, 0, n)
+    assert times[1000] == pytest.approx(1e-9 * 1000 * 1001 / 2)
+    assert times[4000] == pytest.approx(16 * times[1000], rel=0.01)
+    auto = Simulation([], SimConfig(prefill_attention_s=-1), profile=PROFILE)
+    assert auto.attn_s == pytest.approx(4 * 32 * 4096 / (0.6 * 312e12))

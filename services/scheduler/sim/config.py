@@ -14,6 +14,10 @@ KV_BYTES_PER_TOKEN = {
     "smollm2-135m": 2 * 30 * 192 * 2,
 }
 DEFAULT_KV_BYTES_PER_TOKEN = KV_BYTES_PER_TOKEN["llama-2-7b"]
+# (layers, hidden size) for the prefill-attention term: 4 * layers * hidden FLOPs per
+# (query token, key token) pair (QK^T and PV), at the roofline's 60% of peak.
+ATTENTION_SHAPES = {"llama-2-7b": (32, 4096), "llama-3-8b": (32, 4096), "opt-13b": (40, 5120)}
+ATTENTION_MFU = 0.6
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class SimConfig:
     swap_bandwidth_gbs: float = 25.0        # host<->device copy bandwidth (PCIe 4 x16 ~ 25 GB/s)
     kv_bytes_per_token: int | None = None   # default: by model name (KV_BYTES_PER_TOKEN)
     overlap_swaps: bool = True              # swaps run beside compute (ALISE); else serialised
+    # seconds per (prefill token, context token) pair added to the clock for prefill chunks:
+    # the O(n^2) attention FLOPs the linear cost model leaves out (None = off, -1 = from the
+    # profile's GPU and model)
+    prefill_attention_s: float | None = None
     seed: int = 0
     max_iterations: int = 5_000_000         # guard against a policy that never finishes
 
@@ -87,3 +95,19 @@ def kv_bytes_per_token(config: SimConfig, profile: dict) -> int:
         if name in model:
             return value
     return DEFAULT_KV_BYTES_PER_TOKEN
+
+
+def prefill_attention_coeff(config: SimConfig, profile: dict) -> float:
+    """Seconds per (prefill token, attended token) pair, 0 when off."""
+    value = config.prefill_attention_s
+    if value is None or value == 0:
+        return 0.0
+    if value > 0:
+        return value
+    model = str(profile.get("model", "")).lower()
+    shape = next((v for k, v in ATTENTION_SHAPES.items() if k in model), None)
+    if shape is None or not profile.get("peak_flops"):
+        raise ValueError(f"cannot derive the prefill attention term for model {model!r}: "
+                         "give seconds per token pair instead")
+    layers, hidden = shape
+    return 4 * layers * hidden / (ATTENTION_MFU * float(profile["peak_flops"]))

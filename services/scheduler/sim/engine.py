@@ -25,7 +25,8 @@ from services.scheduler.core.output import SchedulerOutput, StepOutcome
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, Slo
 from services.scheduler.core.scheduler import Scheduler
-from services.scheduler.sim.config import SimConfig, kv_bytes_per_token, load_profile
+from services.scheduler.sim.config import (
+    SimConfig, kv_bytes_per_token, load_profile, prefill_attention_coeff)
 from services.scheduler.sim.predictions import predict_lengths
 
 STEP_END, SWAP_DONE, ARRIVAL = 0, 1, 2
@@ -55,6 +56,7 @@ class Simulation:
         self.block_size = config.block_size or self.profile.get("block_size") or 16
         self.swap_s_per_block = (self.block_size * kv_bytes_per_token(config, self.profile)
                                  / (config.swap_bandwidth_gbs * 1e9))
+        self.attn_s = prefill_attention_coeff(config, self.profile)
         self.executors = [self._make_executor(str(i)) for i in range(config.num_executors)]
         self.by_name = {e.name: e for e in self.executors}
         self.requests: dict[str, Request] = {}
@@ -138,6 +140,9 @@ class Simulation:
                     if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens]
         compute = self.cost.iteration_time(out.num_prefill_tokens, out.num_decode_tokens,
                                            out.num_context_tokens)
+        if self.attn_s:
+            compute += self.attn_s * sum(n * (reqs[rid].num_computed_tokens + (n + 1) / 2)
+                                         for rid, n in out.num_scheduled_tokens.items() if n > 1)
         duration = compute + self._swap_time(ex, swaps, compute)
         ex.busy = True
         ex.step = (out, sampling, self.now, duration, swaps,
