@@ -92,12 +92,14 @@ def _trace_spec(args):
 def _run(args) -> int:
     from dataclasses import asdict
 
+    from services.scheduler.sim.config import prefill_attention_coeff
     from services.scheduler.sim.run import simulate
     from services.scheduler.sim.sweep import _profile, build_trace, policy_config
 
     config = policy_config(args.policy, _base_config(args))
     profile = _profile(config.profile)
-    items = build_trace(_trace_spec(args), args.rate, profile)
+    items = build_trace(_trace_spec(args), args.rate, profile,
+                        prefill_attention_coeff(config, profile))
     result = simulate(items, config, profile)
     out = {"policy": args.policy, "rate": args.rate, **result.summary}
     text = json.dumps(out, indent=2)

@@ -15,7 +15,8 @@ from bench.capacity import Criterion, Search, bisect_many
 from bench.metrics import e2e, normalized_latency, ttft
 from bench.traces.spec import make_trace
 from bench.traces.trace import TraceItem
-from services.scheduler.sim.config import SimConfig, load_profile, parse_policy
+from services.scheduler.sim.config import (
+    SimConfig, load_profile, parse_policy, prefill_attention_coeff)
 from services.scheduler.sim.engine import SimulationError
 
 POINT_KEYS = ("mean_normalized_latency", "p99_tbt", "median_ttft", "slo_attainment",
@@ -48,12 +49,18 @@ def _profile(name: str) -> dict:
     return _PROFILES[name]
 
 
-def build_trace(spec: TraceSpec, rate: float | None, profile: dict) -> list[TraceItem]:
+def build_trace(spec: TraceSpec, rate: float | None, profile: dict,
+                attn_s: float = 0.0) -> list[TraceItem]:
+    """The trace; SLO schemes see the lone-prefill time the simulator's clock will charge."""
     from services.scheduler.core.cost_model import CostModel
 
     cost = CostModel.from_profile(profile)
+
+    def prefill_time(p: int) -> float:
+        return cost.iteration_time(p, 0, p) + attn_s * p * (p + 1) / 2
+
     return make_trace(spec.workload, spec.num_requests, rate, spec.arrival, spec.burstiness,
-                      spec.slo, spec.seed, prefill_time=lambda p: cost.iteration_time(p, 0, p))
+                      spec.slo, spec.seed, prefill_time=prefill_time)
 
 
 def run_point(task: tuple) -> dict:
@@ -63,7 +70,7 @@ def run_point(task: tuple) -> dict:
     entry, rate, base, spec, keep_cdf = task
     config = policy_config(entry, base)
     profile = _profile(config.profile)
-    items = build_trace(spec, rate, profile)
+    items = build_trace(spec, rate, profile, prefill_attention_coeff(config, profile))
     try:
         result = simulate(items, config, profile)
     except SimulationError as exc:  # a stalled or runaway policy: a failed point, not a crash
