@@ -1,0 +1,151 @@
+"""`alise bench engine`: offline throughput of our executor against transformers, in one run.
+
+Workload: the first N ShareGPT test-split prompts (filtered as DESIGN.md §6) with prompts of at
+most 512 tokens; each request generates its reference output length capped at 256, EOS
+ignored; only requested tokens count. Systems, same weights, dtype and thread count:
+  ours      - Engine + the minimal continuous-batching driver (services/executor/driver.py)
+  hf_static - transformers `generate`, static batches of 32 (left padding, greedy)
+  hf_cb     - transformers continuous batching (the manager behind `generate_batch`, with
+              per-request max_new_tokens)
+Also: our decode step at batch 32 with 512 tokens of context, and the time of the model's
+linear layers alone for those 32 tokens (a lower bound for that step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _workload(n: int, max_prompt: int, max_output: int):
+    from bench.traces.sharegpt import load_split
+    from services.common.models import load_tokenizer
+    from services.common.settings import CommonSettings
+
+    settings = CommonSettings()
+    tok = load_tokenizer(settings.model, settings.data_dir)
+    samples = [s for s in load_split("test") if s.prompt_len <= max_prompt][:n]
+    prompts = tok([s.prompt for s in samples], add_special_tokens=False)["input_ids"]
+    return [p[:max_prompt] for p in prompts], [min(s.output_len, max_output) for s in samples]
+
+
+def run_ours(engine, prompts, lens, budget: int, max_batch: int) -> float:
+    from services.executor.driver import Driver
+
+    start = time.perf_counter()
+    seqs = Driver(engine, token_budget=budget, max_batch=max_batch).generate(prompts, lens)
+    elapsed = time.perf_counter() - start
+    assert [len(s.output) for s in seqs] == lens
+    return elapsed
+
+
+def run_hf_static(model, tok, prompts, lens, batch: int) -> float:
+    import torch
+
+    tok.padding_side = "left"
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        enc = tok.pad({"input_ids": prompts[i:i + batch]}, return_tensors="pt")
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=max(lens[i:i + batch]), do_sample=False,
+                           eos_token_id=None, pad_token_id=tok.pad_token_id)
+    return time.perf_counter() - start
+
+
+def run_hf_cb(model, prompts, lens) -> float:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(lens))
+    manager = model.init_continuous_batching(generation_config=config)
+    start = time.perf_counter()
+    manager.start()
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+    done = 0
+    while done < len(prompts):
+        result = manager.get_result(timeout=5)
+        if result is not None and result.is_finished():
+            done += 1
+    elapsed = time.perf_counter() - start
+    manager.stop(block=True)
+    return elapsed
+
+
+def decode_step_ms(engine, batch: int = 32, context: int = 512, reps: int = 5) -> float:
+    from services.executor.profiler import _Bench
+
+    with engine.exclusive():
+        return 1e3 * _Bench(engine).time(0, batch, context, reps)["time_s"]
+
+
+def linear_only_ms(engine, tokens: int = 32, reps: int = 5) -> float:
+    """Every weight matmul of one forward pass over `tokens` rows, plus the LM head."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    weights = [w for layer in engine.runner.layers for f in dataclasses.fields(layer)
+               if (w := getattr(layer, f.name)) is not None and w.dim() == 2]
+    weights.append(engine.runner.lm_head)
+    inputs = [torch.randn(tokens, w.shape[1], dtype=w.dtype) for w in weights]
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            for x, w in zip(inputs, weights):
+                F.linear(x, w)
+            times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.common.models import weights_dir
+    from services.common.settings import ExecutorSettings
+    from services.executor.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = ExecutorSettings()
+    model_dir = weights_dir(settings.model, settings.data_dir)
+    prompts, lens = _workload(args.num_prompts, args.max_prompt, args.max_output)
+    engine = Engine(model_dir, device="cpu", dtype="fp32", kv_dtype=args.kv_dtype,
+                    kv_memory_gb=args.kv_memory_gb, num_host_blocks=1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tokens = sum(lens)
+    result = {"num_prompts": len(prompts), "requested_tokens": tokens,
+              "prompt_tokens": sum(map(len, prompts)), "threads": torch.get_num_threads(),
+              "kv_dtype": args.kv_dtype, "token_budget": args.token_budget,
+              "max_batch": args.max_batch}
+    t_ours = run_ours(engine, prompts, lens, args.token_budget, args.max_batch)
+    t_static = run_hf_static(hf, tok, prompts, lens, args.hf_batch)
+    t_cb = run_hf_cb(hf, prompts, lens)
+    result.update(ours_tok_s=tokens / t_ours, hf_static_tok_s=tokens / t_static,
+                  hf_cb_tok_s=tokens / t_cb, ratio_vs_hf_static=t_static / t_ours,
+                  ratio_vs_hf_cb=t_cb / t_ours, decode_step_ms_b32=decode_step_ms(engine),
+                  linear_only_ms_b32=linear_only_ms(engine))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("engine", help="executor throughput vs transformers (static, CB)")
+    p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--num-prompts", type=int, default=128, help="ShareGPT prompts (128)")
+    p.add_argument("--max-prompt", type=int, default=512, help="longest prompt kept (512)")
+    p.add_argument("--max-output", type=int, default=256, help="output length cap (256)")
+    p.add_argument("--hf-batch", type=int, default=32, help="static batch size for HF (32)")
+    p.add_argument("--token-budget", type=int, default=512, help="our tokens per step (512)")
+    p.add_argument("--max-batch", type=int, default=64, help="our concurrent requests (64)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--kv-memory-gb", type=float, default=2.0, help="our KV pool (2 GiB)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.set_defaults(func=_run)
