@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,9 @@ class EmbeddedRedis:
         if proc is None or proc.poll() is not None:
             return
         try:
-            client = redis.Redis(host=self.host, port=self.port, socket_timeout=2)
+            # No retries: the server closing the connection is the expected answer.
+            client = redis.Redis(host=self.host, port=self.port, socket_timeout=2,
+                                 retry=Retry(NoBackoff(), 0))
             client.shutdown(save=False, nosave=False)  # flushes the append-only file
         except redis.RedisError:
             proc.terminate()
