@@ -23,6 +23,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
         stream, start = await self._open(request)
+        # Accepted: tell the client now (headers), so it can start its response before the
+        # first token while refusals above stay proper status codes.
+        await context.send_initial_metadata(())
         completed = False
         try:
             async for event in stream.events(start):
