@@ -146,3 +146,61 @@ def test_free_only_output_is_not_in_flight():
     assert s.update(StepOutcome(frees.step_id, {}), 0.03) == []     # sent: accepted as no-op
     s.add_request(req("b", 4, 1, t=0.03))
     assert s.schedule(0.04).num_scheduled_tokens == {"b": 4}        # dropped: still fine
+
+
+def _readmitted(rid="a", prompt=6, output=(9, 8), max_tokens=5, **kw) -> Request:
+    """A request rebuilt after a restart: known output, nothing computed, WAITING."""
+    return Request(rid, [5] * prompt, max_tokens, 0.0, ignore_eos=True,
+                   output_token_ids=list(output), output_logprobs=[-0.1] * len(output),
+                   token_times=[0.1 * (i + 1) for i in range(len(output))], **kw)
+
+
+def test_readmitted_request_is_recomputed_from_prompt_and_output():
+    s = make_sched("fcfs", block_size=4)
+    s.add_request(_readmitted())
+    out = s.schedule(1.0)
+    (new,) = out.new_requests
+    assert new.token_ids == [5] * 6 + [9, 8] and new.num_output_tokens == 2
+    assert out.num_scheduled_tokens == {"a": 8} and out.num_decode_tokens == 0
+    ups = s.update(StepOutcome(out.step_id, {"a": (3, -0.5)}), 1.5)
+    assert ups[0].token == (3, -0.5, 2)                 # index continues after the kept output
+    r = s.requests["a"]
+    assert r.output_token_ids == [9, 8, 3] and r.token_times == [0.1, 0.2, 1.5]
+    drive(s, [])
+    assert r.num_output_tokens == 5 and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_policy_finishes_readmitted_requests(policy):
+    s = make_sched(policy, block_size=4)
+    reqs = [_readmitted(f"r{i}", prompt=5 + i, output=[7] * i, max_tokens=6,
+                        predicted_len=2, slo=Slo(ttft_s=0.5, tbt_s=0.2)) for i in range(1, 5)]
+    drive(s, reqs)
+    assert all(r.num_output_tokens == 6 and r.finish_reason == "length" for r in reqs)
+    assert s.block_manager.num_free_device_blocks == 256
+
+
+def test_readmitted_prediction_is_doubled_past_its_output():
+    s = make_sched("alise")
+    r = _readmitted(output=[7] * 10, max_tokens=100, predicted_len=4)
+    s.add_request(r)
+    assert s.predicted_len(r) == 16 and s.policy.demotions["a"] == 1
+
+
+def test_readmission_validation():
+    s = make_sched("fcfs", max_model_len=12)
+    running = _readmitted("run")
+    running.status = RequestStatus.RUNNING
+    computed = _readmitted("comp")
+    computed.num_computed_tokens = 3
+    for bad, match in [(running, "must be waiting"), (computed, "nothing computed"),
+                       (_readmitted("done", output=[7] * 5), "nothing left to generate"),
+                       (_readmitted("full", prompt=8, output=[7] * 4, max_tokens=9),
+                        r"prompt of 8 tokens \+ 4 output tokens leaves no room")]:
+        with pytest.raises(ValueError, match=match):
+            s.add_request(bad)
+    assert not s.requests and not s.has_unfinished
+    ok = _readmitted("ok", prompt=8, output=[7] * 3, max_tokens=9)   # 11 + 1 fits
+    s.add_request(ok)
+    drive(s, [])
+    assert ok.num_tokens == 12 and ok.finish_reason == "length"

@@ -61,16 +61,26 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue `req`. It must be WAITING with nothing computed; it may already carry output
+        tokens (re-admitted after a scheduler restart or an executor failure): prompt + output
+        are then recomputed and sent together in `new_requests` (`num_output_tokens` set)."""
         rid = req.request_id
         if rid in self.requests and not self.requests[rid].is_finished:
             raise ValueError(f"request {rid} already exists")
-        if req.status is not WAITING or req.num_computed_tokens or req.output_token_ids:
-            raise ValueError(f"request {rid} must be new (waiting, nothing computed)")
+        if req.status is not WAITING or req.num_computed_tokens:
+            raise ValueError(f"request {rid} must be waiting with nothing computed, got status="
+                             f"{req.status.value} num_computed_tokens={req.num_computed_tokens}")
         limit = self.max_model_len if req.max_model_len is None else min(req.max_model_len,
                                                                           self.max_model_len)
-        if req.num_prompt_tokens + 1 > limit:
-            raise ValueError(f"request {rid}: prompt of {req.num_prompt_tokens} tokens leaves no "
-                             f"room to generate within max_model_len={limit}")
+        n_out = req.num_output_tokens
+        if n_out >= req.max_tokens:
+            raise ValueError(f"request {rid} already has {n_out} output tokens "
+                             f"(max_tokens={req.max_tokens}): nothing left to generate")
+        if req.num_tokens + 1 > limit:
+            what = f"prompt of {req.num_prompt_tokens} tokens" + (
+                f" + {n_out} output tokens" if n_out else "")
+            raise ValueError(f"request {rid}: {what} leaves no room to generate within "
+                             f"max_model_len={limit}")
         req.max_model_len = limit
         self.requests[rid] = req
         self.waiting[rid] = req

@@ -57,9 +57,15 @@ class AlisePolicy(PreemptivePolicy):
     # -- hooks ------------------------------------------------------------------------------
     def entry_level(self, req, now: float) -> int:
         self.pred[req.request_id] = self.initial_prediction(req)
+        self._outgrow(req)       # re-admitted with output beyond its prediction
         return self._level(req)
 
     def after_run(self, req, result, now: float) -> None:
+        self._outgrow(req)
+        self._put(req, self._level(req))
+
+    def _outgrow(self, req) -> None:
+        """Demotion: double the prediction until it exceeds the output so far."""
         rid = req.request_id
         pred = self.pred[rid]
         if req.num_output_tokens >= pred:
@@ -67,7 +73,6 @@ class AlisePolicy(PreemptivePolicy):
                 pred *= 2
             self.pred[rid] = pred
             self.demotions[rid] = self.demotions.get(rid, 0) + 1
-        self._put(req, self._level(req))
 
     def on_finish(self, req, now: float) -> None:
         super().on_finish(req, now)

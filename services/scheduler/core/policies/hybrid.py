@@ -69,7 +69,7 @@ class HybridPolicy(AlisePolicy):
         super().on_add(req, now)
         if req.slo.tbt_s:
             self.tbt[req.request_id] = req.slo.tbt_s
-        if req.slo.ttft_s:
+        if req.slo.ttft_s and not req.output_token_ids:   # re-admitted: TTFT is behind it
             heapq.heappush(self.ttft_heap, (req.arrival_time + req.slo.ttft_s, req.request_id))
 
     def on_finish(self, req, now: float) -> None:
