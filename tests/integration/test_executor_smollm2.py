@@ -15,14 +15,9 @@ from services.common.models import weights_dir
 from services.common.settings import ExecutorSettings
 from services.executor.driver import Driver
 from services.executor.engine import Engine
+from services.executor.quality import chat_prompts, passage
 from services.executor.testing import perplexity, teacher_forced_logits
 
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.",
-    "Explain gravity to a child.", "List three fruits and their colors.",
-    "How do I boil an egg?", "What is machine learning?",
-    "Give me a tip for learning to play the guitar.", "Why is the sky blue?",
-]
 NEW_TOKENS = 64
 NEAR_TIE = 0.05   # logit gap under which fp32 rounding may flip the argmax
 
@@ -49,10 +44,7 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(hf):
-    _, tok = hf
-    return [list(tok.apply_chat_template([{"role": "user", "content": q}],
-                                         add_generation_prompt=True, return_dict=False))
-            for q in QUESTIONS]
+    return chat_prompts(hf[1], 8)
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +92,8 @@ def int8_engine(model_dir):
                   num_device_blocks=400, num_host_blocks=8)
 
 
-def _passage(tok) -> list[int]:
-    """The first ShareGPT reply with at least 512 tokens, cut to 512 (fixed, offline)."""
-    from bench.traces.sharegpt import first_exchange, iter_conversations
-
-    for conv in iter_conversations():
-        pair = first_exchange(conv)
-        if pair:
-            ids = tok(pair[1])["input_ids"]
-            if len(ids) >= 512:
-                return ids[:512]
-    raise AssertionError("no 512-token passage")
-
-
 def test_int8_kv_perplexity_within_one_percent(engine, int8_engine, hf):
-    ids = _passage(hf[1])
+    ids = passage(hf[1])
     ppl_fp = perplexity(teacher_forced_logits(engine, [ids], [64])[0], ids)
     ppl_q = perplexity(teacher_forced_logits(int8_engine, [ids], [64])[0], ids)
     assert abs(ppl_q - ppl_fp) / ppl_fp <= 0.01, (ppl_fp, ppl_q)
