@@ -134,6 +134,10 @@ def test_placement_prefers_least_outstanding_work():
     assert choose_executor({"a": s1, "b": s2}, req("y", 10, 10), 0.0) == "b"
     assert choose_executor({"a": s1, "b": s2}, req("z", 100, 10), 0.0) == "a"
     assert choose_executor({"b": s2}, req("w", 100, 10), 0.0) is None
+    # a re-admitted request needs room for its output too
+    assert choose_executor({"b": s2}, _readmitted("v", 61, [7] * 3, 10), 0.0) is None
+    assert choose_executor({"b": s2}, _readmitted("u", 60, [7] * 3, 3), 0.0) is None
+    assert choose_executor({"b": s2}, _readmitted("t", 60, [7] * 3, 10), 0.0) == "b"
 
 
 def test_free_only_output_is_not_in_flight():
