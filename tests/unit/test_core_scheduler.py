@@ -208,3 +208,46 @@ def test_readmission_validation():
     s.add_request(ok)
     drive(s, [])
     assert ok.num_tokens == 12 and ok.finish_reason == "length"
+
+
+def test_finished_request_is_dropped_once_its_free_is_acknowledged():
+    s = make_sched("fcfs")
+    a = req("a", 4, 1)
+    s.add_request(a)
+    out = s.schedule(0.0)
+    s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
+    assert a.is_finished and s.requests["a"] is a        # its free is not out yet
+    s.add_request(req("b", 4, 2, t=0.01))
+    out = s.schedule(0.02)
+    assert out.free_request_ids == ["a"] and "a" in s.requests   # that step may still fail
+    s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.03)
+    assert "a" not in s.requests and not s.abort_request("a", 0.03)
+    c = req("c", 4, 2, t=0.03)                           # never sent: dropped when aborted
+    s.add_request(c)
+    assert s.abort_request("c", 0.03) and "c" not in s.requests
+    out = s.schedule(0.04)
+    assert "c" not in out.free_request_ids and list(s.requests) == ["b"]
+    s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.05)
+    frees = s.schedule(0.06)                             # free-only output, never acknowledged
+    assert frees.free_request_ids == ["b"] and "b" in s.requests
+    assert s.schedule(0.07).is_empty and s.requests == {}    # the next schedule drops it
+    s.add_request(req("a", 4, 1, t=0.07))                # the id may be used again
+    assert s.schedule(0.08).num_scheduled_tokens == {"a": 4}
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_core_keeps_no_finished_requests_in_a_long_run(policy):
+    s = make_sched(policy, device_blocks=64, block_size=4)
+    peak = []
+
+    def only_just_finished(s, out):
+        done = {rid for rid, r in s.requests.items() if r.is_finished}
+        assert done <= set(out.num_scheduled_tokens)     # finished by this very step
+        peak.append(len(s.requests))
+
+    arrivals = [req(f"r{i}", 3 + i % 7, 1 + i % 5, t=0.002 * i) for i in range(120)]
+    drive(s, arrivals, on_step=only_just_finished)
+    assert max(peak) < 120 and s.num_finished == 120
+    s.schedule(1e3)                                      # sends the last frees
+    s.schedule(1e3)
+    assert s.requests == {}

@@ -3,6 +3,12 @@ manager; the policy decides, this applies. Pure and deterministic given inputs a
 
 Life of a step:  out = schedule(now)  ->  executor runs `out`  ->  update(outcome, now).
 At most one step is in flight per scheduler.
+
+`requests` holds every unfinished request. A finished one stays until the output carrying its
+free is acknowledged, i.e. at that step's `update()` or the next `schedule()` (a free-only
+output is never in flight), then it is dropped; one the executor never saw is dropped when it
+finishes. So memory stays bounded in a long-running server, and a caller whose step failed can
+still find the requests whose free may not have reached the executor.
 """
 from __future__ import annotations
 
@@ -46,7 +52,8 @@ class Scheduler:
         self.running: OrderedDict[str, Request] = OrderedDict()   # resident on device
         self.swapped: OrderedDict[str, Request] = OrderedDict()
         self._known: set[str] = set()          # requests the executor holds state for
-        self._pending_free: list[str] = []
+        self._pending_free: list[str] = []     # finished and known: freed in the next output
+        self._freed_sent: list[str] = []       # freed in the last output: dropped once acked
         self._inflight: SchedulerOutput | None = None
         self._step_id = 0
         self._last_step_id = 0
@@ -100,13 +107,14 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         if self._inflight is not None:
             raise RuntimeError(f"step {self._inflight.step_id} is still in flight; update() first")
+        self._drop_freed()
         self.block_manager.begin_step()
         out = self.policy.schedule(self, now)
         self._step_id += 1
         out.step_id = self._step_id
         if self._pending_free:
             out.free_request_ids = self._pending_free + out.free_request_ids
-            self._pending_free = []
+            self._freed_sent, self._pending_free = self._pending_free, []
         self.num_preemptions += len(out.preempted_request_ids)
         # only steps that compute or move KV need their result applied; an output that merely
         # frees requests may be sent (update() accepts it as a no-op) or dropped by the caller
@@ -118,11 +126,13 @@ class Scheduler:
     def update(self, outcome: StepOutcome, now: float) -> list[RequestUpdate]:
         out = self._inflight
         if out is None and outcome.step_id == self._last_step_id:
+            self._drop_freed()
             return []               # a step that only freed requests: nothing to apply
         if out is None or outcome.step_id != out.step_id:
             expected = None if out is None else out.step_id
             raise ValueError(f"outcome for step {outcome.step_id}, expected step {expected}")
         self._inflight = None
+        self._drop_freed()
         updates: list[RequestUpdate] = []
         sampled = outcome.sampled
         for rid, n in out.num_scheduled_tokens.items():
@@ -172,8 +182,19 @@ class Scheduler:
         self.block_manager.free(rid)
         if self._forget(rid):
             self._pending_free.append(rid)
+        elif self.requests.get(rid) is req:
+            del self.requests[rid]          # the executor never saw it: nothing to free
         self.num_finished += 1
         self.policy.on_finish(req, now)
+
+    def _drop_freed(self) -> None:
+        """Forget finished requests whose free went out in the last output."""
+        reqs = self.requests
+        for rid in self._freed_sent:
+            req = reqs.get(rid)
+            if req is not None and req.is_finished:     # not re-added under the same id
+                del reqs[rid]
+        self._freed_sent = []
 
     # -- queue moves (used by Batch) --------------------------------------------------------
     def _queue(self, status: RequestStatus) -> OrderedDict:
