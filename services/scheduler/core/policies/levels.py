@@ -61,7 +61,7 @@ def bucket(value: float, base: float, ratio: float, num_levels: int) -> int:
 
 
 class AgingClock:
-    """Fires once per `threshold` seconds a request keeps waiting (not scheduled)."""
+    """Counts the full `threshold`s a request keeps waiting (not scheduled)."""
 
     def __init__(self, threshold: float | None):
         self.threshold = threshold
@@ -82,12 +82,15 @@ class AgingClock:
         t = self.since.get(rid)
         return 0.0 if t is None else now - t
 
-    def due(self, now: float) -> list[str]:
-        """Requests that waited another full threshold by `now` (each fires once per period)."""
-        fired, heap = [], self._heap
+    def due(self, now: float) -> dict[str, int]:
+        """{request: full thresholds it waited since it last fired} for the requests that
+        waited another full threshold by `now`. Each heap entry is popped and re-pushed once,
+        however long the gap (a request that arrived long ago catches up in one call)."""
+        fired, heap, k = {}, self._heap, self.threshold
         while heap and heap[0][0] <= now:
             t, rid, stamp = heapq.heappop(heap)
             if self.since.get(rid) == stamp:
-                fired.append(rid)
-                heapq.heappush(heap, (t + self.threshold, rid, stamp))
+                periods = int((now - t) // k) + 1
+                fired[rid] = fired.get(rid, 0) + periods
+                heapq.heappush(heap, (t + periods * k, rid, stamp))
         return fired

@@ -116,12 +116,12 @@ class PreemptivePolicy(Policy):
         return b.finish()
 
     def _age(self, s, now: float) -> None:
-        for rid in self.aging.due(now):
-            req = s.requests[rid]
+        for rid, periods in self.aging.due(now).items():
             level = self.q.level_of.get(rid)
-            if level:
-                self.boost[rid] = self.boost.get(rid, 0) + 1
-                self._put(req, level - 1)
+            if level:                       # one level per threshold waited, up to the top
+                up = min(periods, level)
+                self.boost[rid] = self.boost.get(rid, 0) + up
+                self._put(s.requests[rid], level - up)
 
     def _select(self, b) -> list:
         chosen, tokens, skips, budget, seqs = [], 0, 0, self.budget, self.seqs
