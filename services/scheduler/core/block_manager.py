@@ -71,14 +71,16 @@ class BlockManager:
         rid = req.request_id
         if rid in self._host:
             raise ValueError(f"request {rid} is swapped out; swap it in before allocating")
-        need = self.num_new_blocks(req, num_new_tokens)
+        table = self._dev.get(rid)         # num_new_blocks, inlined: this is the hot path
+        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        if table:
+            need -= len(table)
         if need <= 0:
             return _EMPTY
         free = self._free_dev
         if need + reserve_blocks > len(free):
             return None
         new = [free.pop() for _ in range(need)]
-        table = self._dev.get(rid)
         if table is None:
             self._dev[rid] = list(new)
         else:

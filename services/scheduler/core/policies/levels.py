@@ -82,12 +82,16 @@ class AgingClock:
         t = self.since.get(rid)
         return 0.0 if t is None else now - t
 
-    def due(self, now: float) -> dict[str, int]:
+    def due(self, now: float, limit: int | None = None) -> dict[str, int]:
         """{request: full thresholds it waited since it last fired} for the requests that
         waited another full threshold by `now`. Each heap entry is popped and re-pushed once,
-        however long the gap (a request that arrived long ago catches up in one call)."""
+        however long the gap (a request that arrived long ago catches up in one call).
+        With `limit`, at most that many requests fire (the earliest due); the rest stay due
+        and fire in a later call with every period counted."""
         fired, heap, k = {}, self._heap, self.threshold
-        while heap and heap[0][0] <= now:
+        if limit is None:
+            limit = len(heap)
+        while heap and heap[0][0] <= now and len(fired) < limit:
             t, rid, stamp = heapq.heappop(heap)
             if self.since.get(rid) == stamp:
                 periods = int((now - t) // k) + 1

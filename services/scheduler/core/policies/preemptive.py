@@ -28,6 +28,8 @@ class PreemptivePolicy(Policy):
         "watermark": 0.01,
         "num_queues": 8,
         "aging_threshold_s": None,        # K: promote one level per K seconds waited; None: off
+        "aging_per_step": 128,            # most requests promoted per step (bounds a burst of
+                                          # due promotions; the rest follow next steps); None: all
         "memory_mode": "swap",            # swap | recompute | defer
         "gpu_job_limit": None,            # M: jobs allowed on the device; None: memory decides
         "prefetch_per_step": 4,           # swapped jobs uploaded ahead of need per step
@@ -43,6 +45,8 @@ class PreemptivePolicy(Policy):
             raise ValueError(f"{self.name}: num_queues must be >= 1")
         if self.aging_threshold_s is not None and self.aging_threshold_s <= 0:
             raise ValueError(f"{self.name}: aging_threshold_s must be > 0 or None")
+        if self.aging_per_step is not None and self.aging_per_step < 1:
+            raise ValueError(f"{self.name}: aging_per_step must be >= 1 or None")
         if self.gpu_job_limit is not None and self.gpu_job_limit < 1:
             raise ValueError(f"{self.name}: gpu_job_limit must be >= 1 or None")
 
@@ -116,7 +120,7 @@ class PreemptivePolicy(Policy):
         return b.finish()
 
     def _age(self, s, now: float) -> None:
-        for rid, periods in self.aging.due(now).items():
+        for rid, periods in self.aging.due(now, self.aging_per_step).items():
             level = self.q.level_of.get(rid)
             if level:                       # one level per threshold waited, up to the top
                 up = min(periods, level)
@@ -146,6 +150,8 @@ class PreemptivePolicy(Policy):
             status = req.status
             if req.request_id in b.touched:
                 continue                    # evicted earlier in this step for a higher job
+            if status is RUNNING and b.schedule(req, n):
+                continue                    # fits as it is (most decodes)
             if status is SWAPPED:
                 need = max(bm.num_host_blocks_of(req.request_id),
                            bm.blocks_for_tokens(req.num_computed_tokens + n))
@@ -198,18 +204,25 @@ class PreemptivePolicy(Policy):
         if not self.aging_threshold_s:   # EWT is then monotone in queue order: no sort needed
             return [(lowest, r) for r in self.q.lowest_first()
                     if r.status is RUNNING and r.request_id not in chosen] + tail
+        k, now = self.aging_threshold_s, b.now
         above, total = [], 0.0          # work queued in the levels above each level
         for level_sum in self.level_rem:
             above.append(total)
             total += level_sum
-        k, level_of, waited = self.aging_threshold_s, self.q.level_of, self.aging.waited
+        # EWT of a resident that is not waiting (it ran last step): min(above, level * k)
+        cap = [a if a < level * k else level * k for level, a in enumerate(above)]
+        level_of, since = self.q.level_of, self.aging.since
         ewt = []
         for rid, req in self.sched.running.items():
-            if rid in chosen or rid not in level_of:
+            level = level_of.get(rid)
+            if level is None or rid in chosen:
                 continue
-            level = level_of[rid]
-            promote = max(0.0, level * k - waited(rid, b.now))
-            ewt.append((-min(above[level], promote), -level, len(ewt), req))
+            e, t = cap[level], since.get(rid)
+            if t is not None:           # waiting: promotion comes sooner than the cap
+                promote = level * k - (now - t)
+                if promote < e:
+                    e = promote if promote > 0.0 else 0.0
+            ewt.append((-e, -level, len(ewt), req))
         ewt.sort()
         return [(lowest, e[3]) for e in ewt] + tail
 
@@ -234,11 +247,11 @@ class PreemptivePolicy(Policy):
                     uploads -= b.swap_in(req)
 
     def _track_waits(self, b, now: float) -> None:
-        cur = set(b.scheduled)
+        cur, prev = b.scheduled.keys(), self.prev
         aging = self.aging
-        for rid in self.prev - cur:
+        for rid in prev - cur:
             if rid in self.q:
                 aging.start(rid, now)
-        for rid in cur:
+        for rid in cur - prev:              # the others stopped when they ran last step
             aging.stop(rid)
-        self.prev = cur
+        self.prev = set(cur)
