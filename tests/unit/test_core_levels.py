@@ -93,3 +93,29 @@ def test_request_that_arrived_at_zero_ages_to_the_top_at_once(policy, hang_guard
     out = s.schedule(NOW)                              # wall clock vs. arrival 0.0
     assert s.policy.q.level_of["long"] == 0 and s.policy.boost["long"] == level
     assert out.num_scheduled_tokens == {"long": 3000}
+
+
+def test_due_with_a_limit_spreads_a_cohort_and_keeps_every_period():
+    clock = AgingClock(5.0)
+    for rid in "abcde":
+        clock.start(rid, 0.0)
+    assert clock.due(5.0, limit=2) == {"a": 1, "b": 1}
+    assert clock.due(5.0, limit=2) == {"c": 1, "d": 1}
+    assert clock.due(11.0, limit=2) == {"e": 2, "a": 1}   # e waited 5 and 10: both count
+    assert clock.due(11.0) == {"b": 1, "c": 1, "d": 1}
+
+
+def test_aging_per_step_bounds_promotions_per_step():
+    s = make_sched("alise", aging_threshold_s=1.0, aging_per_step=3)
+    for i in range(7):
+        s.add_request(req(f"w{i}", 2000, 2000, t=0.0))      # a cohort, all below the top
+    before = dict(s.policy.q.level_of)
+    assert min(before.values()) > 0
+    promoted = []
+    for _ in range(3):
+        s.policy._age(s, 1.5)
+        after = s.policy.q.level_of
+        promoted.append(sum(1 for rid in before if after[rid] == before[rid] - 1))
+    assert promoted == [3, 6, 7]
+    with pytest.raises(ValueError, match="aging_per_step"):
+        make_sched("alise", aging_per_step=0)
