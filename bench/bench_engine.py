@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 
@@ -52,11 +53,21 @@ def run_hf_static(model, tok, prompts, lens, batch: int) -> float:
     return time.perf_counter() - start
 
 
-def run_hf_cb(model, prompts, lens) -> float:
+def run_hf_cb(model, prompts, lens, kv_memory_gb: float, budget: int) -> float:
+    """Sized like ours: the same KV memory and tokens per step (its default sizes the cache
+    from free memory, which on CPU means most of the host RAM)."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    cfg = model.config
+    page = 256
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    page_bytes = page * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+    cb = ContinuousBatchingConfig(page_size=page, max_batch_tokens=budget,
+                                  num_blocks=max(8, int(kv_memory_gb * 2 ** 30 // page_bytes)))
     config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(lens))
-    manager = model.init_continuous_batching(generation_config=config)
+    manager = model.init_continuous_batching(generation_config=config,
+                                             continuous_batching_config=cb)
     start = time.perf_counter()
     manager.start()
     for i, (p, n) in enumerate(zip(prompts, lens)):
@@ -99,6 +110,10 @@ def linear_only_ms(engine, tokens: int = 32, reps: int = 5) -> float:
     return 1e3 * sorted(times[1:])[len(times[1:]) // 2]
 
 
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,8 +137,11 @@ def _run(args: argparse.Namespace) -> int:
               "kv_dtype": args.kv_dtype, "token_budget": args.token_budget,
               "max_batch": args.max_batch}
     t_ours = run_ours(engine, prompts, lens, args.token_budget, args.max_batch)
+    _progress(f"ours: {t_ours:.1f} s")
     t_static = run_hf_static(hf, tok, prompts, lens, args.hf_batch)
-    t_cb = run_hf_cb(hf, prompts, lens)
+    _progress(f"hf static: {t_static:.1f} s")
+    t_cb = run_hf_cb(hf, prompts, lens, args.kv_memory_gb, args.token_budget)
+    _progress(f"hf cb: {t_cb:.1f} s")
     result.update(ours_tok_s=tokens / t_ours, hf_static_tok_s=tokens / t_static,
                   hf_cb_tok_s=tokens / t_cb, ratio_vs_hf_static=t_static / t_ours,
                   ratio_vs_hf_cb=t_cb / t_ours, decode_step_ms_b32=decode_step_ms(engine),
