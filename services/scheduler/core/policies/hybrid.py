@@ -136,9 +136,8 @@ class HybridPolicy(AlisePolicy):
     def _evict_one(self, s, b, req) -> bool:
         """Swap out the resident, unscheduled request with the highest EWT (maybe `req`)."""
         if self._victims is None:
-            self._victims = [r for _, r in self._victims_by_ewt(s, b)]
-        while self._victims:
-            victim = self._victims.pop(0)
+            self._victims = self._victims_by_ewt(s, b)
+        for _, victim in self._victims:
             if victim.status is RUNNING and (victim is req or victim.request_id not in b.scheduled):
                 self._preempted(victim)
                 b.preempt(victim, "swap" if self.memory_mode == "swap" else "recompute")

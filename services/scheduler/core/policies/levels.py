@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from itertools import chain
 
 
 class LevelQueues:
@@ -36,21 +37,26 @@ class LevelQueues:
         self.levels[level][rid] = req
         self.level_of[rid] = level
 
+    def move(self, rid: str, level: int):
+        """Move a queued request to another valid level (to its back); returns the request."""
+        req = self.levels[self.level_of[rid]].pop(rid)
+        self.levels[level][rid] = req
+        self.level_of[rid] = level
+        return req
+
     def remove(self, rid: str) -> None:
         old = self.level_of.pop(rid, None)
         if old is not None:
             del self.levels[old][rid]
 
     def in_order(self):
-        """Requests from the highest priority level down (safe to mutate while iterating)."""
-        for level in self.levels:
-            if level:
-                yield from list(level.values())
+        """Requests from the highest priority level down (safe to mutate while iterating:
+        each level is copied when the walk reaches it)."""
+        return chain.from_iterable(list(level.values()) for level in self.levels if level)
 
     def lowest_first(self):
-        for level in reversed(self.levels):
-            if level:
-                yield from reversed(list(level.values()))
+        return chain.from_iterable(reversed(list(level.values()))
+                                   for level in reversed(self.levels) if level)
 
 
 def bucket(value: float, base: float, ratio: float, num_levels: int) -> int:
@@ -66,14 +72,16 @@ class AgingClock:
     def __init__(self, threshold: float | None):
         self.threshold = threshold
         self.since: dict[str, float] = {}
-        self._heap: list[tuple[float, str, float]] = []
+        self._heap: list[tuple[float, int, str, float]] = []   # (due, seq, request, start)
+        self._seq = 0
 
     def start(self, rid: str, now: float) -> None:
         if rid in self.since:
             return
         self.since[rid] = now
         if self.threshold:
-            heapq.heappush(self._heap, (now + self.threshold, rid, now))
+            self._seq += 1
+            heapq.heappush(self._heap, (now + self.threshold, self._seq, rid, now))
 
     def stop(self, rid: str) -> None:
         self.since.pop(rid, None)
@@ -88,13 +96,15 @@ class AgingClock:
         however long the gap (a request that arrived long ago catches up in one call).
         With `limit`, at most that many requests fire (the earliest due); the rest stay due
         and fire in a later call with every period counted."""
-        fired, heap, k = {}, self._heap, self.threshold
+        fired, heap, k, since = {}, self._heap, self.threshold, self.since
         if limit is None:
             limit = len(heap)
         while heap and heap[0][0] <= now and len(fired) < limit:
-            t, rid, stamp = heapq.heappop(heap)
-            if self.since.get(rid) == stamp:
+            t, seq, rid, stamp = heap[0]
+            if since.get(rid) == stamp:
                 periods = int((now - t) // k) + 1
                 fired[rid] = fired.get(rid, 0) + periods
-                heapq.heappush(heap, (t + periods * k, rid, stamp))
+                heapq.heapreplace(heap, (t + periods * k, seq, rid, stamp))
+            else:
+                heapq.heappop(heap)         # it ran or finished since: stale
         return fired

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from services.scheduler.core.policies.base import Policy
 from services.scheduler.core.policies.levels import AgingClock, LevelQueues
+from services.scheduler.core.policies.victims import Victims, smallest_first
 from services.scheduler.core.request import RequestStatus
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
@@ -28,7 +29,7 @@ class PreemptivePolicy(Policy):
         "watermark": 0.01,
         "num_queues": 8,
         "aging_threshold_s": None,        # K: promote one level per K seconds waited; None: off
-        "aging_per_step": 128,            # most requests promoted per step (bounds a burst of
+        "aging_per_step": 64,             # most requests promoted per step (bounds a burst of
                                           # due promotions; the rest follow next steps); None: all
         "memory_mode": "swap",            # swap | recompute | defer
         "gpu_job_limit": None,            # M: jobs allowed on the device; None: memory decides
@@ -63,6 +64,8 @@ class PreemptivePolicy(Policy):
         self.rem: dict[str, float] = {}          # predicted remaining seconds per request
         self.level_rem = [0.0] * self.num_queues  # their sum per level (for EWT, eq. 6)
         self._booked: dict[str, tuple[int, float]] = {}
+        self._res_seq: dict[str, int] = {}       # order of becoming resident (= sched.running)
+        self._res_count = 0
         self.prev: set[str] = set()
 
     # -- per-policy hooks -------------------------------------------------------------------
@@ -91,8 +94,14 @@ class PreemptivePolicy(Policy):
         self.level_rem[level] += rem
         self._booked[rid] = (level, rem)
 
+    def on_move(self, req, status) -> None:
+        if status is RUNNING:
+            self._res_count += 1
+            self._res_seq[req.request_id] = self._res_count
+
     def on_finish(self, req, now: float) -> None:
         rid = req.request_id
+        self._res_seq.pop(rid, None)
         old = self._booked.pop(rid, None)
         if old is not None:
             self.level_rem[old[0]] -= old[1]
@@ -120,12 +129,22 @@ class PreemptivePolicy(Policy):
         return b.finish()
 
     def _age(self, s, now: float) -> None:
-        for rid, periods in self.aging.due(now, self.aging_per_step).items():
-            level = self.q.level_of.get(rid)
-            if level:                       # one level per threshold waited, up to the top
-                up = min(periods, level)
-                self.boost[rid] = self.boost.get(rid, 0) + up
-                self._put(s.requests[rid], level - up)
+        """Virtual aging: one level up per threshold waited (at most `aging_per_step`
+        requests per step), booked in the per-level sums without recomputing anything."""
+        fired = self.aging.due(now, self.aging_per_step)
+        if not fired:
+            return
+        level_of, booked, sums, boost = self.q.level_of, self._booked, self.level_rem, self.boost
+        for rid, periods in fired.items():
+            level = level_of.get(rid)
+            if level:
+                up = periods if periods < level else level
+                boost[rid] = boost.get(rid, 0) + up
+                self.q.move(rid, level - up)
+                rem = booked[rid][1]
+                sums[level] -= rem
+                sums[level - up] += rem
+                booked[rid] = (level - up, rem)
 
     def _select(self, b) -> list:
         chosen, tokens, skips, budget, seqs = [], 0, 0, self.budget, self.seqs
@@ -173,37 +192,38 @@ class PreemptivePolicy(Policy):
         bm = s.block_manager
         if self._victims is None:
             self._victims = self._victims_by_ewt(s, b)
-            self._vpos = 0
-        victims, p = self._victims, self._vpos
+        victims, popped = self._victims, []
         take, free = [], bm.num_free_device_blocks
-        while free < need and p < len(victims):
-            v_rank, victim = victims[p]
-            if v_rank <= rank:
+        while free < need:
+            head = victims.peek()
+            if head is None or head[0] <= rank:
                 break
-            p += 1
+            popped.append(victims.pop())
+            victim = head[1]
             if victim.status is RUNNING and victim.request_id not in b.swapped_in:
                 take.append(victim)
                 free += bm.num_device_blocks_of(victim.request_id)
         if free < need:
+            victims.give_back(popped)       # still candidates for lower-ranked jobs
             return False
         mode = "swap" if self.memory_mode == "swap" else "recompute"
         for victim in take:
             b.preempt(victim, mode)
-        self._vpos = p
         return bm.num_free_device_blocks >= need
 
-    def _victims_by_ewt(self, s, b) -> list:
-        """(rank, request) eviction candidates: resident unchosen requests, highest estimated
-        wait time first (ALISE eq. 7: EWT = min(predicted work in the higher-priority queues,
-        time until aging promotes it to the top); ties: lower level first), then the resident
-        chosen ones from the lowest priority up."""
+    def _victims_by_ewt(self, s, b) -> Victims:
+        """(rank, request) eviction candidates, lazily: resident unchosen requests, highest
+        estimated wait time first (ALISE eq. 7: EWT = min(predicted work in the higher-priority
+        queues, time until aging promotes it to the top); ties: lower level first), then the
+        resident chosen ones from the lowest priority up. Residency is as of this call."""
         chosen = {r.request_id for r, _ in self._chosen}
         lowest = len(self._chosen)
         tail = [(i, r) for i, (r, _) in reversed(list(enumerate(self._chosen)))
                 if r.status is RUNNING]
         if not self.aging_threshold_s:   # EWT is then monotone in queue order: no sort needed
-            return [(lowest, r) for r in self.q.lowest_first()
-                    if r.status is RUNNING and r.request_id not in chosen] + tail
+            resident = set(s.running) - chosen
+            walk = ((lowest, r) for r in self.q.lowest_first() if r.request_id in resident)
+            return Victims(walk, tail)
         k, now = self.aging_threshold_s, b.now
         above, total = [], 0.0          # work queued in the levels above each level
         for level_sum in self.level_rem:
@@ -211,20 +231,19 @@ class PreemptivePolicy(Policy):
             total += level_sum
         # EWT of a resident that is not waiting (it ran last step): min(above, level * k)
         cap = [a if a < level * k else level * k for level, a in enumerate(above)]
-        level_of, since = self.q.level_of, self.aging.since
+        level_of, since, order, running = self.q.level_of, self.aging.since, self._res_seq, s.running
         ewt = []
-        for rid, req in self.sched.running.items():
+        for rid in running.keys() - chosen:
             level = level_of.get(rid)
-            if level is None or rid in chosen:
+            if level is None:
                 continue
             e, t = cap[level], since.get(rid)
             if t is not None:           # waiting: promotion comes sooner than the cap
                 promote = level * k - (now - t)
                 if promote < e:
                     e = promote if promote > 0.0 else 0.0
-            ewt.append((-e, -level, len(ewt), req))
-        ewt.sort()
-        return [(lowest, e[3]) for e in ewt] + tail
+            ewt.append((-e, -level, order[rid], running[rid]))   # ties: residency order
+        return Victims(((lowest, e[3]) for e in smallest_first(ewt)), tail)
 
     def _rebalance(self, s, b) -> None:
         """ALISE Algorithm 2 (swap mode): offload jobs past the GPU job limit M, upload
