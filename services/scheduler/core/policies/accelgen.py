@@ -18,6 +18,7 @@ Each step:
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 from services.scheduler.core.policies.base import Policy, register_policy
 from services.scheduler.core.policies.multires import select_nearest
@@ -221,12 +222,11 @@ class AccelGenPolicy(Policy):
             first = self.sq.pop(full)
             if first is None:
                 break
-            window = [s.requests[first[1]]]
-            limit = first[0] + self.gamma_s
-            while len(window) < self.max_window and (self.sq.peek_due(full) or limit + 1) <= limit:
-                window.append(s.requests[self.sq.pop(full)[1]])
-            before = set(b.scheduled)
+            reqs = s.requests
+            rids = self.sq.pop_through(first[0] + self.gamma_s, full, self.max_window - 1)
+            window = [reqs[first[1]]] + [reqs[rid] for rid in rids]
+            before = len(b.scheduled)       # select_nearest only adds to the batch
             back += select_nearest(b, window, self.watermark_blocks, allowed, self.max_num_seqs)
-            for rid in b.scheduled.keys() - before:
-                self._started(s.requests[rid], b)
+            for rid in islice(b.scheduled, before, None):
+                self._started(reqs[rid], b)
         return back

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from itertools import islice
 
 from services.scheduler.core.policies.alise import AlisePolicy
 from services.scheduler.core.policies.base import register_policy
@@ -105,11 +106,11 @@ class HybridPolicy(AlisePolicy):
         return b.finish()
 
     def _decodes(self, s, b) -> None:
-        context = 0
+        context, seqs, budget, scheduled = 0, self.seqs, b.token_budget, b.scheduled
         for req in list(s.running.values()):
             if req.status is not RUNNING or req.num_uncomputed_tokens != 1:
                 continue
-            if b.num_seqs >= self.seqs or b.tokens_left < 1:
+            if len(scheduled) >= seqs or b.num_tokens >= budget:
                 break
             while not b.schedule(req, 1):
                 if not self._evict_one(s, b, req):
@@ -173,9 +174,9 @@ class HybridPolicy(AlisePolicy):
             if b.tokens_left < 1 or b.num_seqs >= self.seqs or not window:
                 break
             self._room_for(s, b, window[0])
-            before = set(b.scheduled)
+            before = len(b.scheduled)       # select_nearest only adds to the batch
             left = select_nearest(b, window, self.watermark_blocks, self._allowed(b), self.seqs)
-            for rid in b.scheduled.keys() - before:
+            for rid in islice(b.scheduled, before, None):
                 self._started(s.requests[rid], b)
             skips += len(left)
             if skips > self.max_skips:

@@ -124,6 +124,18 @@ class SlackQueue:
         del self.ver[top[2]]
         return top[0], top[2]
 
+    def pop_through(self, limit: float, residents_only: bool, max_n: int) -> list[str]:
+        """Pop, most urgent first, up to `max_n` valid entries whose due is <= `limit`."""
+        out = []
+        while len(out) < max_n:
+            top = self.peek(residents_only)
+            if top is None or top[0] > limit:
+                break
+            heapq.heappop(self.resident if self.resident and top is self.resident[0] else self.heap)
+            del self.ver[top[2]]
+            out.append(top[2])
+        return out
+
     def remove(self, rid: str) -> None:
         for table in (self.ver, self.due, self.enter, self.jct_base, self.carry):
             table.pop(rid, None)
