@@ -95,10 +95,11 @@ def embed_samples(settings: PredictorSettings, embedder: Embedder, samples,
 
 
 def seed(settings: PredictorSettings, predictor: LengthPredictor, model: str,
-         limit: int | None = None, stop: threading.Event | None = None) -> dict:
-    """Bulk-load the train split into `model`'s collection; returns timings."""
+         limit: int | None = None, stop: threading.Event | None = None,
+         samples: list | None = None) -> dict:
+    """Bulk-load the train split (or `samples`) into `model`'s collection; returns timings."""
     t0 = time.perf_counter()
-    samples = train_samples(settings, limit)
+    samples = samples if samples is not None else train_samples(settings, limit)
     vectors = embed_samples(settings, predictor.embedder, samples, stop)  # [N, D]
     t_embed = time.perf_counter() - t0
     now = time.time()
@@ -112,9 +113,10 @@ def seed(settings: PredictorSettings, predictor: LengthPredictor, model: str,
 
 
 def train_mlp(settings: PredictorSettings, embedder: Embedder, model: str,
-              limit: int | None = None, epochs: int = 60) -> tuple[MlpRegressor, Path]:
-    """Fit the MLP on the train split's embeddings and save it where the service looks."""
-    samples = train_samples(settings, limit)
+              limit: int | None = None, epochs: int = 60,
+              samples: list | None = None) -> tuple[MlpRegressor, Path]:
+    """Fit the MLP on the train split (or `samples`); save it where the service looks."""
+    samples = samples if samples is not None else train_samples(settings, limit)
     vectors = embed_samples(settings, embedder, samples)
     feats = length_feature(embedder.prepare([s.prompt for s in samples]))
     lengths = np.array([s.output_len for s in samples], np.float32)
