@@ -70,7 +70,8 @@ class ExecutorSettings(CommonSettings):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto = triton on CUDA, torch elsewhere.")
     max_model_len: int = Field(0, ge=0, description="0 = the model's own maximum.")
-    num_threads: int = Field(0, ge=0, description="torch intra-op threads (0 = torch default).")
+    num_threads: int = Field(
+        0, ge=0, description="torch intra-op threads (0 = all cores but one, at least 1).")
     profile_path: Path | None = Field(
         None, description="Cost-model profile JSON reported by Describe.")
 
