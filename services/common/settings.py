@@ -147,7 +147,8 @@ class GatewaySettings(CommonSettings):
         default_factory=lambda: ["127.0.0.1:50052"],
         description="Predictor replicas: host:port list, or one DNS name resolving to many.")
     predictor_timeout_ms: float = Field(
-        50.0, gt=0, description="Give up on a prediction after this long.")
+        300.0, gt=0, description="Give up on a prediction after this long (a CPU predictor "
+                                 "embeds a prompt in ~30-100 ms on a shared 2-core host).")
     api_keys: StrList = Field(
         default_factory=list, description="Accepted API keys; empty = no auth.")
     cors_origins: StrList = Field(default_factory=list, description="Allowed CORS origins.")
