@@ -22,20 +22,16 @@ def tiny_dirs(tmp_path_factory):
     return {arch: make_tiny_model(root / arch, arch, seed=1) for arch in ARCHS}
 
 
-def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_parity_mixed_chunks(tiny_dirs, arch):
+    from transformers import AutoModelForCausalLM
+
     engine = Engine(tiny_dirs[arch], num_device_blocks=32, num_host_blocks=4)
     ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32)
     for ids, logits in zip(PROMPTS, ours):
-        ref = hf_logits(tiny_dirs[arch], ids)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0]
         assert logits.shape == ref.shape
         assert (logits - ref).abs().max() < 1e-4
 
