@@ -133,8 +133,7 @@ class Engine:
         return out
 
     def _apply(self, step, plan: Plan) -> None:
-        self.swap.swap_out(list(step.swap_out))
-        self.swap.swap_in(list(step.swap_in))
+        self.swap.swap(list(step.swap_out), list(step.swap_in))
         for rid in plan.suspended:
             self._release(rid)
             self.requests[rid].block_table = None

@@ -172,3 +172,25 @@ def test_random_steps_never_corrupt_other_requests(tiny_dir, hf_model, seed, ste
             ref = hf_model(torch.tensor([token_ids[rid][:ours.shape[0]]])).logits[0]
         assert (ours - ref).abs().max() < 1e-4, f"request {rid} got wrong logits"
     engine.close()
+
+
+def test_one_step_swaps_in_from_and_out_to_the_same_host_blocks(tiny_dir):
+    """Copies are a parallel assignment: a host block read by a swap-in may be the target of
+    a swap-out in the same step (and a device block swapped out may be a swap-in target)."""
+    kw = dict(num_device_blocks=16, num_host_blocks=4)
+    b_prompt = list(range(700, 728))  # 28 tokens + 3 decodes fit 2 blocks
+    ref = Engine(tiny_dir, **kw)
+    ref.step(StepInput(0, [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
+                       {"a": ([0, 1, 2], False), "b": ([3, 4], False)}, {"a": 37, "b": 28}))
+    expected = [ref.step(StepInput(1, num_scheduled_tokens={"a": 1, "b": 1})).sampled
+                for _ in range(3)]
+    engine = Engine(tiny_dir, **kw)
+    engine.step(StepInput(0, [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
+                          {"a": ([0, 1, 2], False), "b": ([3, 4], False)}, {"a": 37, "b": 28}))
+    engine.step(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))          # a -> host 0..2
+    engine.step(StepInput(2, swap_out=[(3, 0), (4, 1)], swap_in=[(0, 3), (1, 4), (2, 0)],
+                          block_tables={"a": ([3, 4, 0], True)}))         # b -> host 0, 1
+    engine.step(StepInput(3, swap_in=[(0, 5), (1, 6)], block_tables={"b": ([5, 6], True)}))
+    got = [engine.step(StepInput(4, num_scheduled_tokens={"a": 1, "b": 1})).sampled
+           for _ in range(3)]
+    assert got == expected
