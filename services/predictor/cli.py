@@ -12,27 +12,15 @@ def _settings():
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import signal
-
     from services.common.logs import setup_logging
+    from services.common.runner import run_until_signal
     from services.predictor.server import start_predictor
 
     settings = _settings()
     setup_logging("predictor", settings.log_level, settings.log_format)
-
-    async def main() -> None:
-        handle = await start_predictor(settings)
-        print(f"predictor listening on {settings.predictor_host}:{handle.port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await handle.stop()
-
-    asyncio.run(main())
-    return 0
+    return run_until_signal(
+        lambda: start_predictor(settings),
+        lambda handle: f"predictor listening on {settings.predictor_host}:{handle.port}")
 
 
 def _seed(args: argparse.Namespace) -> int:

@@ -5,10 +5,8 @@ import argparse
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import signal
-
     from services.common.logs import setup_logging
+    from services.common.runner import run_until_signal
     from services.common.settings import SchedulerSettings
     from services.scheduler.server import start_scheduler
 
@@ -19,19 +17,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = SchedulerSettings(**overrides)
     setup_logging("scheduler", settings.log_level, settings.log_format)
 
-    async def main() -> None:
-        handle = await start_scheduler(settings)
-        print(f"scheduler listening on {settings.scheduler_host}:{handle.port} "
-              f"(policy {settings.policy}, executors {','.join(settings.executors)})", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await handle.stop()
-
-    asyncio.run(main())
-    return 0
+    return run_until_signal(
+        lambda: start_scheduler(settings),
+        lambda handle: f"scheduler listening on {settings.scheduler_host}:{handle.port} "
+                       f"(policy {settings.policy}, executors {','.join(settings.executors)})")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

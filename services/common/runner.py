@@ -1,0 +1,25 @@
+"""Run one gRPC service in the foreground until SIGINT/SIGTERM (the `... serve` commands)."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+def run_until_signal(start: Callable[[], Awaitable[Any]],
+                     describe: Callable[[Any], str]) -> int:
+    """`start()` returns a handle with `async stop()`; `describe(handle)` is printed once up."""
+
+    async def main() -> None:
+        handle = await start()
+        print(describe(handle), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await handle.stop()
+
+    asyncio.run(main())
+    return 0
