@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from bench.report import emit_json
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -215,10 +216,7 @@ def _run(args: argparse.Namespace) -> int:
             out.update(asyncio.run(measure_idle(stack.url, stack.model_id, stack.gateway_pid,
                                                 args.idle, args.idle_timeout)))
     out["model"] = args.model
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit_json(out, args.json)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -20,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bench.report import emit_json
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -137,10 +137,7 @@ async def _run_all(args) -> dict:
 
 def _run(args: argparse.Namespace) -> int:
     result = asyncio.run(_run_all(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit_json(result, args.json)
     return 0
 
 

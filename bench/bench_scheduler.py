@@ -23,6 +23,7 @@ import json
 import random
 import time
 from pathlib import Path
+from bench.report import emit_json
 
 BENCH_KNOBS = {"orca": {"max_batch_size": 256}, "request": {"max_batch_size": 256}}
 
@@ -136,10 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         result["policies"][name] = bench_policy(name, args.running, args.waiting, args.steps,
                                                 args.seed, args.profile, args.repeats)
         print(name, json.dumps(result["policies"][name]), flush=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return 0
 
 

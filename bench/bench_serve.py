@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from bench.metrics import summarize
+from bench.report import emit_json
 
 LIVE_POLICIES = ("fcfs", "sarathi", "alise", "accelgen", "hybrid")
 
@@ -59,10 +60,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
                        args.burstiness, args.slo, args.seed, args.max_prompt, args.max_tokens)
     summary = run_point(args.url, items, not args.no_ignore_eos, args.max_concurrency)
     summary.update(rate=args.request_rate, dataset=args.dataset)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    emit_json(summary, args.json)
     return 0 if summary["num_errors"] == 0 else 1
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from bench.report import emit_json
 
 
 def _rates(text: str) -> list[float]:
@@ -102,10 +103,7 @@ def _run(args) -> int:
                         prefill_attention_coeff(config, profile))
     result = simulate(items, config, profile)
     out = {"policy": args.policy, "rate": args.rate, **result.summary}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit_json(out, args.json)
     if args.records:
         with open(args.records, "w") as f:
             for r in result.records:
@@ -169,10 +167,7 @@ def _fidelity(args) -> int:
     finally:
         engine.close()
     report["rate"] = args.rate
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit_json(report, args.json)
     return 0 if report["within_15pct"] else 1
 
 
