@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -39,6 +39,9 @@ class GatewayState:
     model_id: str
     config_max_len: int
     started: int
+    # Set when the server is stopping and the drain period is over: open streams end with an
+    # error event (and their requests are aborted upstream) instead of being cut.
+    shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
 
     def max_model_len(self) -> int:
         return self.upstream.max_model_len or self.config_max_len

@@ -16,10 +16,34 @@ def _serve(args: argparse.Namespace) -> int:
     settings = GatewaySettings(**overrides)
     setup_logging("gateway", settings.log_level, settings.log_format)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port,
-                log_config=None, access_log=False, timeout_graceful_shutdown=5,
-                backlog=4096, limit_concurrency=settings.max_connections or None)
+    DrainingServer = _draining_server_class()
+    config = uvicorn.Config(app, host=settings.gateway_host, port=settings.gateway_port,
+                            log_config=None, access_log=False,
+                            timeout_graceful_shutdown=DRAIN_S + 2, backlog=4096,
+                            limit_concurrency=settings.max_connections or None)
+    DrainingServer(config).run()
     return 0
+
+
+DRAIN_S = 5.0
+
+
+def _draining_server_class():
+    import asyncio
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGINT/SIGTERM: stop accepting, let open streams run for DRAIN_S, then end the
+        rest with a clear error event (aborted upstream) before uvicorn closes connections."""
+
+        def handle_exit(self, sig, frame) -> None:
+            state = getattr(self.config.app.state, "gateway", None)
+            if state is not None and not self.should_exit:
+                asyncio.get_event_loop().call_later(DRAIN_S, state.shutting_down.set)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

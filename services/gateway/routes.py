@@ -115,7 +115,7 @@ async def _stream(gen: Generation, maker: ChunkMaker, gw, arrival: float) -> Asy
         if (head := maker.first()) is not None:
             yield head
         async with asyncio.timeout_at(_loop_deadline(deadline)):
-            async for piece in gen.pieces():
+            async for piece in _until_shutdown(gen.pieces(), gw.shutting_down):
                 if not first_sent:
                     gw.metrics.ttft.observe(time.perf_counter() - arrival)
                     first_sent = True
@@ -131,6 +131,27 @@ async def _stream(gen: Generation, maker: ChunkMaker, gw, arrival: float) -> Asy
         yield DONE
     finally:
         _close(gw, gen)
+
+
+async def _until_shutdown(pieces: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
+    """The pieces, until the server's drain period ends: then a 503 error event."""
+    stopping = asyncio.ensure_future(stop.wait())
+    nxt = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(anext(pieces))
+            await asyncio.wait({nxt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                raise APIError(503, "the server is shutting down; the request was aborted",
+                               code="shutting_down")
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stopping.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
 
 
 def _close(gw, gen: Generation) -> None:
