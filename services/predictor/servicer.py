@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from services.common.grpc_server import invalid
 from services.common.metrics import Metrics
 from services.common.pb import common_pb2, predictor_pb2
+from services.common.tasks import cancel_and_wait
 from services.predictor.core import LengthPredictor, Observation
 
 log = logging.getLogger(__name__)
@@ -115,11 +116,7 @@ class ObserveQueue:
         await self.queue.join()
 
     async def stop(self) -> None:
-        self.task.cancel()
-        try:
-            await self.task
-        except asyncio.CancelledError:
-            pass
+        await cancel_and_wait(self.task)
 
 
 class PredictorServicer:

@@ -15,6 +15,7 @@ from collections import deque
 import grpc
 
 from services.common.pb import executor_pb2
+from services.common.tasks import cancel_and_wait
 from services.scheduler.convert import step_outcome, step_request
 from services.scheduler.executor_client import ExecutorClient
 
@@ -48,23 +49,24 @@ class ExecutorLoop:
         self._last_compute = 0.0
         self._deferred: tuple | None = None   # (out, updates, result) of the last Step
         self._task: asyncio.Task | None = None
+        self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"loop-{self.address}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        # A cancel can be swallowed (see services/common/tasks.py): the loop checks a flag too.
+        self._closing = True
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.client.close()
 
     def wake(self) -> None:
         self._wake.set()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 if not self.up:
                     await self._connect()

@@ -16,6 +16,7 @@ import grpc
 
 from services.common.grpc_server import ServiceError
 from services.common.settings import SchedulerSettings
+from services.common.tasks import cancel_and_wait
 from services.scheduler import iteration
 from services.scheduler.convert import prediction_pb
 from services.scheduler.core.policies.base import make_policy
@@ -89,9 +90,7 @@ class SchedulerService:
 
     async def stop(self) -> None:
         self.stopping = True
-        if self._sweeper:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        await cancel_and_wait(self._sweeper)
         for loop in self.loops.values():
             await loop.stop()
         await self.writer.close()

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 TOKEN = struct.Struct("<ifd")  # token id, logprob, unix time
@@ -228,8 +230,7 @@ class StoreWriter:
         except TimeoutError:
             log.error("store writer could not flush before closing",
                       extra={"pending": len(self._pending)})
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         self._task = None
 
     async def _run(self) -> None:
