@@ -14,14 +14,31 @@ Each step:
     pseudo-code stops after one window).
  4. Exclusive request allocation (ERA): a new long prompt does not start while
     `max_long_prompts` long prompts are still being prefilled.
+
+Fig. 12 ablations (AccelGen without one of its three methods):
+  * `dynamic_chunking=False` ("/Chunk"): no SLO-derived budget and no chunking. Every step
+    packs against one fixed budget, S_b at `default_tbt_s` (the budget of a request with the
+    default objective, computed once), and prompts are taken whole: only when all of it fits
+    the leftover budget, except that a step with no prompt in it yet takes the most urgent
+    waiting prompt whole even when it is longer (the step then exceeds the budget: the long-
+    prompt interference that chunking removes). Slack estimates count a prompt as one chunk.
+    The paper's /Chunk also drops ERA, part of the same method: add `era=false`.
+  * `slack_ordering=False` ("/Order"): the queue is in arrival order (FCFS, as vLLM's) instead
+    of remaining slack, there is no urgent forcing (no T_r), and a SelectRequests window is
+    the next `max_window` requests of the queue (gamma is a slack distance). S_b still
+    follows the objective of the queue head.
+  * `multires=False` ("/Batch"): inside a window requests are taken in queue order, each
+    chunked to what is left (`multires.select_in_order`), instead of nearest (compute, KV)
+    demand first.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from itertools import islice
 
 from services.scheduler.core.policies.base import Policy, register_policy
-from services.scheduler.core.policies.multires import select_nearest
+from services.scheduler.core.policies.multires import select_in_order, select_nearest
 from services.scheduler.core.policies.slack import SlackQueue
 from services.scheduler.core.request import RequestStatus
 
@@ -49,6 +66,9 @@ class AccelGenPolicy(Policy):
         "max_num_seqs": 256,
         "watermark": 0.01,
         "preemption_mode": "recompute",
+        "dynamic_chunking": True,      # False: fixed budget (S_b at default_tbt_s), whole prompts
+        "slack_ordering": True,        # False: arrival order, no urgent forcing
+        "multires": True,              # False: windows taken in queue order
     }
 
     def validate(self) -> None:
@@ -58,6 +78,9 @@ class AccelGenPolicy(Policy):
                 raise ValueError(f"accelgen: {key} must be > 0")
         if self.min_token_budget < 1 or self.max_token_budget < self.min_token_budget:
             raise ValueError("accelgen: need 1 <= min_token_budget <= max_token_budget")
+        for key in ("dynamic_chunking", "slack_ordering", "multires", "era"):
+            if not isinstance(self.knobs[key], bool):
+                raise ValueError(f"accelgen: {key} must be true or false, got {self.knobs[key]!r}")
 
     def bind(self, sched) -> None:
         super().bind(sched)
@@ -65,7 +88,8 @@ class AccelGenPolicy(Policy):
         self.sq = SlackQueue(self)
         self.recent = deque(maxlen=self.t_max_window)
         self.long_inflight: set[str] = set()
-        self._default_chunk = self.avg_chunk_tokens or self.budget_for(self.default_tbt_s)
+        self.fixed_budget = self.budget_for(self.default_tbt_s)   # dynamic_chunking=False
+        self._default_chunk = self.avg_chunk_tokens or self.fixed_budget
         self._t_max_guess = self.cost.iteration_time(self._default_chunk, 0, self._default_chunk)
 
     # -- model ------------------------------------------------------------------------------
@@ -79,7 +103,8 @@ class AccelGenPolicy(Policy):
         return max(self.recent) if self.recent else self._t_max_guess
 
     def avg_chunk(self) -> int:
-        return self._default_chunk
+        """L_c; without chunking every prompt is a single chunk."""
+        return self._default_chunk if self.dynamic_chunking else self.sched.max_model_len
 
     def is_long(self, req, budget: int) -> bool:
         return req.num_prompt_tokens > (self.long_prompt_tokens or budget)
@@ -119,7 +144,11 @@ class AccelGenPolicy(Policy):
         head = sq.peek(full)
         if head is not None:
             slos.append(sq.slo(s.requests[head[2]]))
-        b = s.new_batch(now, self.budget_for(min(slos)) if slos else self.max_token_budget)
+        if not self.dynamic_chunking:
+            budget = self.fixed_budget
+        else:
+            budget = self.budget_for(min(slos)) if slos else self.max_token_budget
+        b = s.new_batch(now, budget)
         i = 0
         while b.tokens_left >= 1 and b.num_seqs < self.max_num_seqs:
             full = full or self._admission_closed(s)
@@ -133,6 +162,8 @@ class AccelGenPolicy(Policy):
                 back.append(req)
         back += urgent[i:]
         back += self._select(s, b, now)
+        if not self.dynamic_chunking:
+            self._whole_prompt_past_budget(s, b, back)
         if not b.scheduled:
             # nothing fitted without preemption: never idle while work waits, so treat the
             # least-slack request as urgent (otherwise KV held by stalled prompts deadlocks)
@@ -149,6 +180,8 @@ class AccelGenPolicy(Policy):
         return b.finish()
 
     def _urgent_next(self, now: float, t_max: float, residents_only: bool) -> bool:
+        if not self.slack_ordering:
+            return False                 # no remaining time, so nothing is urgent
         due = self.sq.peek_due(residents_only)
         return due is not None and due - now <= t_max
 
@@ -170,7 +203,7 @@ class AccelGenPolicy(Policy):
             return False
         if req.status is not RUNNING and len(s.running) >= self.max_num_seqs:
             return False                 # vLLM's limit on resident sequences
-        n = min(req.num_uncomputed_tokens, b.tokens_left)
+        n = self._grant(req, b)
         if n < 1:
             return False
         victims = None
@@ -193,6 +226,42 @@ class AccelGenPolicy(Policy):
             self.long_inflight.discard(victim.request_id)
             self.sq.reenter(victim, b.now)
 
+    def _grant(self, req, b) -> int:
+        """Tokens `req` may take within the leftover budget: a chunk, or without dynamic
+        chunking its whole remaining work or nothing."""
+        need, left = req.num_uncomputed_tokens, b.tokens_left
+        if self.dynamic_chunking or need <= left:
+            return min(need, left)
+        return 0
+
+    def _whole_prompt_past_budget(self, s, b, back: list) -> None:
+        """dynamic_chunking=False: a step without a prompt takes the most urgent (first in
+        queue order) prompt left out whole although it is longer than the leftover budget,
+        and the step's budget grows to hold it; otherwise such a prompt could never run."""
+        if any(n > 1 for n in b.scheduled.values()) or b.num_seqs >= self.max_num_seqs:
+            return
+        due = self.sq.due
+        order = sorted(range(len(back)), key=lambda j: due.get(back[j].request_id, 0.0))
+        for j in order:
+            req = back[j]
+            if (req.status not in (RUNNING, WAITING) or req.num_uncomputed_tokens <= 1
+                    or not self._allowed(s, b, req)):
+                continue
+            reserve = 0 if req.status is RUNNING else self.watermark_blocks
+            if b.schedule(req, req.num_uncomputed_tokens, reserve):
+                self._started(req, b)
+                b.token_budget = max(b.token_budget, b.num_tokens)
+                back.pop(j)
+                return
+
+    def _allowed(self, s, b, req) -> bool:
+        """vLLM's limit on resident sequences, and ERA for a new long prompt."""
+        if req.status is not RUNNING and len(s.running) >= self.max_num_seqs:
+            return False
+        if not self.era or req.num_computed_tokens > 0 or not self.is_long(req, b.token_budget):
+            return True
+        return len(self.long_inflight) < self.max_long_prompts
+
     def _victims(self, s, b, req) -> list:
         due = self.sq.due
         cands = [r for rid, r in s.running.items()
@@ -207,13 +276,11 @@ class AccelGenPolicy(Policy):
     def _select(self, s, b, now: float) -> list:
         """SelectRequests over successive gamma windows; returns the requests not taken."""
         back = []
+        select = select_nearest if self.multires else select_in_order
+        whole = not self.dynamic_chunking
 
         def allowed(req) -> bool:
-            if req.status is not RUNNING and len(s.running) >= self.max_num_seqs:
-                return False
-            if not self.era or req.num_computed_tokens > 0 or not self.is_long(req, b.token_budget):
-                return True
-            return len(self.long_inflight) < self.max_long_prompts
+            return self._allowed(s, b, req)
 
         for _ in range(self.max_windows):
             if b.tokens_left < 1 or b.num_seqs >= self.max_num_seqs:
@@ -223,10 +290,11 @@ class AccelGenPolicy(Policy):
             if first is None:
                 break
             reqs = s.requests
-            rids = self.sq.pop_through(first[0] + self.gamma_s, full, self.max_window - 1)
+            limit = first[0] + self.gamma_s if self.slack_ordering else math.inf
+            rids = self.sq.pop_through(limit, full, self.max_window - 1)
             window = [reqs[first[1]]] + [reqs[rid] for rid in rids]
-            before = len(b.scheduled)       # select_nearest only adds to the batch
-            back += select_nearest(b, window, self.watermark_blocks, allowed, self.max_num_seqs)
+            before = len(b.scheduled)       # selection only adds to the batch
+            back += select(b, window, self.watermark_blocks, allowed, self.max_num_seqs, whole)
             for rid in islice(b.scheduled, before, None):
                 self._started(reqs[rid], b)
         return back

@@ -6,6 +6,10 @@ Among a window of candidates of similar urgency, repeatedly pick the one whose d
 leftover budget (or the free KV) is chunked to fit, so it fills one resource exactly.
 Decodes have only two possible demands, (1, 0) and (1, one block), so they are grouped and the
 cost of a pick stays proportional to the number of distinct prompts in the window.
+
+`select_in_order` is the ablation without this method (AccelGen's "/Batch"): the window is
+taken in queue order, each candidate chunked to what is left. With `whole=True` (no chunking)
+a prompt is only taken when all of it fits.
 """
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ from services.scheduler.core.request import RequestStatus
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 
 
-def demand(bm, req, a_c: int, a_m: int, reserve: int) -> tuple[int, int] | None:
-    """(tokens, device blocks) `req` would take now, or None when it cannot fit."""
+def demand(bm, req, a_c: int, a_m: int, reserve: int,
+           whole: bool = False) -> tuple[int, int] | None:
+    """(tokens, device blocks) `req` would take now, or None when it cannot fit (with `whole`,
+    when its whole remaining work does not fit)."""
     rid, bs = req.request_id, bm.block_size
     status, computed, left = req.status, req.num_computed_tokens, req.num_uncomputed_tokens
     if status is RUNNING:
@@ -27,7 +33,7 @@ def demand(bm, req, a_c: int, a_m: int, reserve: int) -> tuple[int, int] | None:
     else:
         room = (a_m - reserve) * bs
     n = min(left, a_c, room)
-    if n < 1:
+    if n < 1 or (whole and n < left):
         return None
     if status is SWAPPED:
         blocks = max(bm.num_host_blocks_of(rid), bm.blocks_for_tokens(computed + n))
@@ -36,9 +42,11 @@ def demand(bm, req, a_c: int, a_m: int, reserve: int) -> tuple[int, int] | None:
     return n, blocks
 
 
-def select_nearest(b, candidates, reserve_new: int, allowed=None, max_seqs: int = 1 << 30) -> list:
+def select_nearest(b, candidates, reserve_new: int, allowed=None, max_seqs: int = 1 << 30,
+                   whole: bool = False) -> list:
     """Schedule candidates into batch `b` nearest-demand first; returns the ones not taken.
-    `allowed(req)` may veto a candidate at pick time (exclusive request allocation)."""
+    `allowed(req)` may veto a candidate at pick time (exclusive request allocation); `whole`
+    takes prompts unchunked (only when all of it fits)."""
     bm, bs = b.bm, b.bm.block_size
     dec0, dec1, general, rest = [], [], [], []
     for req in candidates:
@@ -63,7 +71,7 @@ def select_nearest(b, candidates, reserve_new: int, allowed=None, max_seqs: int 
                 rest.append(req)
                 continue
             reserve = 0 if req.status is RUNNING else reserve_new
-            dm = demand(bm, req, a_c, a_m, reserve)
+            dm = demand(bm, req, a_c, a_m, reserve, whole)
             if dm is None:
                 rest.append(req)         # resources only shrink: it will not fit this step
                 continue
@@ -86,3 +94,25 @@ def select_nearest(b, candidates, reserve_new: int, allowed=None, max_seqs: int 
         if not b.schedule(best, best_n):
             rest.append(best)
     return rest + general + dec0[::-1] + dec1[::-1]
+
+
+def select_in_order(b, candidates, reserve_new: int, allowed=None, max_seqs: int = 1 << 30,
+                    whole: bool = False) -> list:
+    """Schedule candidates into batch `b` in the given order, each chunked to what is left of
+    the budget and KV (skipping those that do not fit); returns the ones not taken. Same
+    arguments as `select_nearest`: the ablation of nearest-demand selection."""
+    bm, rest = b.bm, []
+    for i, req in enumerate(candidates):
+        if b.tokens_left < 1 or b.num_seqs >= max_seqs:
+            return rest + list(candidates[i:])
+        if allowed is not None and not allowed(req):
+            rest.append(req)
+            continue
+        reserve = 0 if req.status is RUNNING else reserve_new
+        dm = demand(bm, req, b.tokens_left, bm.num_free_device_blocks, reserve, whole)
+        if dm is None or (req.status is SWAPPED and not b.swap_in(req)):
+            rest.append(req)
+            continue
+        if not b.schedule(req, dm[0]):
+            rest.append(req)
+    return rest

@@ -6,6 +6,10 @@ execution still needed before its next token (N_ck = ceil(remaining prompt / L_c
 decode). Since T_w grows at the same rate for everyone, T_r = due - now with a fixed
 `due = t_enter + SLO - T_e`, so a heap on `due` orders the queue without re-sorting.
 
+With the policy knob `slack_ordering=False` (AccelGen's "/Order" ablation) the heap key is the
+request's arrival time instead, so the queue is FCFS (a preempted or returning request keeps
+its place, as in vLLM); `due` then holds that key.
+
 The SLO is the TTFT objective before the first token and the TBT objective after it.
 JCT (deadline) requests get a per-iteration allowed wait instead:
     T_e,total = N_ck * T_max + S_g * (T_max + P_max * P),   base = (SLO_JCT - T_e,total) / (N_ck + S_g)
@@ -25,6 +29,7 @@ RUNNING = RequestStatus.RUNNING
 class SlackQueue:
     def __init__(self, policy):
         self.p = policy
+        self.by_arrival = not getattr(policy, "slack_ordering", True)
         self.heap: list[tuple[float, int, str]] = []       # waiting and swapped requests
         self.resident: list[tuple[float, int, str]] = []   # requests with KV on the device
         self.ver: dict[str, int] = {}
@@ -66,7 +71,9 @@ class SlackQueue:
 
     def push(self, req, due: float | None = None) -> None:
         rid = req.request_id
-        if due is None:
+        if due is None and self.by_arrival:
+            due = req.arrival_time
+        elif due is None:
             t = self.enter[rid]
             if rid in self.jct_base:
                 due = t + self.jct_base[rid] + self.carry[rid]
