@@ -67,14 +67,15 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 class LiveStack:
     """`alise serve --policy P` on free ports, for one policy of a live sweep."""
 
-    def __init__(self, policy: str, log_dir: Path) -> None:
+    def __init__(self, policy: str, log_dir: Path, policy_config: str = "{}") -> None:
         from services.common.redis_runner import free_port
 
         self.port = free_port()
         self.policy = policy
         self.log = open(log_dir / f"serve-{policy}.log", "w")
         env = {**os.environ, "ALISE_GATEWAY_PORT": str(self.port),
-               "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"), "PYTHONUNBUFFERED": "1"}
+               "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"), "PYTHONUNBUFFERED": "1",
+               "ALISE_POLICY_CONFIG": policy_config}
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve",
                                       "--policy", policy], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
@@ -104,6 +105,21 @@ class LiveStack:
         self.log.close()
 
 
+def policy_configs(specs: list[str] | None) -> dict[str, str]:
+    """`POLICY=JSON` options -> {policy: JSON knobs} (checked to be a JSON object)."""
+    configs = {}
+    for spec in specs or []:
+        policy, sep, text = spec.partition("=")
+        try:
+            knobs = json.loads(text) if sep else None
+        except json.JSONDecodeError:
+            knobs = None
+        if not policy or not isinstance(knobs, dict):
+            raise SystemExit(f"--policy-config {spec!r}: expected POLICY='{{\"knob\": value}}'")
+        configs[policy] = json.dumps(knobs)
+    return configs
+
+
 def _sweep_cmd(args: argparse.Namespace) -> int:
     if not args.live:
         print("the simulated sweep is `alise sim sweep`; pass --live to sweep the real stack")
@@ -112,9 +128,9 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    points = []
+    points, configs = [], policy_configs(args.policy_config)
     for policy in args.policies.split(","):
-        stack = LiveStack(policy, out)
+        stack = LiveStack(policy, out, configs.get(policy, "{}"))
         try:
             stack.wait_ready()
             for rate in [float(r) for r in args.rates.split(",")]:
@@ -163,5 +179,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--policies", default=",".join(LIVE_POLICIES))
     sweep.add_argument("--rates", default="0.5,2")
     sweep.add_argument("--out", default="results/live")
+    sweep.add_argument("--policy-config", action="append", metavar="POLICY=JSON",
+                       help="knobs for one policy's scheduler (repeatable), e.g. "
+                            "hybrid='{\"token_budget\": 128}'")
     _trace_args(sweep)
     sweep.set_defaults(func=_sweep_cmd)

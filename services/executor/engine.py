@@ -105,9 +105,12 @@ class Engine:
         return self.swap.num_host_blocks
 
     def profile_json(self) -> str:
+        """The cost-model profile Describe reports: `profile_path` when it exists, else a
+        bundled profile of the same device type, model and dtype, else none ("")."""
         if self.profile_path and self.profile_path.exists():
             return self.profile_path.read_text()
-        return ""
+        return bundled_profile(self.device.type, self.model_name,
+                               str(self.dtype).removeprefix("torch."))
 
     def describe(self) -> dict:
         return {"model": self.model_name, "architecture": self.spec.arch,
@@ -238,3 +241,17 @@ class Engine:
     def save_profile(self, profile: dict) -> None:
         if self.profile_path:
             self.profile_path.write_text(json.dumps(profile, indent=2))
+
+
+BUNDLED_PROFILES = Path(__file__).parent / "profiles"
+
+
+def bundled_profile(device: str, model: str, dtype: str) -> str:
+    """JSON text of a profile shipped in services/executor/profiles/ measured on `device`
+    (cpu | cuda) for `model` in `dtype`, or "" when none matches."""
+    for path in sorted(BUNDLED_PROFILES.glob("*.json")):
+        text = path.read_text()
+        meta = json.loads(text)
+        if (meta.get("device"), meta.get("model"), meta.get("dtype")) == (device, model, dtype):
+            return text
+    return ""

@@ -28,8 +28,13 @@ DEFAULT_COSTS = {"c0": 0.005, "c_prefill": 5e-5, "c_decode": 2e-4, "c_context": 
 def cost_model_for(info) -> CostModel:
     if info.profile_json:
         try:
-            return CostModel.from_profile(json.loads(info.profile_json))
-        except (ValueError, KeyError, TypeError) as exc:
+            profile = json.loads(info.profile_json)
+            # the pool this executor has now, not the one it had when it was profiled
+            pool = {"block_size": info.block_size, "num_device_blocks": info.num_device_blocks,
+                    "num_host_blocks": info.num_host_blocks}
+            profile.update({k: v for k, v in pool.items() if v})
+            return CostModel.from_profile(profile)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("executor profile unusable, using defaults", extra={"error": str(exc)})
     return CostModel(**DEFAULT_COSTS, block_size=info.block_size,
                      num_device_blocks=info.num_device_blocks)

@@ -75,5 +75,6 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
         metrics_server, _ = start_http_server(settings.metrics_port,
                                               registry=service.metrics.registry)
     log.info("scheduler serving", extra={"port": server.port, "policy": settings.policy,
+                                         "policy_config": settings.policy_config,
                                          "executors": settings.executors})
     return SchedulerHandle(server.port, service, server, metrics_server, embedded)

@@ -1,6 +1,7 @@
 """Deterministic scenario tests pinning the behaviour each paper describes."""
 import pytest
 
+from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.request import Slo
 from tests.unit.test_core_util import SIMPLE, drive, make_sched, req
 
@@ -95,11 +96,11 @@ def test_aging_bounds_the_wait_of_a_long_job():
 
 
 def test_ewt_swap_offloads_the_highest_ewt_job_first():
-    # 11 blocks of 4 tokens; three residents of 3 blocks each, predicted 10 / 100 / 50 tokens;
-    # the new job needs 3 blocks, 2 are free
+    # 11 blocks of 4 tokens; three residents of 3 blocks each, predicted 3 / 30 / 12 tokens
+    # (of at most 30); the new job needs 3 blocks, 2 are free
     s = make_sched("alise", device_blocks=11, host_blocks=12, block_size=4, max_model_len=44,
                    max_num_seqs=3, watermark=0.0, aging_threshold_s=None, queue_base_s=0.002)
-    a, b, c = (req(n, 12, 30, t=0.0, predicted_len=p) for n, p in (("a", 10), ("b", 100), ("c", 50)))
+    a, b, c = (req(n, 12, 30, t=0.0, predicted_len=p) for n, p in (("a", 3), ("b", 30), ("c", 12)))
     for r in (a, b, c):
         s.add_request(r)
     from services.scheduler.core.output import StepOutcome
@@ -121,7 +122,7 @@ def test_alise_strawmen(mode, expect):
     s = make_sched("alise", device_blocks=11, host_blocks=12, block_size=4, max_model_len=44,
                    max_num_seqs=3, watermark=0.0, memory_mode=mode, queue_base_s=0.002)
     from services.scheduler.core.output import StepOutcome
-    for n, p in (("a", 10), ("b", 100), ("c", 50)):
+    for n, p in (("a", 3), ("b", 30), ("c", 12)):
         s.add_request(req(n, 12, 30, t=0.0, predicted_len=p))
     out = s.schedule(0.0)
     s.update(StepOutcome(out.step_id, {k: (7, 0.0) for k in "abc"}), 0.01)
@@ -161,12 +162,21 @@ def test_accelgen_forces_urgent_requests_in():
 
 def test_accelgen_budget_follows_tightest_slo():
     s = make_sched("accelgen")
-    s.add_request(req("t", 10, 2, slo=Slo(ttft_s=0.02)))
+    s.add_request(req("t", 10, 2, slo=Slo(ttft_s=2.0, tbt_s=0.02)))
     tight = s.schedule(0.0).token_budget
     s2 = make_sched("accelgen")
-    s2.add_request(req("l", 10, 2, slo=Slo(ttft_s=2.0)))
+    s2.add_request(req("l", 10, 2, slo=Slo(ttft_s=2.0, tbt_s=0.2)))
     assert tight < s2.schedule(0.0).token_budget
-    assert tight == max(16, SIMPLE.accelgen_budget(0.02))
+    # the largest forward size whose profiled iteration time fits the objective
+    assert tight == SIMPLE.token_budget(0.02) and SIMPLE.iteration_time(tight, 0, tight) <= 0.02
+
+
+def test_accelgen_literal_budget_rule_uses_ttft_and_eq6():
+    """budget_slo=all, budget_rule=eq6: the earlier reading (TTFT of a queued prompt in
+    SLO_min, S_b = S_pf * SLO_min / T_pf)."""
+    s = make_sched("accelgen", budget_slo="all", budget_rule="eq6")
+    s.add_request(req("t", 10, 2, slo=Slo(ttft_s=0.02, tbt_s=2.0)))
+    assert s.schedule(0.0).token_budget == max(16, SIMPLE.accelgen_budget(0.02))
 
 
 def test_accelgen_era_serves_one_long_prompt_at_a_time():
@@ -179,6 +189,65 @@ def test_accelgen_era_serves_one_long_prompt_at_a_time():
     first, second = sorted(started, key=started.get)
     done_first = max(i for i, (_, _, o) in enumerate(trace) if o.num_scheduled_tokens.get(first, 0) > 1)
     assert started[second] > done_first
+
+
+def test_accelgen_era_holds_back_an_urgent_long_prompt():
+    """ERA applies to urgent prompts too: a second long prompt, already past its TTFT
+    objective, does not start while the first one is being prefilled."""
+    s = _accel()
+    trace = drive(s, [req("L1", 300, 2, t=0.0, slo=Slo(ttft_s=0.001)),
+                      req("L2", 300, 2, t=0.0, slo=Slo(ttft_s=0.001))])
+    for _, _, o in trace:
+        prefilling = [rid for rid, n in o.num_scheduled_tokens.items() if n > 1]
+        assert len(prefilling) <= 1, o.num_scheduled_tokens
+
+
+def test_accelgen_budget_ignores_ttft_of_prompts():
+    """A short prompt's TTFT objective (here 2 ms, less than its own lone prefill) does not
+    set S_b; its TBT objective does."""
+    s = make_sched("accelgen")
+    s.add_request(req("p", 10, 2, slo=Slo(ttft_s=0.002, tbt_s=0.2)))
+    assert s.schedule(0.0).token_budget == SIMPLE.token_budget(0.2)
+
+
+def test_accelgen_budget_counts_resident_decodes():
+    """A resident TG task with a tight TBT objective caps S_b even when it is not urgent and
+    the queue head is a loose prompt: its next token waits for this iteration."""
+    s = make_sched("accelgen", t_max_s=0.001)
+    tight = req("d", 10, 50, t=0.0, slo=Slo(ttft_s=1.0, tbt_s=0.03))
+    s.add_request(tight)
+    out = s.schedule(0.0)                          # its prefill; then it is a resident decode
+    s.update(StepOutcome(out.step_id, {"d": (7, -0.5)}, 0.002), 0.002)
+    assert tight.num_output_tokens == 1 and tight.request_id in s.running
+    s.add_request(req("loose", 3000, 2, t=0.0, slo=Slo(ttft_s=0.001, tbt_s=2.0)))  # urgent
+    s.add_request(req("next", 10, 2, t=0.0, slo=Slo(ttft_s=0.015, tbt_s=2.0)))     # queue head
+    assert s.schedule(0.01).token_budget == SIMPLE.token_budget(0.03)
+
+
+def _kv_pressure(**knobs):
+    """Six 500-token prompts and ten short ones on 96 KV blocks (1,536 tokens): two long
+    requests fit at a time, and every objective is already tight on arrival."""
+    s = make_sched("accelgen", device_blocks=96, block_size=16, watermark=0.0, **knobs)
+    reqs = [req(f"L{i}", 500, 40, t=0.002 * i, slo=Slo(ttft_s=0.01, tbt_s=0.05))
+            for i in range(6)]
+    reqs += [req(f"s{i}", 20, 30, t=0.001 * i, slo=Slo(ttft_s=0.003, tbt_s=0.005))
+             for i in range(10)]
+    trace = drive(s, reqs)
+    prefill = sum(n for _, _, o in trace for n in o.num_scheduled_tokens.values() if n > 1)
+    assert all(r.num_output_tokens == r.max_tokens for r in reqs)
+    return [r.num_preemptions for r in reqs], prefill / sum(r.num_prompt_tokens for r in reqs)
+
+
+def test_accelgen_does_not_thrash_under_kv_pressure():
+    """Whole-prompt admission and arrival-order victims: a long prompt is not preempted again
+    and again, and little prefill work is recomputed."""
+    preemptions, recompute = _kv_pressure()
+    assert max(preemptions) <= 2 and sum(preemptions) <= 6 and recompute < 1.5
+    # the earlier reading (chunks into the last free blocks, max-T_r victims, TTFT in SLO_min,
+    # eq. 6) thrashes on the same scenario
+    preemptions, recompute = _kv_pressure(admit_whole=False, victim_order="slack",
+                                          budget_slo="all", budget_rule="eq6")
+    assert max(preemptions) > 10 and recompute > 5
 
 
 def test_fastserve_skip_join_and_demotion():
