@@ -4,16 +4,27 @@ multi-resource-aware batching (Algorithms 1 and 2).
 Each step:
  1. Requests are ordered by remaining slack T_r (core/policies/slack.py). Urgent ones
     (T_r <= T_max: they must run in the next iteration) are forced into the batch, most urgent
-    first; when KV is short the resident request with the largest T_r outside the batch is
-    preempted (recompute by default, as AccelGen inherits vLLM's preemption).
- 2. The token budget is S_b = S_pf * SLO_min / T_pf (cost-model pivot), with SLO_min the
-    tightest objective among the urgent requests and the head of the queue.
+    first. A resident request that cannot grow for KV preempts, as in vLLM (on which AccelGen
+    is built and whose KV-overflow handling it keeps), the resident requests that arrived
+    after it, latest first, or yields itself (recompute by default).
+ 2. The token budget S_b is the largest forward size whose profiled iteration time fits
+    SLO_min (eq. 6 is its linear approximation through the pivot; `budget_rule="eq6"` uses
+    eq. 6 literally). SLO_min ranges over the TBT objectives of the urgent requests, the
+    queue head and the resident TG tasks; a prompt's TTFT objective, a deadline for its whole
+    prefill, is served by the ordering, not by the budget (`budget_slo="all"` includes it).
  3. SelectRequests: take the window of requests with T_r within T_r^1 + gamma of the first
     non-urgent one, then pick nearest-(compute, KV) demand first (policies/multires.py).
     Further windows are taken while budget and KV remain (work conservation; the paper's
     pseudo-code stops after one window).
- 4. Exclusive request allocation (ERA): a new long prompt does not start while
-    `max_long_prompts` long prompts are still being prefilled.
+ 4. A waiting prompt is admitted only when the KV of its whole prompt fits (section 4.4's
+    D_m of a first chunk is its whole sequence, vLLM's can_allocate); its prefill is still
+    chunked. Exclusive request allocation (ERA): a new long prompt, urgent or not, does not
+    start while `max_long_prompts` long prompts are still being prefilled.
+
+Without steps 1's victim order and 4's admission test, long prompts started in the last free
+blocks stopped half-way and recompute made them preempt each other in turn (one long prompt
+preempted 55 times, prefill work 6.5x the prompt tokens); the knobs `victim_order="slack"`
+and `admit_whole=False` bring that behaviour back for comparison.
 
 Fig. 12 ablations (AccelGen without one of its three methods):
   * `dynamic_chunking=False` ("/Chunk"): no SLO-derived budget and no chunking. Every step
@@ -66,6 +77,10 @@ class AccelGenPolicy(Policy):
         "max_num_seqs": 256,
         "watermark": 0.01,
         "preemption_mode": "recompute",
+        "victim_order": "arrival",     # KV-overflow victims: later arrivals (vLLM) | "slack"
+        "budget_slo": "tbt",           # SLO_min over TBT objectives | "all" (TTFT of prompts)
+        "budget_rule": "profile",      # S_b: profiled iteration time <= SLO_min | "eq6"
+        "admit_whole": True,           # admit a prompt only when its whole KV fits (vLLM)
         "dynamic_chunking": True,      # False: fixed budget (S_b at default_tbt_s), whole prompts
         "slack_ordering": True,        # False: arrival order, no urgent forcing
         "multires": True,              # False: windows taken in queue order
@@ -78,7 +93,16 @@ class AccelGenPolicy(Policy):
                 raise ValueError(f"accelgen: {key} must be > 0")
         if self.min_token_budget < 1 or self.max_token_budget < self.min_token_budget:
             raise ValueError("accelgen: need 1 <= min_token_budget <= max_token_budget")
-        for key in ("dynamic_chunking", "slack_ordering", "multires", "era"):
+        if self.knobs["budget_rule"] not in ("profile", "eq6"):
+            raise ValueError("accelgen: budget_rule must be 'profile' or 'eq6', "
+                             f"got {self.knobs['budget_rule']!r}")
+        if self.knobs["budget_slo"] not in ("tbt", "all"):
+            raise ValueError("accelgen: budget_slo must be 'tbt' or 'all', "
+                             f"got {self.knobs['budget_slo']!r}")
+        if self.knobs["victim_order"] not in ("arrival", "slack"):
+            raise ValueError("accelgen: victim_order must be 'arrival' or 'slack', "
+                             f"got {self.knobs['victim_order']!r}")
+        for key in ("dynamic_chunking", "slack_ordering", "multires", "era", "admit_whole"):
             if not isinstance(self.knobs[key], bool):
                 raise ValueError(f"accelgen: {key} must be true or false, got {self.knobs[key]!r}")
 
@@ -94,8 +118,50 @@ class AccelGenPolicy(Policy):
 
     # -- model ------------------------------------------------------------------------------
     def budget_for(self, slo_min: float) -> int:
-        s_b = self.cost.accelgen_budget(slo_min)
+        """S_b for SLO_min.
+
+        `budget_rule="profile"` (default): the largest forward size whose profiled iteration
+        time fits SLO_min (the test of section 3's Fig. 7 experiment, "iteration time
+        estimated from profiled data"). Eq. 6 is its linear approximation through the pivot
+        (S_pf, T_pf): exact when T_pf is nearly all compute, as at the paper's measured
+        saturation pivot (768 tokens for OPT-13B), but with a pivot at the compute/bandwidth
+        knee of a cost model with a fixed per-iteration term (115 tokens, 0.020 s on the
+        A100/Llama-2-7B roofline, half of it that fixed term) eq. 6 fills only about half of
+        SLO_min: at a 0.1875 s objective S_b = 1,101 tokens run 0.091 s.
+        `budget_rule="eq6"`: S_b = S_pf * SLO_min / T_pf with the profile's pivot."""
+        if slo_min <= 0:                 # a JCT request past its allowance
+            return self.min_token_budget
+        if self.budget_rule == "eq6":
+            s_b = self.cost.accelgen_budget(slo_min)
+        else:
+            s_b = self.cost.token_budget(slo_min, max_tokens=self.max_token_budget)
         return min(self.max_token_budget, max(self.min_token_budget, s_b))
+
+    def budget_slo_of(self, req) -> float:
+        """The objective `req` puts on this iteration's length, for SLO_min (eq. 6).
+
+        `budget_slo="tbt"` (default): a TG task's (or JCT request's) per-iteration objective,
+        and for a prompt its TBT objective, not its TTFT (the resident TG tasks' TBT
+        objectives are added by `_resident_tbts`). The TTFT objective is a deadline for
+        the whole prefill, N_ck chunks (section 4.3's T_e = N_ck * T_max), which the slack
+        ordering and urgency serve; a budget cut to a short prompt's TTFT (as low as half its
+        lone prefill time under AccelGen's SLO scales) cannot meet it, since a smaller S_b
+        only splits the prompt over more iterations that each pay the fixed per-iteration
+        cost, and it starves every other request of that step. The prompt's TBT bounds the
+        iterations it will share with its own later tokens.
+        `budget_slo="all"`: the objective of the request's next token, TTFT for a prompt."""
+        if self.budget_slo == "all" or req.output_token_ids or req.request_id in self.sq.jct_base:
+            return self.sq.slo(req)
+        return req.slo.tbt_s or self.default_tbt_s
+
+    def _resident_tbts(self, s) -> list[float]:
+        """TBT objectives of the resident TG tasks: each one either runs in this iteration or
+        waits for it, so its next token comes after the iteration ends either way (vLLM and
+        Sarathi-Serve batch every running decode each step, so these are the requests "in
+        the batch" whose minimum SLO eq. 6 must satisfy)."""
+        default = self.default_tbt_s
+        return [r.slo.tbt_s or default for r in s.running.values()
+                if r.output_token_ids and r.slo.deadline_s is None]
 
     def t_max(self) -> float:
         if self.t_max_s:
@@ -140,10 +206,12 @@ class AccelGenPolicy(Policy):
         full = self._admission_closed(s)
         while len(urgent) < 64 and self._urgent_next(now, t_max, full):
             urgent.append(s.requests[sq.pop(full)[1]])
-        slos = [sq.slo(r) for r in urgent]
+        slos = [self.budget_slo_of(r) for r in urgent]
         head = sq.peek(full)
         if head is not None:
-            slos.append(sq.slo(s.requests[head[2]]))
+            slos.append(self.budget_slo_of(s.requests[head[2]]))
+        if self.budget_slo == "tbt":
+            slos.extend(self._resident_tbts(s))
         if not self.dynamic_chunking:
             budget = self.fixed_budget
         else:
@@ -194,15 +262,17 @@ class AccelGenPolicy(Policy):
         self.sq.moved(req)
 
     def _force(self, s, b, req) -> bool:
-        """Put an urgent request in. A resident request that cannot grow preempts the
-        largest-slack resident request outside the batch (vLLM's KV-overflow preemption, with
-        AccelGen's max-T_r choice); a waiting one that does not fit is dropped from this
-        iteration instead (Algorithm 1 drops the max-T_r members of B; the urgent list is
-        processed in ascending T_r, so the ones dropped are the largest)."""
+        """Put an urgent request in. A waiting request must pass ERA and vLLM's limit on
+        resident sequences, and is dropped from this iteration when its KV does not fit
+        (Algorithm 1 drops the max-T_r members of B; the urgent list is processed in
+        ascending T_r, so the ones dropped are the largest). A resident request that cannot
+        grow preempts victims from `_victims` (vLLM's KV-overflow preemption, which AccelGen
+        inherits); when none is left it yields itself, as vLLM preempts the request that
+        cannot grow when nothing of lower priority remains."""
         if req.status not in (RUNNING, WAITING, SWAPPED) or b.num_seqs >= self.max_num_seqs:
             return False
-        if req.status is not RUNNING and len(s.running) >= self.max_num_seqs:
-            return False                 # vLLM's limit on resident sequences
+        if req.status is not RUNNING and not self._allowed(s, b, req):
+            return False                 # resident-sequence limit, or ERA for a long prompt
         n = self._grant(req, b)
         if n < 1:
             return False
@@ -220,11 +290,15 @@ class AccelGenPolicy(Policy):
             if victims is None:
                 victims = self._victims(s, b, req)
             if not victims:
+                if self.victim_order == "arrival":
+                    self._preempt(b, req)
                 return False
-            victim = victims.pop()
-            b.preempt(victim, self.preemption_mode)
-            self.long_inflight.discard(victim.request_id)
-            self.sq.reenter(victim, b.now)
+            self._preempt(b, victims.pop())
+
+    def _preempt(self, b, victim) -> None:
+        b.preempt(victim, self.preemption_mode)
+        self.long_inflight.discard(victim.request_id)
+        self.sq.reenter(victim, b.now)
 
     def _grant(self, req, b) -> int:
         """Tokens `req` may take within the leftover budget: a chunk, or without dynamic
@@ -255,14 +329,52 @@ class AccelGenPolicy(Policy):
                 return
 
     def _allowed(self, s, b, req) -> bool:
-        """vLLM's limit on resident sequences, and ERA for a new long prompt."""
+        """vLLM's limit on resident sequences, its admission test, and ERA for a new long
+        prompt."""
         if req.status is not RUNNING and len(s.running) >= self.max_num_seqs:
+            return False
+        if req.status is WAITING and self.admit_whole and not self._fits_whole(s, req):
             return False
         if not self.era or req.num_computed_tokens > 0 or not self.is_long(req, b.token_budget):
             return True
-        return len(self.long_inflight) < self.max_long_prompts
+        if len(self.long_inflight) >= self.max_long_prompts:
+            return False
+        # long prompts started in this very step (SelectRequests records them only after the
+        # window is done): without this, one window could start several at once
+        reqs, budget = s.requests, b.token_budget
+        started = {rid for rid in b.scheduled
+                   if reqs[rid].num_computed_tokens == 0 and self.is_long(reqs[rid], budget)}
+        return len(self.long_inflight | started) < self.max_long_prompts
+
+    def _fits_whole(self, s, req) -> bool:
+        """vLLM's admission test (can_allocate): a waiting request becomes resident only when
+        the KV of its whole prompt (for a recompute, prompt and outputs so far) fits in the
+        free blocks above the watermark, although its prefill then runs in chunks. Without
+        it a long prompt started in the last free blocks stops half-way, and under
+        recompute its chunks are thrown away when it or another request is preempted for
+        KV. A prompt longer than the whole pool can only run in pieces, so it is exempt."""
+        bm = s.block_manager
+        need = bm.blocks_for_tokens(req.num_tokens) + self.watermark_blocks
+        return need <= bm.num_free_device_blocks or need > bm.num_device_blocks
 
     def _victims(self, s, b, req) -> list:
+        """Resident requests `req` may preempt, the next victim last.
+
+        `victim_order="arrival"` (default): vLLM's KV-overflow rule, which AccelGen inherits
+        (section 5, "we directly use vLLM to handle KVC overflow and preemptions"): victims
+        are the resident requests that arrived after `req`, latest first, in the batch being
+        formed or not. The order is fixed, so the oldest request always makes progress and a
+        preempted long prompt keeps its rank: recompute cannot thrash between two requests.
+        `victim_order="slack"`: the resident request outside the batch with the largest
+        remaining time T_r goes first (Algorithm 1 read literally); T_r is recomputed on every
+        re-entry, so two long requests can preempt each other in turn."""
+        if self.victim_order == "arrival":
+            t = req.arrival_time
+            cands = [r for rid, r in s.running.items()
+                     if r is not req and rid not in b.swapped_in
+                     and (r.arrival_time, rid) > (t, req.request_id)]
+            cands.sort(key=lambda r: (r.arrival_time, r.request_id))
+            return cands                 # pop() yields the latest arrival
         due = self.sq.due
         cands = [r for rid, r in s.running.items()
                  if rid not in b.scheduled and r is not req and rid not in b.swapped_in]
