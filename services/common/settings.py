@@ -105,6 +105,8 @@ class PredictorSettings(CommonSettings):
         256, ge=1, description="Most prompts or observations in one Predict/Observe call.")
     predictor_embed_tokens: int = Field(
         256, ge=16, le=512, description="Word pieces of each prompt the embedder reads.")
+    predictor_quantize: bool = Field(
+        False, description="INT8 dynamic quantization of the embedder's Linear layers (CPU).")
     predictor_threads: int = Field(
         1, ge=0, description="torch threads of the predictor (0 = torch default); 1 keeps "
                              "latency steady on a host shared with executors.")

@@ -36,8 +36,10 @@ def predictor_dir(settings: PredictorSettings) -> Path:
     return Path(settings.data_dir) / "predictor"
 
 
-def mlp_path(settings: PredictorSettings, model: str) -> Path:
-    return Path(settings.predictor_mlp_path or predictor_dir(settings) / f"mlp-{model}.pt")
+def mlp_path(settings: PredictorSettings, model: str, space: str = "") -> Path:
+    """The MLP checkpoint of `model` for embedding space `space` (the configured path if set)."""
+    name = f"mlp-{model}-{space}.pt" if space else f"mlp-{model}.pt"
+    return Path(settings.predictor_mlp_path or predictor_dir(settings) / name)
 
 
 def make_embedder(settings: PredictorSettings, normalize: bool = True) -> Embedder:
@@ -46,23 +48,24 @@ def make_embedder(settings: PredictorSettings, normalize: bool = True) -> Embedd
 
         torch.set_num_threads(settings.predictor_threads)
     return Embedder(settings.embedder, normalize=normalize,
-                    max_seq_length=settings.predictor_embed_tokens)
+                    max_seq_length=settings.predictor_embed_tokens,
+                    quantize=settings.predictor_quantize)
 
 
 def embedding_cache(settings: PredictorSettings, embedder: Embedder) -> EmbeddingCache:
     return EmbeddingCache(embedder, predictor_dir(settings) / "embeddings")
 
 
-def load_mlp(settings: PredictorSettings, model: str) -> MlpRegressor | None:
-    path = mlp_path(settings, model)
+def load_mlp(settings: PredictorSettings, model: str, space: str = "") -> MlpRegressor | None:
+    path = mlp_path(settings, model, space)
     return MlpRegressor.load(path) if path.exists() else None
 
 
 def build_predictor(settings: PredictorSettings, embedder: Embedder | None = None,
                     store: LengthStore | None = None) -> LengthPredictor:
     embedder = embedder or make_embedder(settings)
-    store = store or open_store(settings, embedder.dim)
-    mlp = load_mlp(settings, served_models(settings)[0])
+    store = store or open_store(settings, embedder.dim, embedder.space)
+    mlp = load_mlp(settings, served_models(settings)[0], embedder.space)
     return LengthPredictor(embedder, store, mlp, k=settings.predictor_top_k,
                            s0=settings.predictor_threshold,
                            merge_similarity=settings.predictor_merge_similarity,
@@ -121,7 +124,7 @@ def train_mlp(settings: PredictorSettings, embedder: Embedder, model: str,
     feats = length_feature(embedder.prepare([s.prompt for s in samples]))
     lengths = np.array([s.output_len for s in samples], np.float32)
     mlp = train(vectors, feats, lengths, epochs=epochs, log=log.info)
-    path = mlp_path(settings, model)
+    path = mlp_path(settings, model, embedder.space)
     mlp.save(path)
     return mlp, path
 

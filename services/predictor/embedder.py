@@ -63,12 +63,15 @@ class Embedder:
 
     def __init__(self, name: str = BUNDLED_EMBEDDER, device: str = "cpu",
                  batch_size: int = 32, normalize: bool = True,
-                 max_seq_length: int | None = None) -> None:
+                 max_seq_length: int | None = None, quantize: bool = False) -> None:
         from sentence_transformers import SentenceTransformer
 
         self.name = name
         self.path = embedder_dir(name)
         self.model = SentenceTransformer(str(self.path), device=device, local_files_only=True)
+        self.quantized = quantize and device == "cpu"
+        if self.quantized:
+            quantize_linear_int8(self.model)
         dim_of = getattr(self.model, "get_embedding_dimension", None) or \
             self.model.get_sentence_embedding_dimension
         self.dim = int(dim_of())
@@ -96,10 +99,31 @@ class Embedder:
                 normalize_embeddings=True, show_progress_bar=False)  # [N, D]
         return vectors.astype(np.float32, copy=False)
 
+    @property
+    def space(self) -> str:
+        """Short id of the embedding space (model, text mode, length, quantization): stores and
+        MLPs built from one space are never used with another."""
+        return hashlib.sha1(self.cache_key().encode()).hexdigest()[:10]
+
     def cache_key(self) -> str:
         digest = hashlib.sha1(str(self.path.resolve()).encode()).hexdigest()[:8]
         mode = "norm" if self.normalize else "raw"
-        return f"{self.path.name}-{digest}-{mode}-{self.max_seq_length}"
+        q8 = "-q8" if self.quantized else ""
+        return f"{self.path.name}-{digest}-{mode}-{self.max_seq_length}{q8}"
+
+
+def quantize_linear_int8(model) -> None:
+    """Dynamic INT8 quantization of every Linear layer, in place (CPU inference only): int8
+    weights, activations quantized per batch. About 2x faster encoding on CPU; embeddings stay
+    at cosine ~0.99 of the float ones (docs/predictor.md)."""
+    import warnings
+
+    import torch
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():   # torch marks quantized tensor creation as deprecated
+        warnings.simplefilter("ignore")
+        quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def text_hash(text: str) -> str:

@@ -51,9 +51,11 @@ class StoreUnavailable(RuntimeError):
     """The vector store could not be reached (Predict falls back to the MLP)."""
 
 
-def collection_name(model: str) -> str:
-    """One collection per serving model id (Qdrant-safe characters)."""
-    return "lengths_" + re.sub(r"[^A-Za-z0-9_-]", "_", model)
+def collection_name(model: str, space: str = "") -> str:
+    """One collection per serving model id and embedding space (Qdrant-safe characters):
+    vectors from another embedder configuration are never compared with these."""
+    name = "lengths_" + re.sub(r"[^A-Za-z0-9_-]", "_", model)
+    return name + ("__" + re.sub(r"[^A-Za-z0-9_-]", "_", space) if space else "")
 
 
 def point_id(model: str, key: str) -> str:
@@ -76,6 +78,10 @@ class LengthStore:
     """Interface every backend implements (all methods are blocking)."""
 
     backend = "abstract"
+    space = ""       # embedding space id (Embedder.space); part of every collection name
+
+    def collection(self, model: str) -> str:
+        return collection_name(model, self.space)
 
     def search(self, model: str, vectors: np.ndarray, k: int) -> list[list[Neighbor]]:
         """Top-k neighbours of each row of `vectors` [N, D], best first."""
@@ -115,8 +121,15 @@ class LengthStore:
         return len(ids)
 
 
-def open_store(settings, dim: int) -> LengthStore:
-    """The backend the settings ask for: server when `qdrant_url` is set, else embedded."""
+def open_store(settings, dim: int, space: str = "") -> LengthStore:
+    """The backend the settings ask for: server when `qdrant_url` is set, else embedded;
+    its collections are those of embedding space `space`."""
+    store = _open_backend(settings, dim)
+    store.space = space
+    return store
+
+
+def _open_backend(settings, dim: int) -> LengthStore:
     if settings.qdrant_url:
         from services.predictor.store_qdrant import QdrantClientStore
 

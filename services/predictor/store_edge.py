@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.store import (LengthStore, Neighbor, Record, collection_name,
-                                      neighbor_of, payload_of)
+from services.predictor.store import LengthStore, Neighbor, Record, neighbor_of, payload_of
 
 HNSW_M = 16
 HNSW_EF_CONSTRUCT = 100
@@ -44,7 +43,7 @@ class EdgeStore(LengthStore):
     def _shard(self, model: str):
         from qdrant_edge import EdgeShard
 
-        name = collection_name(model)
+        name = self.collection(model)
         shard = self._shards.get(name)
         if shard is None:
             with self._lock:

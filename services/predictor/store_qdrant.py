@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from services.predictor.store import (LengthStore, Neighbor, Record, StoreUnavailable,
-                                      collection_name, neighbor_of, payload_of)
+                                      neighbor_of, payload_of)
 
 
 class QdrantClientStore(LengthStore):
@@ -39,7 +39,7 @@ class QdrantClientStore(LengthStore):
     def _ensure(self, model: str) -> str:
         from qdrant_client import models
 
-        name = collection_name(model)
+        name = self.collection(model)
         if name in self._known:
             return name
         if not self._call(self.client.collection_exists, name):

@@ -54,7 +54,7 @@ def _train_tiny_mlp(settings, embedder) -> None:
     lengths = np.array([n for _, n in MLP_DATA], np.float32)
     mlp = train(emb, length_feature(embedder.prepare(texts)), lengths,
                 MlpConfig(dim=embedder.dim, hidden=32), epochs=60, val_fraction=0.2, log=None)
-    mlp.save(mlp_path(settings, MODEL))
+    mlp.save(mlp_path(settings, MODEL, embedder.space))
 
 
 async def _start(settings, embedder, seed=True):

@@ -43,6 +43,9 @@ def test_normalize_prompt_extracts_user_turns():
 
 def test_collection_and_point_ids_are_stable_and_safe():
     assert collection_name("org/model.v1") == "lengths_org_model_v1"
+    # another embedding space is another collection
+    assert collection_name("org/model.v1", "3fa9c0d1e2") == "lengths_org_model_v1__3fa9c0d1e2"
+    assert collection_name("m", "a") != collection_name("m", "b")
     assert point_id("m", "r1") == point_id("m", "r1") != point_id("m", "r2")
     assert point_id("m", "r1") != point_id("other", "r1")
 
