@@ -66,7 +66,9 @@ def _check_limits(pb: scheduler_pb2.GenerateRequest) -> None:
 def request_from_pb(pb: scheduler_pb2.GenerateRequest, rid: str, now: float,
                     limits: ModelLimits) -> Request:
     """A validated core Request. Without a prediction (or with length 0) `predicted_len` stays
-    None and the policy applies its prior (`Policy.predicted_len`)."""
+    None and the policy applies its prior (`Policy.predicted_len`). A prediction is capped at
+    max_tokens: no answer is longer, whatever similar prompts got. (The core does not cap:
+    the simulator ends requests by max_tokens = their true length, which would leak it.)"""
     prompt = list(pb.prompt_token_ids)
     _check_prompt(prompt, limits)
     _check_limits(pb)
@@ -74,6 +76,7 @@ def request_from_pb(pb: scheduler_pb2.GenerateRequest, rid: str, now: float,
     predicted, source = None, "prior"
     if pb.HasField("prediction") and pb.prediction.length > 0:
         predicted, source = pb.prediction.length, pb.prediction.source or "client"
+        predicted = min(predicted, pb.max_tokens)
     return Request(
         request_id=rid, prompt_token_ids=prompt, max_tokens=pb.max_tokens, arrival_time=now,
         min_tokens=pb.min_tokens, stop_token_ids=tuple(pb.stop_token_ids),

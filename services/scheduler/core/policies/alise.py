@@ -43,9 +43,7 @@ class AlisePolicy(PreemptivePolicy):
 
     # -- predictions ------------------------------------------------------------------------
     def initial_prediction(self, req) -> int:
-        """The request's prediction (else the prior), capped at max_tokens: no answer is
-        longer, whatever similar prompts got."""
-        return min(req.predicted_len or self.default_predicted_len, req.max_tokens)
+        return req.predicted_len or self.default_predicted_len
 
     def predicted_len(self, req) -> int:
         return self.pred.get(req.request_id) or self.initial_prediction(req)
@@ -73,7 +71,7 @@ class AlisePolicy(PreemptivePolicy):
         if req.num_output_tokens >= pred:
             while req.num_output_tokens >= pred:
                 pred *= 2
-            self.pred[rid] = min(pred, max(req.max_tokens, req.num_output_tokens + 1))
+            self.pred[rid] = pred
             self.demotions[rid] = self.demotions.get(rid, 0) + 1
 
     def on_finish(self, req, now: float) -> None:
