@@ -21,5 +21,17 @@ def run_until_signal(start: Callable[[], Awaitable[Any]],
         await stop.wait()
         await handle.stop()
 
-    asyncio.run(main())
+    run_coroutine(main())
     return 0
+
+
+def run_coroutine(coro: Awaitable[Any], event_loop: str = "uvloop") -> Any:
+    """asyncio.run on uvloop (faster callbacks and sockets: the scheduler's per-iteration
+    overhead is mostly event-loop work) or on the standard loop."""
+    if event_loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    if event_loop != "asyncio":
+        raise ValueError(f"unknown event loop {event_loop!r}: uvloop or asyncio")
+    return asyncio.run(coro)

@@ -31,7 +31,7 @@ def _profile(args: argparse.Namespace) -> int:
     settings = _settings()
     setup_logging("executor", settings.log_level, settings.log_format)
     engine = Engine.from_settings(settings)
-    profile = profile_engine(engine, quick=args.quick)
+    profile = profile_engine(engine, quick=args.quick, max_prefill=args.max_prefill)
     engine.close()
     with open(args.out, "w") as f:
         json.dump(profile, f, indent=2)
@@ -49,4 +49,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile", help="time a grid of batches and fit the iteration-time cost model")
     profile.add_argument("--out", required=True, help="profile JSON to write")
     profile.add_argument("--quick", action="store_true", help="a small grid (seconds)")
+    profile.add_argument("--max-prefill", type=int, default=None,
+                         help="leave out batches with more prefill tokens than this")
     profile.set_defaults(func=_profile)

@@ -111,21 +111,24 @@ def fit(samples: list[dict]) -> dict:
             "fit_error": float(np.sqrt(np.mean(((pred - t) / t) ** 2)))}
 
 
-def profile_engine(engine, quick: bool = False) -> dict:
-    """Run the grid (QUICK or FULL) on an idle engine and return the profile JSON dict."""
+def profile_engine(engine, quick: bool = False, max_prefill: int | None = None) -> dict:
+    """Run the grid (QUICK or FULL) on an idle engine and return the profile JSON dict.
+    `max_prefill` drops batches with more prefill tokens (fit the regime you serve: on CPU
+    the linear model fits short prompts badly when 2K-token prefills dominate the fit)."""
     if engine.requests:
         raise ValueError("the executor is serving requests: profile an idle executor")
     cfg = QUICK if quick else FULL
     bench = _Bench(engine)
+    grid = [(p, d, c) for p, d, c in _grid(cfg) if max_prefill is None or p <= max_prefill]
     with engine.exclusive():
-        samples = [bench.time(p, d, c, cfg["reps"]) for p, d, c in _grid(cfg)
+        samples = [bench.time(p, d, c, cfg["reps"]) for p, d, c in grid
                    if bench.fits(p, d, c)]
     info = engine.describe()
     return {"device": info["device"], "model": info["model"], **fit(samples),
             "samples": samples, "block_size": engine.block_size,
             "num_device_blocks": engine.num_device_blocks,
             "num_host_blocks": engine.num_host_blocks, "dtype": info["dtype"],
-            "kv_dtype": info["kv_dtype"], "quick": quick}
+            "kv_dtype": info["kv_dtype"], "quick": quick, "max_prefill": max_prefill}
 
 
 def summary(profile: dict) -> dict:
