@@ -10,9 +10,7 @@ import pytest
 from bench.live import run_trace, served_model
 from bench.metrics import summarize
 from bench.traces.trace import SloSpec, TraceItem
-from services.common.redis_runner import EmbeddedRedis, free_port
-from services.common.settings import GatewaySettings
-from services.gateway.testing import inprocess_backend, running_gateway
+from services.gateway.testing import inprocess_stack
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +18,8 @@ def gateway_url(tmp_path_factory):
     from services.scheduler.testing import cached_tiny_model
 
     model = cached_tiny_model()
-    run_dir = tmp_path_factory.mktemp("bench-live")
-    with EmbeddedRedis(run_dir / "redis") as redis, \
-            inprocess_backend(run_dir, model, redis.url) as backend:
-        settings = GatewaySettings(model=str(model), scheduler_address=backend["address"],
-                                   predictor_addresses=[f"127.0.0.1:{free_port()}"])
-        with running_gateway(settings) as url:
-            yield url
+    with inprocess_stack(tmp_path_factory.mktemp("bench-live"), model) as stack:
+        yield stack["url"]
 
 
 def test_trace_replays_with_exact_token_counts_and_metrics(gateway_url):

@@ -14,9 +14,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from services.common.redis_runner import EmbeddedRedis, free_port
-from services.common.settings import GatewaySettings
-from services.gateway.testing import inprocess_backend, running_gateway
+from services.gateway.testing import inprocess_stack
 
 EXAMPLES_PER_MODE = 130   # x 2 modes x 2 POST operations, plus the GET operations
 
@@ -27,14 +25,9 @@ def url(tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("gw-fuzz")
     model = make_tiny_model(run_dir / "tiny")
-    with EmbeddedRedis(run_dir / "redis") as redis, \
-            inprocess_backend(run_dir, model, redis.url,
-                              executor_kw={"max_model_len": 64}) as backend:
-        settings_ = GatewaySettings(model=str(model), scheduler_address=backend["address"],
-                                    predictor_addresses=[f"127.0.0.1:{free_port()}"],
-                                    request_timeout_s=60)
-        with running_gateway(settings_) as base:
-            yield base
+    with inprocess_stack(run_dir, model, executor_kw={"max_model_len": 64},
+                         request_timeout_s=60) as stack:
+        yield stack["url"]
 
 
 def test_generated_requests_never_get_a_5xx(url):

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
-from services.gateway.testing import inprocess_backend, running_gateway
+from services.gateway.testing import inprocess_backend, inprocess_stack, running_gateway
 
 CHAT = [{"role": "user", "content": "Say something."}]
 
@@ -26,15 +26,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    from services.common.redis_runner import EmbeddedRedis
-
-    run_dir = tmp_path_factory.mktemp("gw-protocol")
-    with EmbeddedRedis(run_dir / "redis") as redis, \
-            inprocess_backend(run_dir, tiny_model, redis.url) as backend:
-        settings = GatewaySettings(model=str(tiny_model), scheduler_address=backend["address"],
-                                   predictor_addresses=[f"127.0.0.1:{free_port()}"])
-        with running_gateway(settings) as url:
-            yield {"url": url, **backend}
+    with inprocess_stack(tmp_path_factory.mktemp("gw-protocol"), tiny_model) as stack:
+        yield stack
 
 
 @pytest.fixture
