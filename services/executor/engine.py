@@ -12,6 +12,7 @@ before anything changes.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -246,6 +247,7 @@ class Engine:
 BUNDLED_PROFILES = Path(__file__).parent / "profiles"
 
 
+@functools.lru_cache(maxsize=8)
 def bundled_profile(device: str, model: str, dtype: str) -> str:
     """JSON text of a profile shipped in services/executor/profiles/ measured on `device`
     (cpu | cuda) for `model` in `dtype`, or "" when none matches."""
