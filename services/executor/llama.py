@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from services.executor.batch import StepBatch
 from services.executor.config import ModelSpec
+from services.executor.lm_head import LmHead
 from services.executor.weights import cat_rows, take
 
 
@@ -65,6 +66,7 @@ class LlamaRunner:
         self.embed = take({"embed_tokens.weight": embed} if embed is not None else {},
                           "embed_tokens.weight")
         self.lm_head = self.embed if lm_head is None else lm_head
+        self.head = LmHead(self.lm_head)
         self.norm = take(state, "norm.weight")
         self.layers = [self._layer(state, i) for i in range(spec.num_layers)]
         inv_freq, self.rope_scale = rope_inv_freq(spec)
@@ -113,4 +115,4 @@ class LlamaRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, V]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden)

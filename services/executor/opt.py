@@ -9,6 +9,7 @@ from transformers.activations import ACT2FN
 
 from services.executor.batch import StepBatch
 from services.executor.config import ModelSpec
+from services.executor.lm_head import LmHead
 from services.executor.weights import cat_rows, take
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -45,6 +46,7 @@ class OptRunner:
         self.final_b = take(state, d + "final_layer_norm.bias", required=False)
         lm_head = take(state, "lm_head.weight", required=False)
         self.lm_head = self.embed if lm_head is None else lm_head
+        self.head = LmHead(self.lm_head)
         self.layers = [self._layer(state, f"{d}layers.{i}.") for i in range(spec.num_layers)]
 
     @staticmethod
@@ -93,4 +95,5 @@ class OptRunner:
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """hidden [S, hidden] -> fp32 logits [S, V]."""
+        return self.head(hidden)
