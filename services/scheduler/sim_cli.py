@@ -52,6 +52,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-attention", default="off",
                    help="add the O(n^2) prefill attention FLOPs the linear cost model omits: "
                         "off | auto (from the roofline GPU/model) | seconds per token pair")
+    p.add_argument("--clock", choices=("measured", "fit"), default="measured",
+                   help="step durations: the fitted cost model corrected by the profile's "
+                        "measured samples nearest in shape (measured; the fit alone for "
+                        "roofline profiles), or the fitted linear model alone (fit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-iterations", type=int, default=None,
                    help="give up on a point after this many steps (run: 5M; sweep: 400K); "
@@ -79,7 +83,7 @@ def _base_config(args, policy: str = "fcfs"):
                      swap_bandwidth_gbs=args.swap_bandwidth_gbs,
                      overlap_swaps=not args.no_overlap_swaps, seed=args.seed,
                      prefill_attention_s=_attention(args.prefill_attention),
-                     max_iterations=args.max_iterations or (
+                     clock=args.clock, max_iterations=args.max_iterations or (
                          400_000 if args.sim_command == "sweep" else 5_000_000))
 
 
@@ -162,6 +166,11 @@ def _fidelity(args) -> int:
     items = build_trace(shapes, poisson_arrivals(len(shapes), args.rate, args.seed))
     engine = Engine.from_settings(settings)
     try:
+        if args.measure_profile:    # the same profiler, minutes before the run it predicts
+            from services.executor.profiler import profile_engine
+
+            profile = profile_engine(engine, max_prefill=args.measure_max_prefill)
+            Path(args.profile).write_text(json.dumps(profile, indent=2) + "\n")
         report = check(engine, items, args.policy, args.profile,
                        load_tokenizer(settings.model, settings.data_dir))
     finally:
@@ -214,6 +223,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fid = inner.add_parser("fidelity", help="simulator vs the real in-process executor on "
                                             "one ShareGPT trace (ALISE_EXECUTOR_* settings)")
     fid.add_argument("--profile", required=True, help="JSON from `alise executor profile`")
+    fid.add_argument("--measure-profile", action="store_true",
+                     help="first profile this engine (as `alise executor profile`) and write "
+                          "the result to --profile: profile and run share the machine's state")
+    fid.add_argument("--measure-max-prefill", type=int, default=512,
+                     help="with --measure-profile: leave out larger prefills (as --max-prefill)")
     fid.add_argument("--policy", default="fcfs")
     fid.add_argument("--rate", type=float, default=2.0)
     fid.add_argument("--num-requests", type=int, default=100)

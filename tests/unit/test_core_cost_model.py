@@ -99,3 +99,41 @@ def test_roofline_orders_hardware_and_rejects_unknown():
     assert h100.iteration_time(512, 32, 9000) < v100.iteration_time(512, 32, 9000)
     with pytest.raises(ValueError, match="known"):
         roofline_profile("tpu/llama")
+
+
+def _curved_samples():
+    """A CPU-like profile: decode steps 20% above a linear law, prefills on it."""
+    c = (0.05, 0.003, 0.003, 3e-5)
+    out = []
+    for p in (16, 64, 256, 512):
+        out.append({"prefill_tokens": p, "decode_tokens": 0, "context_tokens": p,
+                    "time_s": c[0] + c[1] * p + c[3] * p})
+    for d, ctx in ((1, 128), (1, 512), (4, 512), (8, 4096), (32, 16384), (64, 8192)):
+        t = c[0] + c[2] * d + c[3] * ctx
+        out.append({"prefill_tokens": 0, "decode_tokens": d, "context_tokens": ctx,
+                    "time_s": t * (1.3 if d <= 4 else 1.0)})
+    return out
+
+
+def test_measured_time_follows_the_profile_samples():
+    samples = _curved_samples()
+    cost = CostModel.fit(samples)
+    for s in samples:       # at a measured shape: the measurement itself
+        got = cost.measured_time(s["prefill_tokens"], s["decode_tokens"], s["context_tokens"])
+        assert got == pytest.approx(s["time_s"], rel=1e-9)
+    # a small decode step between measured ones takes the small decodes' ratio, which the
+    # fit (pulled between the 1.3x and 1.0x groups) cannot
+    fit, measured = cost.iteration_time(0, 2, 300), cost.measured_time(0, 2, 300)
+    truth = (0.05 + 0.003 * 2 + 3e-5 * 300) * 1.3
+    assert abs(measured - truth) < abs(fit - truth)
+    assert abs(measured / truth - 1) < 0.08
+    # a prefill is corrected by prefill samples (on the law), not by the slow decodes
+    p_truth = 0.05 + 0.003 * 128 + 3e-5 * 128
+    assert cost.measured_time(128, 0, 128) == pytest.approx(p_truth, rel=0.08)
+    assert cost.measured_time(0, 0, 0) == 0.0
+
+
+def test_measured_time_is_the_fit_without_samples():
+    cost = CostModel.from_profile(roofline_profile("a100-80g/llama-2-7b"))
+    assert not cost.samples
+    assert cost.measured_time(300, 12, 4000) == cost.iteration_time(300, 12, 4000)

@@ -131,3 +131,25 @@ def test_prefill_attention_term_charges_long_prompts_quadratically():
     assert times[4000] == pytest.approx(16 * times[1000], rel=0.01)
     auto = Simulation([], SimConfig(prefill_attention_s=-1), profile=PROFILE)
     assert auto.attn_s == pytest.approx(4 * 32 * 4096 / (0.6 * 312e12))
+
+
+def test_measured_clock_uses_profile_samples_and_fit_clock_ignores_them():
+    from tests.unit.test_core_cost_model import _curved_samples
+
+    profile = CostModel.fit(_curved_samples(), num_device_blocks=400, num_host_blocks=400,
+                           block_size=16).to_profile()
+    cost = CostModel.from_profile(profile)
+    item = TraceItem("r", 0.0, 100, 3)
+    runs = {clock: Simulation([item], SimConfig(policy="fcfs", clock=clock),
+                              profile=profile).run().requests["r"].token_times
+            for clock in ("measured", "fit")}
+    step = [(100, 0, 100), (0, 1, 101), (0, 1, 102)]
+    for clock, fn in (("measured", cost.measured_time), ("fit", cost.iteration_time)):
+        expected, t = [], 0.0
+        for shape in step:
+            t += fn(*shape)
+            expected.append(t)
+        assert runs[clock] == pytest.approx(expected)
+    assert runs["measured"][-1] > runs["fit"][-1]     # one-sequence decodes run slow here
+    with pytest.raises(ValueError, match="clock"):
+        Simulation([item], SimConfig(policy="fcfs", clock="wall"), profile=profile)

@@ -38,6 +38,7 @@ class CostModel:
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None
     samples: list[dict] = field(default_factory=list, repr=False)
+    _residuals: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in COEFFS:
@@ -66,6 +67,20 @@ class CostModel:
             return 0.0
         return (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_tokens
                 + self.c_context * context_tokens)
+
+    def measured_time(self, prefill_tokens: int, decode_tokens: int, context_tokens: int = 0) -> float:
+        """`iteration_time` corrected by the profile's measured samples nearest in shape (see
+        core/residual.py): the simulator's clock. Equal to `iteration_time` without samples."""
+        base = self.iteration_time(prefill_tokens, decode_tokens, context_tokens)
+        if base == 0.0 or not self.samples:
+            return base
+        if self._residuals is None:
+            from services.scheduler.core.residual import Residuals
+
+            self._residuals = Residuals(self.samples, self.iteration_time)
+        if not self._residuals:
+            return base
+        return base * self._residuals.ratio(prefill_tokens, decode_tokens, context_tokens)
 
     def output_time(self, out) -> float:
         """Iteration time of a SchedulerOutput (swaps are assumed overlapped with compute)."""

@@ -38,6 +38,10 @@ class SimConfig:
     # the O(n^2) attention FLOPs the linear cost model leaves out (None = off, -1 = from the
     # profile's GPU and model)
     prefill_attention_s: float | None = None
+    # the clock: "measured" = the fitted cost model corrected by the profile's measured samples
+    # nearest in shape (core/residual.py; the fit alone when the profile has no samples, as
+    # roofline profiles), "fit" = the fitted linear model alone
+    clock: str = "measured"
     seed: int = 0
     max_iterations: int = 5_000_000         # guard against a policy that never finishes
 

@@ -57,6 +57,10 @@ class Simulation:
         self.swap_s_per_block = (self.block_size * kv_bytes_per_token(config, self.profile)
                                  / (config.swap_bandwidth_gbs * 1e9))
         self.attn_s = prefill_attention_coeff(config, self.profile)
+        if config.clock not in ("measured", "fit"):
+            raise ValueError(f"clock must be 'measured' or 'fit', got {config.clock!r}")
+        self._clock = (self.cost.measured_time if config.clock == "measured"
+                       else self.cost.iteration_time)
         self.executors = [self._make_executor(str(i)) for i in range(config.num_executors)]
         self.by_name = {e.name: e for e in self.executors}
         self.requests: dict[str, Request] = {}
@@ -138,8 +142,8 @@ class Simulation:
         reqs = sched.requests
         sampling = [rid for rid, n in out.num_scheduled_tokens.items()
                     if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens]
-        compute = self.cost.iteration_time(out.num_prefill_tokens, out.num_decode_tokens,
-                                           out.num_context_tokens)
+        compute = self._clock(out.num_prefill_tokens, out.num_decode_tokens,
+                              out.num_context_tokens)
         if self.attn_s:
             compute += self.attn_s * sum(n * (reqs[rid].num_computed_tokens + (n + 1) / 2)
                                          for rid, n in out.num_scheduled_tokens.items() if n > 1)
