@@ -98,14 +98,15 @@ async def _measure(policy: str, redis_url: str, executor: str, args) -> dict:
 
 
 async def _rpc_floor_ms(address: str, n: int = 200) -> float:
-    """p50 round trip of an empty Step minus the executor's own time: the transport floor."""
+    """p50 round trip of an empty Step on the step stream (as the loop sends them) minus the
+    executor's own time: the transport floor."""
     from services.common.pb import executor_pb2
     from services.scheduler.executor_client import ExecutorClient
 
     client, times = ExecutorClient(address), []
     for _ in range(n):
         start = time.perf_counter()
-        reply = await client.step(executor_pb2.StepRequest(), timeout=10)
+        reply = await client.start_step(executor_pb2.StepRequest(), timeout=10)
         times.append((time.perf_counter() - start - reply.timings.total_s) * 1000)
     await client.close()
     return round(_percentile(times, 0.5), 3)

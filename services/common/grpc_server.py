@@ -90,6 +90,19 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, method, exc)
 
             return handler._replace(unary_stream=unary_stream)
+        if handler.stream_stream:
+            inner_bidi = handler.stream_stream
+
+            async def stream_stream(request_iterator, context):
+                try:
+                    async for item in inner_bidi(request_iterator, context):
+                        yield item
+                except passthrough:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await _abort(context, method, exc)
+
+            return handler._replace(stream_stream=stream_stream)
         return handler
 
 

@@ -56,18 +56,29 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.engine = engine
         self.metrics = metrics
         self._profiling = asyncio.Lock()
+        # one step at a time, whichever RPC brings it (a Step sent after a timed-out one, or a
+        # new stream while an abandoned one finishes, must not run beside it)
+        self._stepping = asyncio.Lock()
 
     async def Describe(self, request, context):
         return info_to_pb(self.engine.describe())
 
     async def Step(self, request, context):
-        start = time.perf_counter()
-        step = step_from_pb(request)
-        out = await asyncio.to_thread(self.engine.step, step)
-        pb = result_to_pb(out)
-        # The executor's time is its whole handler, encoding the reply included: what the
-        # scheduler measures around a Step minus this is transport and the scheduler itself.
-        out.timings.total_s = pb.timings.total_s = time.perf_counter() - start
+        return await self._step(request)
+
+    async def StepStream(self, request_iterator, context):
+        async for request in request_iterator:
+            yield await self._step(request)
+
+    async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        async with self._stepping:
+            start = time.perf_counter()
+            step = step_from_pb(request)
+            out = await asyncio.to_thread(self.engine.step, step)
+            pb = result_to_pb(out)
+            # The executor's time is its whole step, encoding the reply included: what the
+            # scheduler measures around a Step minus this is transport and its own work.
+            out.timings.total_s = pb.timings.total_s = time.perf_counter() - start
         if self.metrics is not None:
             self.metrics.observe(out)
         return pb

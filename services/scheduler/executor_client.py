@@ -1,5 +1,14 @@
-"""Async client of one executor: Describe and Step with timeouts, fast reconnects."""
+"""Async client of one executor: Describe and Step with timeouts, fast reconnects.
+
+The loop's Steps go over one long-lived `StepStream` (a message on an open stream costs about
+half a unary call's round trip: 0.67 against 1.27 ms p50 on this machine between steps 25 ms
+apart). Any failure of a streamed Step (an error status, a timeout, the executor ending the
+stream) drops the stream, so a late reply can never be read as the next Step's; the next Step
+opens a new one. `step()` stays a unary call for one-off Steps.
+"""
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
@@ -14,12 +23,17 @@ RECONNECT_OPTIONS = [
 ]
 
 
+class StepStreamClosed(ConnectionError):
+    """The executor ended the step stream, or it broke in a way grpc reports no status for."""
+
+
 class ExecutorClient:
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address,
                                                  options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
+        self._stream = None
 
     async def describe(self, timeout: float = 2.0) -> executor_pb2.ExecutorInfo:
         return await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=timeout)
@@ -28,9 +42,36 @@ class ExecutorClient:
                    timeout: float) -> executor_pb2.StepResult:
         return await self.stub.Step(request, timeout=timeout)
 
-    def start_step(self, request: executor_pb2.StepRequest, timeout: float):
-        """Start a Step; await the returned call for its StepResult."""
-        return self.stub.Step(request, timeout=timeout)
+    def start_step(self, request: executor_pb2.StepRequest, timeout: float) -> asyncio.Task:
+        """Send a Step on the step stream; await the returned task for its StepResult. Raises
+        grpc.aio.AioRpcError, TimeoutError or StepStreamClosed."""
+        return asyncio.ensure_future(self._stream_step(request, timeout))
+
+    async def _stream_step(self, request, timeout: float) -> executor_pb2.StepResult:
+        if self._stream is None:
+            self._stream = self.stub.StepStream()
+        stream = self._stream
+        try:
+            async with asyncio.timeout(timeout):
+                await stream.write(request)
+                result = await stream.read()
+        except (grpc.aio.AioRpcError, TimeoutError, asyncio.CancelledError):
+            self._drop(stream)
+            raise
+        except Exception as exc:     # noqa: BLE001 - e.g. writing to a finished call
+            self._drop(stream)
+            raise StepStreamClosed(f"step stream failed: {type(exc).__name__}: {exc}") from exc
+        if result is grpc.aio.EOF:
+            self._drop(stream)
+            raise StepStreamClosed("the executor ended the step stream")
+        return result
+
+    def _drop(self, stream) -> None:
+        if self._stream is stream:
+            self._stream = None
+        stream.cancel()
 
     async def close(self) -> None:
+        if self._stream is not None:
+            self._drop(self._stream)
         await self.channel.close(grace=None)

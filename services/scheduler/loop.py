@@ -171,7 +171,7 @@ class ExecutorLoop:
         self._flush_record()
         try:
             result = await call
-        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+        except (grpc.aio.AioRpcError, TimeoutError, ConnectionError) as exc:
             self.failures += 1
             self._down(f"Step failed: {_brief(exc)}")
             return

@@ -81,3 +81,45 @@ async def test_profile_quick_writes_profile_and_describe_reports_it(executor):
     assert json.loads(profile_path.read_text())["t0"] == profile["t0"]
     info = await stub.Describe(executor_pb2.DescribeRequest())
     assert json.loads(info.profile_json)["pivot_tokens"] == profile["pivot_tokens"]
+
+
+def _decode(step_id: int, rid: str) -> executor_pb2.StepRequest:
+    return executor_pb2.StepRequest(step_id=step_id, scheduled=[
+        executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=1)])
+
+
+async def test_step_stream_matches_unary_steps_and_ends_on_a_bad_step(executor):
+    handle, stub, _ = executor
+    ids = list(range(200, 220))
+    unary = [await stub.Step(_prefill("u", ids, [0, 1]))]
+    unary += [await stub.Step(_decode(2 + i, "u")) for i in range(4)]
+    stream = stub.StepStream()
+    streamed = []
+    for request in [_prefill("s", ids, [2, 3])] + [_decode(2 + i, "s") for i in range(4)]:
+        await stream.write(request)
+        streamed.append(await stream.read())
+    assert [r.step_id for r in streamed] == [1, 2, 3, 4, 5]
+    assert [r.sampled[0].token_id for r in streamed] == [r.sampled[0].token_id for r in unary]
+    await stream.write(_prefill("t", [1, 2, 3], [2]))           # block 2 belongs to "s"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stream.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "t" not in handle.engine.requests and "s" in handle.engine.requests
+
+
+async def test_client_drops_a_failed_step_stream_and_opens_a_new_one(executor):
+    from services.scheduler.executor_client import ExecutorClient
+
+    handle, _, _ = executor
+    client = ExecutorClient(f"127.0.0.1:{handle.port}")
+    try:
+        first = await client.start_step(_prefill("c", list(range(50, 60)), [4]), timeout=10)
+        assert first.sampled[0].request_id == "c"
+        broken = client._stream
+        with pytest.raises(grpc.aio.AioRpcError):
+            await client.start_step(_prefill("d", [1, 2], [4]), timeout=10)  # block 4 is "c"'s
+        assert client._stream is None and broken.done()
+        again = await client.start_step(_decode(2, "c"), timeout=10)
+        assert again.sampled[0].request_id == "c" and client._stream is not broken
+    finally:
+        await client.close()

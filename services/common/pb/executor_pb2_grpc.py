@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=executor__pb2.StepRequest.SerializeToString,
                 response_deserializer=executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/alise.v1.Executor/StepStream',
+                request_serializer=executor__pb2.StepRequest.SerializeToString,
+                response_deserializer=executor__pb2.StepResult.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/alise.v1.Executor/Profile',
                 request_serializer=executor__pb2.ProfileRequest.SerializeToString,
@@ -66,6 +71,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same Steps over one long-lived stream: one StepResult per StepRequest, in order. The
+        scheduler's loop uses it (a message on an open stream costs about half a unary call's
+        round trip); a step that fails ends the stream with the status a unary Step would get.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Profile(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -82,6 +96,11 @@ def add_ExecutorServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=executor__pb2.StepRequest.FromString,
+                    response_serializer=executor__pb2.StepResult.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=executor__pb2.StepRequest.FromString,
                     response_serializer=executor__pb2.StepResult.SerializeToString,
             ),
@@ -143,6 +162,33 @@ class Executor:
             request,
             target,
             '/alise.v1.Executor/Step',
+            executor__pb2.StepRequest.SerializeToString,
+            executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/alise.v1.Executor/StepStream',
             executor__pb2.StepRequest.SerializeToString,
             executor__pb2.StepResult.FromString,
             options,
