@@ -38,19 +38,24 @@ def slo_to_dict(slo: Slo) -> dict:
 
 
 def step_request(out: SchedulerOutput, extra_free: list[str] = ()) -> executor_pb2.StepRequest:
-    """The executor's StepRequest for one core SchedulerOutput (plus frees the loop adds)."""
+    """The executor's StepRequest for one core SchedulerOutput (plus frees the loop adds).
+    Repeated fields are filled with `add(**fields)`: 3x faster than appending messages built
+    one by one (23 vs 75 us for 64 decodes), and this runs between two Steps."""
     pb = executor_pb2.StepRequest(step_id=out.step_id)
+    add_new = pb.new_requests.add
     for new in out.new_requests:
-        pb.new_requests.append(executor_pb2.NewRequest(
-            request_id=new.request_id, token_ids=new.token_ids,
-            sampling=sampling_to_pb(new.sampling), num_output_tokens=new.num_output_tokens))
+        add_new(request_id=new.request_id, token_ids=new.token_ids,
+                sampling=sampling_to_pb(new.sampling), num_output_tokens=new.num_output_tokens)
+    add_table = pb.block_tables.add
     for rid, (block_ids, replace) in out.block_tables.items():
-        pb.block_tables.append(executor_pb2.BlockTableUpdate(
-            request_id=rid, block_ids=block_ids, replace=replace))
+        add_table(request_id=rid, block_ids=block_ids, replace=replace)
+    add_scheduled = pb.scheduled.add
     for rid, n in out.num_scheduled_tokens.items():
-        pb.scheduled.append(executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=n))
-    pb.swap_out.extend(executor_pb2.BlockMapping(src=s, dst=d) for s, d in out.swap_out)
-    pb.swap_in.extend(executor_pb2.BlockMapping(src=s, dst=d) for s, d in out.swap_in)
+        add_scheduled(request_id=rid, num_new_tokens=n)
+    for s, d in out.swap_out:
+        pb.swap_out.add(src=s, dst=d)
+    for s, d in out.swap_in:
+        pb.swap_in.add(src=s, dst=d)
     pb.free_request_ids.extend(out.free_request_ids)
     pb.free_request_ids.extend(extra_free)
     return pb
