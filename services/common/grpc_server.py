@@ -58,51 +58,45 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     await context.abort(code, message)
 
 
+_PASSTHROUGH = (grpc.aio.AbortError, asyncio.CancelledError)
+
+
+def _mapped_stream(inner, method: str):
+    """A streaming handler (unary_stream or stream_stream) whose exceptions become statuses."""
+    async def handler(request_or_iterator, context):
+        try:
+            async for item in inner(request_or_iterator, context):
+                yield item
+        except _PASSTHROUGH:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status here
+            await _abort(context, method, exc)
+
+    return handler
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
-        passthrough = (grpc.aio.AbortError, asyncio.CancelledError)
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
                 try:
                     return await inner(request, context)
-                except passthrough:
+                except _PASSTHROUGH:
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here
                     await _abort(context, method, exc)
 
             return handler._replace(unary_unary=unary_unary)
         if handler.unary_stream:
-            inner_stream = handler.unary_stream
-
-            async def unary_stream(request, context):
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
-                except passthrough:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await _abort(context, method, exc)
-
-            return handler._replace(unary_stream=unary_stream)
+            return handler._replace(unary_stream=_mapped_stream(handler.unary_stream, method))
         if handler.stream_stream:
-            inner_bidi = handler.stream_stream
-
-            async def stream_stream(request_iterator, context):
-                try:
-                    async for item in inner_bidi(request_iterator, context):
-                        yield item
-                except passthrough:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await _abort(context, method, exc)
-
-            return handler._replace(stream_stream=stream_stream)
+            return handler._replace(stream_stream=_mapped_stream(handler.stream_stream, method))
         return handler
 
 
