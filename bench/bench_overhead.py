@@ -7,6 +7,7 @@ Steps sent while all requests run, overhead = wall time between the two Step cal
 executor's reported time for the first one (gRPC transport, core schedule/update, Redis
 hand-off, token streaming). Reported per policy: p50 and p99 in milliseconds, plus the part
 spent in the loop's own code (`loop_code_*`) and, for scale, the round trip of an empty Step.
+Each policy runs `--repeats` times, interleaved with the others; the percentiles pool all runs.
 """
 from __future__ import annotations
 
@@ -67,20 +68,22 @@ async def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 1
     raise TimeoutError(f"executor at {address} did not come up")
 
 
-async def _measure(policy: str, redis_url: str, executor: str, args) -> dict:
+async def _measure(policy: str, redis_url: str, executor: str, args,
+                   run: int = 0) -> tuple[list[float], list[float]]:
+    """One run of one policy: (overhead ms, loop-code ms) per iteration with all requests."""
     import multiprocessing
 
     from services.scheduler.testing import running_scheduler
 
     async with running_scheduler(redis_url, [executor], policy=policy,
-                                 redis_namespace=f"bench-{policy}",
+                                 redis_namespace=f"bench-{policy}-{run}",
                                  log_level="WARNING") as handle:
         loop = handle.service.loops[executor]
         while not loop.up:
             await asyncio.sleep(0.05)
         child = multiprocessing.get_context("spawn").Process(
             target=_client, args=(handle.address, args.requests, args.prompt_len,
-                                  args.max_tokens, policy))
+                                  args.max_tokens, f"{policy}-{run}"))
         child.start()
         while child.is_alive():
             await asyncio.sleep(0.05)
@@ -89,7 +92,10 @@ async def _measure(policy: str, redis_url: str, executor: str, args) -> dict:
         full = [(o * 1000, c * 1000) for o, batch, c in loop.overheads if batch == args.requests]
     if len(full) < 10:
         raise RuntimeError(f"only {len(full)} iterations ran all {args.requests} requests")
-    samples, compute = [o for o, _ in full], [c for _, c in full]
+    return [o for o, _ in full], [c for _, c in full]
+
+
+def _stats(samples: list[float], compute: list[float]) -> dict:
     return {"p50_ms": round(_percentile(samples, 0.5), 3),
             "p99_ms": round(_percentile(samples, 0.99), 3),
             "mean_ms": round(statistics.fmean(samples), 3), "iterations": len(samples),
@@ -124,13 +130,20 @@ async def _run_all(args) -> dict:
     try:
         await _wait_serving(address, proc)
         floor = await _rpc_floor_ms(address)
+        names = args.policies.split(",")
+        pooled = {p: ([], []) for p in names}
         with EmbeddedRedis(work / "redis") as redis:
-            policies = {p: await _measure(p, redis.url, address, args)
-                        for p in args.policies.split(",")}
+            for run in range(args.repeats):     # interleaved: drift hits every policy alike
+                for p in names:
+                    samples, compute = await _measure(p, redis.url, address, args, run)
+                    pooled[p][0].extend(samples)
+                    pooled[p][1].extend(compute)
+        policies = {p: _stats(*pooled[p]) for p in names}
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"policies": policies, "requests": args.requests, "prompt_len": args.prompt_len,
+    return {"policies": policies, "repeats": args.repeats, "requests": args.requests,
+            "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "empty_step_rpc_p50_ms": floor,
             "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
             "executor": "cpu (1 torch thread), tiny random llama (2 layers)"}
@@ -158,6 +171,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=64, help="concurrent running requests")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per policy, interleaved; percentiles pool every run's iterations "
+                        "(this shared machine drifts by ±0.3 ms between runs)")
     p.add_argument("--event-loops", default="uvloop",
                    help="comma-separated: uvloop (what the services run) and/or asyncio; "
                         "the first one's figures are the headline")

@@ -132,6 +132,9 @@ class SchedulerSettings(RedisSettings):
     retention_s: float = Field(
         300.0, ge=0, description="How long finished requests stay in Redis after streaming.")
     step_timeout_s: float = Field(60.0, gt=0, description="A Step slower than this fails.")
+    step_spin_ms: float = Field(
+        3.0, ge=0, description="Hybrid polling: the executor loop stays awake for the last this "
+                               "many ms of a Step's expected time (0 = off).")
     executor_grace_s: float = Field(
         30.0, ge=0, description="With no executor up, requests fail after this long.")
     health_poll_s: float = Field(

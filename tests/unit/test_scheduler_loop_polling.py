@@ -1,0 +1,39 @@
+"""Hybrid polling in the executor loop (`ExecutorLoop._wait_hot`), on the real event loop."""
+import asyncio
+import time
+from types import SimpleNamespace
+
+from services.common.settings import SchedulerSettings
+from services.scheduler.loop import ExecutorLoop
+
+
+def _loop(spin_ms: float) -> ExecutorLoop:
+    # only the settings are read by _wait_hot; the client's channel is never used here
+    return ExecutorLoop("127.0.0.1:9", SimpleNamespace(settings=SchedulerSettings(
+        step_spin_ms=spin_ms)))
+
+
+async def test_wait_hot_returns_once_the_step_ends():
+    loop = _loop(5)
+    ends = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.04, ends.set_result, "result")
+    start = time.perf_counter()
+    await loop._wait_hot(ends, start + 0.04)
+    assert ends.done()
+    assert time.perf_counter() - start < 0.04 + 0.02
+    await loop.client.close()
+
+
+async def test_wait_hot_gives_up_after_three_windows_and_can_be_off():
+    loop = _loop(5)
+    never = asyncio.get_running_loop().create_future()
+    start = time.perf_counter()
+    await loop._wait_hot(never, start + 0.02)      # spins from +15 ms until +30 ms
+    elapsed = time.perf_counter() - start
+    assert not never.done() and 0.029 <= elapsed < 0.06
+    off = _loop(0)
+    start = time.perf_counter()
+    await off._wait_hot(never, start + 1.0)
+    assert time.perf_counter() - start < 0.01
+    await loop.client.close()
+    await off.client.close()
