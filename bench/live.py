@@ -88,8 +88,11 @@ async def run_trace(url: str, items: list[TraceItem], model: str, ignore_eos: bo
                     max_concurrency: int | None = None, progress=None,
                     timeout_s: float = 1800.0) -> list[LiveResult]:
     """Replay the trace in real time; returns one result per item, in trace order."""
+    # keep idle connections for less than the server's keep-alive (uvicorn: 5 s): at equal
+    # timeouts a request can go out on a connection the server is closing (httpx ReadError)
     limits = httpx.Limits(max_connections=max_concurrency or 10_000,
-                          max_keepalive_connections=max_concurrency or 10_000)
+                          max_keepalive_connections=max_concurrency or 10_000,
+                          keepalive_expiry=2.0)
     semaphore = asyncio.Semaphore(max_concurrency or len(items) or 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
                                  limits=limits) as client:
