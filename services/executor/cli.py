@@ -26,15 +26,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
     from services.executor.engine import Engine
-    from services.executor.profiler import profile_engine, summary
+    from services.executor.profiler import profile_engine, summary, write_profile
 
     settings = _settings()
     setup_logging("executor", settings.log_level, settings.log_format)
     engine = Engine.from_settings(settings)
     profile = profile_engine(engine, quick=args.quick, max_prefill=args.max_prefill)
     engine.close()
-    with open(args.out, "w") as f:
-        json.dump(profile, f, indent=2)
+    write_profile(profile, args.out)
     print(json.dumps(summary(profile)))
     return 0
 

@@ -241,7 +241,9 @@ class Engine:
 
     def save_profile(self, profile: dict) -> None:
         if self.profile_path:
-            self.profile_path.write_text(json.dumps(profile, indent=2))
+            from services.executor.profiler import write_profile
+
+            write_profile(profile, self.profile_path)
 
 
 BUNDLED_PROFILES = Path(__file__).parent / "profiles"

@@ -13,9 +13,11 @@ arbitrary (finite) KV, which costs the same to attend over. It must run on an id
 """
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
@@ -132,6 +134,11 @@ def profile_engine(engine, quick: bool = False, max_prefill: int | None = None) 
             "num_device_blocks": engine.num_device_blocks,
             "num_host_blocks": engine.num_host_blocks, "dtype": info["dtype"],
             "kv_dtype": info["kv_dtype"], "quick": quick, "max_prefill": max_prefill}
+
+
+def write_profile(profile: dict, path) -> None:
+    """The profile JSON as `alise executor profile`, Describe and the fidelity check read it."""
+    Path(path).write_text(json.dumps(profile, indent=2) + "\n")
 
 
 def summary(profile: dict) -> dict:

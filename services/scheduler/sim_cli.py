@@ -167,10 +167,10 @@ def _fidelity(args) -> int:
     engine = Engine.from_settings(settings)
     try:
         if args.measure_profile:    # the same profiler, minutes before the run it predicts
-            from services.executor.profiler import profile_engine
+            from services.executor.profiler import profile_engine, write_profile
 
-            profile = profile_engine(engine, max_prefill=args.measure_max_prefill)
-            Path(args.profile).write_text(json.dumps(profile, indent=2) + "\n")
+            write_profile(profile_engine(engine, max_prefill=args.measure_max_prefill),
+                          args.profile)
         report = check(engine, items, args.policy, args.profile,
                        load_tokenizer(settings.model, settings.data_dir))
     finally:
