@@ -41,7 +41,26 @@ def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: flo
             for i, t in zip(items, times)]
 
 
-def run_point(url: str, items, ignore_eos: bool, max_concurrency: int | None) -> dict:
+def request_details(results) -> list[dict]:
+    """Per-request figures (`--save-detailed`, as vllm bench serve): what the client saw."""
+    rows = []
+    for item in results:
+        r = item.record
+        times, end = r.token_times, r.end_s
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        rows.append({
+            "request_id": r.request_id, "arrival_s": round(r.arrival_s, 4),
+            "prompt_len": r.prompt_len, "output_len": r.output_len,
+            "ttft_s": round(times[0] - r.arrival_s, 4) if times else None,
+            "e2e_s": round(end - r.arrival_s, 4) if end is not None else None,
+            "normalized_latency": round((end - r.arrival_s) / r.output_len, 4)
+            if end is not None and r.output_len else None,
+            "max_tbt_s": round(max(gaps), 4) if gaps else None, "error": item.error})
+    return rows
+
+
+def run_point(url: str, items, ignore_eos: bool, max_concurrency: int | None,
+              detailed: bool = False) -> dict:
     from tqdm import tqdm
 
     from bench.live import run_trace, served_model
@@ -52,13 +71,16 @@ def run_point(url: str, items, ignore_eos: bool, max_concurrency: int | None) ->
     summary = summarize([r.record for r in results])
     summary["errors"] = [r.error for r in results if r.error][:5]
     summary["num_errors"] = sum(1 for r in results if r.error)
+    if detailed:
+        summary["requests"] = request_details(results)
     return summary
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
     items = live_trace(args.dataset, args.num_prompts, args.request_rate, args.arrival,
                        args.burstiness, args.slo, args.seed, args.max_prompt, args.max_tokens)
-    summary = run_point(args.url, items, not args.no_ignore_eos, args.max_concurrency)
+    summary = run_point(args.url, items, not args.no_ignore_eos, args.max_concurrency,
+                        args.save_detailed)
     summary.update(rate=args.request_rate, dataset=args.dataset)
     emit_json(summary, args.json)
     return 0 if summary["num_errors"] == 0 else 1
@@ -67,7 +89,8 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 class LiveStack:
     """`alise serve --policy P` on free ports, for one policy of a live sweep."""
 
-    def __init__(self, policy: str, log_dir: Path, policy_config: str = "{}") -> None:
+    def __init__(self, policy: str, log_dir: Path, policy_config: str = "{}",
+                 step_trace: bool = False) -> None:
         from services.common.redis_runner import free_port
 
         self.port = free_port()
@@ -76,6 +99,8 @@ class LiveStack:
         env = {**os.environ, "ALISE_GATEWAY_PORT": str(self.port),
                "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"), "PYTHONUNBUFFERED": "1",
                "ALISE_POLICY_CONFIG": policy_config}
+        if step_trace:
+            env["ALISE_STEP_TRACE"] = str(log_dir / f"run-{policy}" / "steps.jsonl")
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve",
                                       "--policy", policy], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
@@ -130,14 +155,15 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     points, configs = [], policy_configs(args.policy_config)
     for policy in args.policies.split(","):
-        stack = LiveStack(policy, out, configs.get(policy, "{}"))
+        stack = LiveStack(policy, out, configs.get(policy, "{}"), args.save_detailed)
         try:
             stack.wait_ready()
             for rate in [float(r) for r in args.rates.split(",")]:
                 items = live_trace(args.dataset, args.num_prompts, rate, args.arrival,
                                    args.burstiness, args.slo, args.seed, args.max_prompt,
                                    args.max_tokens)
-                summary = run_point(stack.url, items, True, args.max_concurrency)
+                summary = run_point(stack.url, items, True, args.max_concurrency,
+                                    args.save_detailed)
                 points.append({"policy": policy, "rate": rate, **summary})
                 print(json.dumps({k: points[-1].get(k) for k in (
                     "policy", "rate", "mean_normalized_latency", "p99_tbt", "median_ttft",
@@ -164,6 +190,10 @@ def _trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128,
                         help="max_tokens = reference output length capped at this")
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--save-detailed", action="store_true",
+                        help="also record every request's TTFT, E2E, normalized latency and "
+                             "longest gap in the JSON (key `requests`); a live sweep also "
+                             "writes each scheduler's step trace (run-POLICY/steps.jsonl)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

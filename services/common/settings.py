@@ -137,6 +137,9 @@ class SchedulerSettings(RedisSettings):
                                "many ms of a Step's expected time (0 = off).")
     executor_grace_s: float = Field(
         30.0, ge=0, description="With no executor up, requests fail after this long.")
+    step_trace: Path | None = Field(
+        None, description="Append one JSON line per executed Step (batch shape, cost-model "
+                          "estimate, executor and round-trip time) to this file; unset = off.")
     health_poll_s: float = Field(
         0.5, gt=0, description="How often a down executor is polled (Describe) to bring it back.")
     redis_namespace: str = Field(

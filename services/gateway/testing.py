@@ -177,13 +177,14 @@ def inprocess_backend(run_dir: Path, model_dir: str | Path | None, redis_url: st
 
 @contextmanager
 def inprocess_stack(run_dir: Path, model_dir: str | Path, executor_kw: dict | None = None,
-                    **gateway_kw) -> Iterator[dict]:
+                    scheduler_kw: dict | None = None, **gateway_kw) -> Iterator[dict]:
     """Embedded Redis + `inprocess_backend` + a gateway with no predictor reachable (requests
     go on with the policy's prior). Yields {"url", "loop", "scheduler", "executor", "address"}."""
     from services.common.redis_runner import EmbeddedRedis
 
     with EmbeddedRedis(Path(run_dir) / "redis") as redis, \
-            inprocess_backend(run_dir, model_dir, redis.url, executor_kw) as backend:
+            inprocess_backend(run_dir, model_dir, redis.url, executor_kw,
+                              **(scheduler_kw or {})) as backend:
         settings = GatewaySettings(**{
             "model": str(model_dir), "scheduler_address": backend["address"],
             "predictor_addresses": [f"127.0.0.1:{free_port()}"], **gateway_kw})

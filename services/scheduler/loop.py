@@ -187,6 +187,9 @@ class ExecutorLoop:
         self._last_batch = len(out.num_scheduled_tokens)
         self.steps += 1
         t_recv = time.perf_counter()
+        if self.service.step_trace is not None:
+            self.service.step_trace.write(self.address, now + (t_send - t_start), out, result,
+                                          estimate, t_recv - t_send)
         updates = self.sched.update(step_outcome(result), time.time())
         self._deferred = (out, updates, result)
         self._last_compute = time.perf_counter() - t_recv

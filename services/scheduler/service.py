@@ -25,6 +25,7 @@ from services.scheduler.loop import ExecutorLoop
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placer import Placer
 from services.scheduler.records import new_record, recompute_copy, request_from_record
+from services.scheduler.step_trace import StepTrace
 from services.scheduler.store import IterationWrite, Store, StoreWriter
 from services.scheduler.streams import RequestStream
 from services.scheduler.validation import ModelLimits
@@ -73,6 +74,7 @@ class SchedulerService:
         self.placer = Placer()
         self.stopping = False
         self._sweeper: asyncio.Task | None = None
+        self.step_trace = StepTrace(settings.step_trace) if settings.step_trace else None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,6 +97,8 @@ class SchedulerService:
             await loop.stop()
         await self.writer.close()
         await self.store.close()
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     async def _recover(self) -> None:
         """Rebuild every unfinished request from Redis; all are recomputed from their tokens."""

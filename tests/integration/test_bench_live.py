@@ -4,9 +4,11 @@ the records turn into the shared metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from bench.bench_serve import run_point
 from bench.live import run_trace, served_model
 from bench.metrics import summarize
 from bench.traces.trace import SloSpec, TraceItem
@@ -14,11 +16,17 @@ from services.gateway.testing import inprocess_stack
 
 
 @pytest.fixture(scope="module")
-def gateway_url(tmp_path_factory):
+def trace_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-trace") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def gateway_url(tmp_path_factory, trace_path):
     from services.scheduler.testing import cached_tiny_model
 
     model = cached_tiny_model()
-    with inprocess_stack(tmp_path_factory.mktemp("bench-live"), model) as stack:
+    with inprocess_stack(tmp_path_factory.mktemp("bench-live"), model,
+                         scheduler_kw={"step_trace": trace_path}) as stack:
         yield stack["url"]
 
 
@@ -46,3 +54,23 @@ def test_refused_requests_are_recorded_as_errors(gateway_url):
     results = asyncio.run(run_trace(gateway_url, [item], "no-such-model"))
     assert results[0].error and "404" in results[0].error
     assert not results[0].record.completed
+
+
+def test_detailed_point_and_step_trace(gateway_url, trace_path):
+    items = [TraceItem(f"d{i}", 0.1 * i, 8, 3 + 2 * i, prompt=f"Say {i}.") for i in range(3)]
+    before = len(trace_path.read_text().splitlines()) if trace_path.exists() else 0
+    summary = run_point(gateway_url, items, ignore_eos=True, max_concurrency=None,
+                        detailed=True)
+    rows = summary["requests"]
+    assert [r["request_id"] for r in rows] == ["d0", "d1", "d2"]
+    assert [r["output_len"] for r in rows] == [3, 5, 7]
+    for r in rows:
+        assert r["error"] is None
+        assert 0 < r["ttft_s"] <= r["e2e_s"]
+        assert r["normalized_latency"] == pytest.approx(r["e2e_s"] / r["output_len"], abs=1e-3)
+        assert 0 < r["max_tbt_s"] <= r["e2e_s"]
+    steps = [json.loads(line) for line in trace_path.read_text().splitlines()[before:]]
+    # every output token comes from one Step; prompts were prefilled in some of them
+    assert sum(s["decode"] for s in steps) + len(rows) >= sum(r["output_len"] for r in rows)
+    assert sum(s["prefill"] for s in steps) >= sum(r["prompt_len"] for r in rows) - len(rows)
+    assert all(s["exec_s"] > 0 and s["round_trip_s"] >= s["exec_s"] for s in steps)
