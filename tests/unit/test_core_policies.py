@@ -294,3 +294,30 @@ def test_hybrid_orders_new_work_by_predicted_remaining_time():
     s.add_request(req("short", 40, 5, t=0.0, predicted_len=5))
     out = s.schedule(0.0)
     assert list(out.num_scheduled_tokens) == ["short"]
+
+
+@pytest.mark.parametrize("rank, first", [("remaining", "essay"), ("normalized", "chat")])
+def test_rank_normalized_weights_remaining_time_by_length(rank, first):
+    """A 5-token answer to a 400-token prompt vs a 128-token answer to a 10-token prompt: less
+    time left for the essay (decode tokens cost beta, prompt tokens T0, here equal), but the
+    chat's time per token of output is far lower, so Smith's rule for mean normalized
+    latency takes the chat first."""
+    from services.scheduler.core.cost_model import CostModel
+
+    cost = CostModel(c0=1e-3, c_prefill=1e-4, c_decode=1e-4, t0=1e-4, alpha=0.0, beta=1e-4)
+    s = make_sched("alise", cost=cost, max_num_seqs=1, rank=rank)
+    s.add_request(req("essay", 10, 128, t=0.0, predicted_len=128))
+    s.add_request(req("chat", 400, 5, t=0.0, predicted_len=5))
+    out = s.schedule(0.0)
+    assert list(out.num_scheduled_tokens) == [first]
+
+
+def test_rank_is_validated_and_hybrid_defaults_to_normalized():
+    from services.scheduler.core.policies import make_policy
+
+    with pytest.raises(ValueError, match="rank"):
+        make_policy("alise", rank="shortest")
+    with pytest.raises(ValueError, match="rank_ref_len"):
+        make_policy("hybrid", rank_ref_len=0)
+    assert make_policy("hybrid").rank == "normalized"
+    assert make_policy("alise").rank == "remaining"

@@ -86,3 +86,18 @@ def test_random_workloads_finish_within_limits(policy, w):
         else:
             assert r.output_token_ids[-1] == EOS and r.num_output_tokens >= r.min_tokens
         assert r.token_times == sorted(r.token_times) and r.first_scheduled_time >= r.arrival_time
+
+
+def test_accelgen_swapped_in_request_that_cannot_grow_is_not_retried_forever():
+    """Regression (found by the property test): a request swapped in during a step, whose
+    chunk then did not fit, could neither be preempted nor scheduled, yet was re-queued as
+    preempted, so one `schedule` call popped and retried it forever."""
+    rng = random.Random(6)
+    bs = rng.choice([1, 4, 16])
+    blocks, host, n = max(4, rng.randint(48, 600) // bs), rng.randint(0, 40), rng.randint(1, 14)
+    s = make_sched("accelgen", device_blocks=blocks, host_blocks=host, block_size=bs,
+                   max_model_len=256, **KNOBS["accelgen"][1])
+    reqs = _requests(rng, n, s.max_model_len)
+    eos_rate = rng.choice([0.0, 0.05, 0.3])
+    drive(s, reqs, token=lambda r, i: EOS if rng.random() < eos_rate else 11, max_steps=20_000)
+    assert all(r.is_finished for r in reqs)

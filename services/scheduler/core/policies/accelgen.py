@@ -295,10 +295,15 @@ class AccelGenPolicy(Policy):
                 return False
             self._preempt(b, victims.pop())
 
-    def _preempt(self, b, victim) -> None:
-        b.preempt(victim, self.preemption_mode)
+    def _preempt(self, b, victim) -> bool:
+        """Preempt `victim` and queue it again. A request swapped in during this very step
+        cannot be preempted; it stays resident and out of the queue (re-queueing it while it
+        is still resident made the urgent loop pop and retry it forever)."""
+        if not b.preempt(victim, self.preemption_mode):
+            return False
         self.long_inflight.discard(victim.request_id)
         self.sq.reenter(victim, b.now)
+        return True
 
     def _grant(self, req, b) -> int:
         """Tokens `req` may take within the leftover budget: a chunk, or without dynamic

@@ -11,9 +11,11 @@ Where the papers disagree, the choice made here:
    shrinks to what the cost model says fits the tightest one with the decodes actually
    scheduled (AccelGen's S_b idea, computed from the real batch instead of the pivot).
  * Order of new work: requests whose TTFT objective is about to be missed (AccelGen urgency,
-   T_r <= T_max) first, then ALISE levels (predicted remaining time, aging, demotion with
-   doubling). Inside one level (similar remaining time, like AccelGen's gamma window) the
-   request nearest in (compute, KV) demand to what is free is taken first.
+   T_r <= T_max) first, then ALISE levels (aging, demotion with doubling) ranked by predicted
+   remaining time x predicted length (`rank="normalized"`, Smith's rule for mean normalized
+   latency: under load a short answer no longer waits behind a long one whose prompt happens
+   to be shorter). Inside one level (like AccelGen's gamma window) the request nearest in
+   (compute, KV) demand to what is free is taken first.
  * Long prompts: exclusive request allocation (AccelGen ERA) on top of Sarathi chunking.
  * Memory: KV shortage evicts the resident requests with the highest EWT to host (ALISE
    Algorithm 2), never the request being served; a new request may evict only jobs at least
@@ -39,6 +41,8 @@ _ALISE = {k: v for k, v in AlisePolicy.KNOBS.items() if k != "max_num_batched_to
 class HybridPolicy(AlisePolicy):
     KNOBS = {
         **_ALISE,
+        "rank": "normalized",
+        "num_queues": 16,              # normalized keys span a wider range than times
         "token_budget": None,          # Sarathi tau; None: from tbt_slo_s, else 512
         "tbt_slo_s": None,
         "tile_size": 128,
