@@ -7,8 +7,9 @@ ignored; only requested tokens count. Systems, same weights, dtype and thread co
   hf_static - transformers `generate`, static batches of 32 (left padding, greedy)
   hf_cb     - transformers continuous batching (the manager behind `generate_batch`, with
               per-request max_new_tokens)
-Also: our decode step at batch 32 with 512 tokens of context, and the time of the model's
-linear layers alone for those 32 tokens (a lower bound for that step).
+Also: our decode step at batch 32 with 512 tokens of context, the time of the model's linear
+layers alone for those 32 tokens (a lower bound for that step), and a decode step of 48
+requests with contexts spread over 20-600 tokens, attention split by context vs one group.
 """
 from __future__ import annotations
 
@@ -89,6 +90,31 @@ def decode_step_ms(engine, batch: int = 32, context: int = 512, reps: int = 5) -
         return 1e3 * _Bench(engine).time(0, batch, context, reps)["time_s"]
 
 
+def mixed_context_decode_ms(engine, batch: int = 48, reps: int = 5, seed: int = 0) -> dict:
+    """A decode step of `batch` requests whose contexts are spread over 20-600 tokens (as live
+    traffic), attention split into groups of similar context vs one padded group."""
+    import random
+
+    from services.executor.profiler import _Bench
+
+    rng = random.Random(seed)
+    contexts = [rng.randint(20, 600) for _ in range(batch)]
+    keep = engine.attention_group_cost
+
+    def use(cost):
+        return lambda e: setattr(e, "attention_group_cost", cost)
+
+    try:
+        with engine.exclusive():
+            t = _Bench(engine).time_decodes(contexts, {"split": use(keep), "one_group": use(None)},
+                                            reps)
+    finally:
+        engine.attention_group_cost = keep
+    return {"batch": batch, "context_tokens": sum(contexts), "max_context": max(contexts),
+            "split_ms": 1e3 * t["split"], "one_group_ms": 1e3 * t["one_group"],
+            "speedup": t["one_group"] / t["split"]}
+
+
 def linear_only_ms(engine, tokens: int = 32, reps: int = 5) -> float:
     """Every weight matmul of one forward pass over `tokens` rows, plus the LM head."""
     import dataclasses
@@ -145,7 +171,8 @@ def _run(args: argparse.Namespace) -> int:
     result.update(ours_tok_s=tokens / t_ours, hf_static_tok_s=tokens / t_static,
                   hf_cb_tok_s=tokens / t_cb, ratio_vs_hf_static=t_static / t_ours,
                   ratio_vs_hf_cb=t_cb / t_ours, decode_step_ms_b32=decode_step_ms(engine),
-                  linear_only_ms_b32=linear_only_ms(engine))
+                  linear_only_ms_b32=linear_only_ms(engine),
+                  mixed_context_decode=mixed_context_decode_ms(engine))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -54,6 +54,9 @@ class Engine:
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
         self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype)
         self.kv_dtype, self.block_size = kv_dtype, block_size
+        # padded query-key pairs one more attention group must save (batch.split_by_context);
+        # None: one group per kind (decodes, prefill chunks)
+        self.attention_group_cost: int | None = 128
         per_block = bytes_per_block(self.spec, kv_dtype, block_size, self.dtype)
         if num_device_blocks is None:
             num_device_blocks = int(kv_memory_gb * GIB // per_block)
@@ -174,7 +177,7 @@ class Engine:
         if self.swap.pending:
             timings.swap_wait_s = self.swap.wait_for({b for c in chunks for b in c.block_table})
         t0 = time.perf_counter()
-        batch = build_batch(chunks, self.block_size, self.device)
+        batch = build_batch(chunks, self.block_size, self.device, self.attention_group_cost)
         if all_logits:
             batch.logits_rows = torch.arange(batch.num_tokens, device=self.device)
         self.cache.prepare(batch)

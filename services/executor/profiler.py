@@ -80,6 +80,27 @@ class _Bench:
         return {"prefill_tokens": prefill, "decode_tokens": decodes, "context_tokens": ctx,
                 "time_s": statistics.median(times[1:])}
 
+    def time_decodes(self, contexts: list[int], variants: dict, reps: int) -> dict:
+        """Median decode-step time of one decode per context in `contexts`, for each variant
+        {name: callable(engine)} applied before its runs; variants are interleaved so machine
+        drift hits them alike."""
+        self._computed = {}
+        setup = StepInput(0)
+        dec = [self._new(setup, c, c - 1) for c in contexts]
+        self.engine.step(setup)
+        for rid, c in zip(dec, contexts):
+            self.engine.requests[rid].num_computed = c - 1
+        times: dict = {name: [] for name in variants}
+        for rep in range(reps + 1):                  # first round is warm-up
+            for name, apply in variants.items():
+                apply(self.engine)
+                start = time.perf_counter()
+                self.engine.step(StepInput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1)))
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+        self._release(dec)
+        return {name: statistics.median(t) for name, t in times.items()}
+
     def _release(self, rids: list[str]) -> None:
         if rids:
             self.engine.step(StepInput(0, free_request_ids=rids))

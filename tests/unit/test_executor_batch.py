@@ -70,3 +70,40 @@ def test_groups_cover_the_packed_rows_in_order():
     assert batch.sample_ids == ["b", "c", "a"]
     one = build_batch(chunks, BS, torch.device("cpu"), group_cost=None)
     assert len(one.groups) == 2
+
+
+def test_engine_split_groups_match_one_group_and_bench_restores_setting(tmp_path):
+    """Greedy tokens of decodes with very different contexts are the same whether attention
+    runs per context group or as one padded group; the benchmark's figure restores the knob."""
+    from bench.bench_engine import mixed_context_decode_ms
+    from services.executor.engine import Engine
+    from services.executor.messages import NewRequest, StepInput
+    from services.executor.tiny import make_tiny_model
+
+    engine = Engine(make_tiny_model(tmp_path / "tiny", "llama", seed=2), num_device_blocks=400,
+                    num_host_blocks=4)
+    lens = [3, 40, 300, 17, 299, 5]
+    base = 0
+
+    def run(cost, tag):
+        nonlocal base
+        engine.attention_group_cost = cost
+        rids = [f"{tag}{i}" for i in range(len(lens))]
+        step = StepInput(0)
+        for rid, n in zip(rids, lens):
+            nb = -(-(n + 4) // 16)
+            step.new_requests.append(NewRequest(rid, [(7 * n + k) % 50 + 3 for k in range(n)]))
+            step.block_tables[rid] = (list(range(base, base + nb)), False)
+            step.num_scheduled_tokens[rid] = n
+            base += nb
+        out = [engine.step(step).sampled]
+        for i in range(3):
+            out.append(engine.step(StepInput(i + 1, num_scheduled_tokens=dict.fromkeys(rids, 1))).sampled)
+        engine.step(StepInput(9, free_request_ids=rids))
+        return [[o[rid][0] for rid in rids] for o in out]
+
+    assert run(128, "a") == run(None, "b")
+    engine.attention_group_cost = 77
+    fig = mixed_context_decode_ms(engine, batch=6, reps=1)
+    assert engine.attention_group_cost == 77
+    assert fig["split_ms"] > 0 and fig["one_group_ms"] > 0 and fig["max_context"] <= 600
