@@ -88,11 +88,11 @@ class _Bench:
         setup = StepInput(0)
         dec = [self._new(setup, c, c - 1) for c in contexts]
         self.engine.step(setup)
-        for rid, c in zip(dec, contexts):
-            self.engine.requests[rid].num_computed = c - 1
         times: dict = {name: [] for name in variants}
         for rep in range(reps + 1):                  # first round is warm-up
             for name, apply in variants.items():
+                for rid, c in zip(dec, contexts):    # every run decodes at the same context
+                    self.engine.requests[rid].num_computed = c - 1
                 apply(self.engine)
                 start = time.perf_counter()
                 self.engine.step(StepInput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1)))
