@@ -94,13 +94,27 @@ class Supervisor:
         for child in self.children:
             self.wait_healthy(child, health_timeout)
 
-    def wait_healthy(self, child: Child, timeout: float) -> None:
+    def wait_healthy(self, child: Child, timeout: float, attempts: int = 3) -> None:
+        """Wait for `child` to pass its health check. A child that exits while starting is
+        started again (after 1 s, then 2 s) before giving up: its port can be held for a
+        moment, e.g. by another process's outgoing connection, since the default gRPC ports
+        lie in Linux's ephemeral range (a live sweep hit this between two stacks)."""
         deadline = time.monotonic() + timeout
+        failures = 0
         while time.monotonic() < deadline:
             if child.exited():
-                raise RuntimeError(
-                    f"{child.spec.name} exited with code {child.process.returncode} while "
-                    f"starting; see {child.log_path}")
+                failures += 1
+                if failures >= attempts:
+                    raise RuntimeError(
+                        f"{child.spec.name} exited with code {child.process.returncode} while "
+                        f"starting ({failures} attempts); see {child.log_path}")
+                delay = float(2 ** (failures - 1))
+                log.warning("%s exited with code %s while starting; trying again in %.0fs",
+                            child.spec.name, child.process.returncode, delay)
+                time.sleep(delay)
+                child.restarts += 1
+                child.start(self.env)
+                continue
             if healthy(child.spec):
                 return
             time.sleep(0.25)
