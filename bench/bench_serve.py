@@ -42,20 +42,23 @@ def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: flo
 
 
 def request_details(results) -> list[dict]:
-    """Per-request figures (`--save-detailed`, as vllm bench serve): what the client saw."""
+    """Per-request figures (`--save-detailed`, as vllm bench serve): what the client saw, by
+    the shared metric definitions."""
+    from bench import metrics
+
+    def rounded(value):
+        return None if value is None else round(value, 4)
+
     rows = []
     for item in results:
         r = item.record
-        times, end = r.token_times, r.end_s
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = metrics.tbts(r)
         rows.append({
             "request_id": r.request_id, "arrival_s": round(r.arrival_s, 4),
             "prompt_len": r.prompt_len, "output_len": r.output_len,
-            "ttft_s": round(times[0] - r.arrival_s, 4) if times else None,
-            "e2e_s": round(end - r.arrival_s, 4) if end is not None else None,
-            "normalized_latency": round((end - r.arrival_s) / r.output_len, 4)
-            if end is not None and r.output_len else None,
-            "max_tbt_s": round(max(gaps), 4) if gaps else None, "error": item.error})
+            "ttft_s": rounded(metrics.ttft(r)), "e2e_s": rounded(metrics.e2e(r)),
+            "normalized_latency": rounded(metrics.normalized_latency(r)),
+            "max_tbt_s": rounded(max(gaps)) if gaps else None, "error": item.error})
     return rows
 
 

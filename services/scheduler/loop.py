@@ -49,6 +49,7 @@ class ExecutorLoop:
         self._last_compute = 0.0
         self._model_ratio = 1.0              # measured / cost-model step time, smoothed
         self._deferred: tuple | None = None   # (out, updates, result) of the last Step
+        self._trace: tuple | None = None      # (sent at, estimate, round trip) of that Step
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -187,11 +188,10 @@ class ExecutorLoop:
         self._last_batch = len(out.num_scheduled_tokens)
         self.steps += 1
         t_recv = time.perf_counter()
-        if self.service.step_trace is not None:
-            self.service.step_trace.write(self.address, now + (t_send - t_start), out, result,
-                                          estimate, t_recv - t_send)
         updates = self.sched.update(step_outcome(result), time.time())
         self._deferred = (out, updates, result)
+        if self.service.step_trace is not None:     # written with the deferred record
+            self._trace = (now + (t_send - t_start), estimate, t_recv - t_send)
         self._last_compute = time.perf_counter() - t_recv
 
     async def _wait_hot(self, call: asyncio.Future, expected_end: float) -> None:
@@ -213,8 +213,14 @@ class ExecutorLoop:
     def _flush_record(self) -> None:
         """Record the last completed Step (Redis write, token events, metrics)."""
         deferred, self._deferred = self._deferred, None
+        trace, self._trace = self._trace, None
         if deferred is not None:
             self.service.iteration_done(self, *deferred)
+            if trace is not None:
+                out, _, result = deferred
+                sent_at, estimate, round_trip = trace
+                self.service.step_trace.write(self.address, sent_at, out, result, estimate,
+                                              round_trip)
 
 
 def _brief(exc: BaseException) -> str:
