@@ -1,4 +1,5 @@
-"""`alise proto` (regenerate stubs) and `alise config` (print every setting and its default)."""
+"""`alise proto` (regenerate stubs), `alise config` (every setting, or every policy knob, with
+its default) and `alise health`."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,8 @@ def _proto(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.policies:
+        return _policy_knobs()
     from services.common.settings import settings_table
 
     rows = settings_table()
@@ -23,6 +26,17 @@ def _config(args: argparse.Namespace) -> int:
     else:
         for name, default, doc in rows:
             print(f"{name}={default}  # {doc}")
+    return 0
+
+
+def _policy_knobs() -> int:
+    """Every registered policy's knobs and defaults, as the JSON `ALISE_POLICY_CONFIG` takes."""
+    import json
+
+    from services.scheduler.core.policies import available_policies, policy_knobs
+
+    for name in available_policies():
+        print(f"{name} {json.dumps(policy_knobs(name))}")
     return 0
 
 
@@ -53,4 +67,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     proto.set_defaults(func=_proto)
     config = subparsers.add_parser("config", help="list every ALISE_* setting and its default")
     config.add_argument("--markdown", action="store_true", help="as a Markdown table")
+    config.add_argument("--policies", action="store_true",
+                        help="list each scheduling policy's knobs and defaults instead")
     config.set_defaults(func=_config)

@@ -30,3 +30,33 @@ def test_config_markdown_lists_settings():
     with contextlib.redirect_stdout(buf):
         assert main(["config", "--markdown"]) == 0
     assert "`ALISE_REDIS_URL`" in buf.getvalue()
+
+
+def test_config_policies_prints_each_policy_knobs_as_json():
+    import contextlib, io, json
+
+    from services.cli import main
+    from services.scheduler.core.policies import available_policies, policy_knobs
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["config", "--policies"]) == 0
+    lines = dict(line.split(" ", 1) for line in buf.getvalue().splitlines())
+    assert sorted(lines) == sorted(available_policies())
+    for name, knobs in lines.items():
+        assert json.loads(knobs) == policy_knobs(name)
+
+
+def test_readme_policy_knob_defaults_match_the_code():
+    """Every `policy `knob=value`` pair in the README's knob table is the code's default."""
+    import re
+
+    from services.scheduler.core.policies import policy_knobs
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Policy knobs", 1)[1].split("\n## ", 1)[0]
+    pairs = re.findall(r"(\w+) `(\w+)=([^`]+)`", table)
+    assert len(pairs) >= 25, pairs
+    for policy, knob, value in pairs:
+        assert knob in policy_knobs(policy), (policy, knob)
+        assert str(policy_knobs(policy)[knob]) == value, (policy, knob, value)
