@@ -64,13 +64,16 @@ def test_bad_sizes_rejected(args):
         BlockManager(*args)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "out", "in", "step"]),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "free", "out", "in", "step"]),
                          st.integers(0, 5), st.integers(1, 40)), max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_random_operations_keep_invariants(seq):
+    """Random allocations, decode appends, frees, swaps and step boundaries: after every
+    operation no block is lost or owned twice, a failed grow changes nothing, and an append
+    leaves room for exactly one more token (at most one new block)."""
     bm = BlockManager(10, 6, block_size=4)
     reqs = {i: req(f"r{i}", 40, 40) for i in range(6)}
     for op, i, n in seq:
@@ -84,6 +87,23 @@ def test_random_operations_keep_invariants(seq):
                 assert bm.num_free_device_blocks + bm.num_free_host_blocks == before
             else:
                 r.num_computed_tokens = min(r.num_computed_tokens + n, 80)
+        elif op == "append" and bm.is_swapped(rid):
+            with pytest.raises(ValueError):        # a decode needs its KV on the device
+                bm.append(r)
+            assert bm.num_free_device_blocks + bm.num_free_host_blocks == before
+        elif op == "append":
+            ok, free = bm.can_append(r), bm.num_free_device_blocks
+            table = bm.block_table(rid)
+            got = bm.append(r)
+            assert (got is not None) == ok
+            if got is None:                         # only when a new block was needed
+                assert free == 0 and len(table) * 4 <= r.num_computed_tokens
+                assert bm.block_table(rid) == table and bm.num_free_device_blocks == 0
+            else:
+                assert len(got) <= 1 and bm.block_table(rid) == table + got
+                assert bm.num_free_device_blocks == free - len(got)
+                assert bm.num_device_blocks_of(rid) * 4 >= r.num_computed_tokens + 1
+                r.num_computed_tokens += 1
         elif op == "free":
             bm.free(rid)
             r.num_computed_tokens = 0

@@ -321,3 +321,162 @@ def test_rank_is_validated_and_hybrid_defaults_to_normalized():
         make_policy("hybrid", rank_ref_len=0)
     assert make_policy("hybrid").rank == "normalized"
     assert make_policy("alise").rank == "remaining"
+
+
+def _step(s, now, elapsed=0.01):
+    """One scheduled step applied at `now + elapsed`: every request that completes its tokens
+    samples a (non-EOS) token. Returns the output."""
+    out = s.schedule(now)
+    sampled = {rid: (7, -0.5) for rid, n in out.num_scheduled_tokens.items()
+               if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens}
+    s.update(StepOutcome(out.step_id, sampled, elapsed), now + elapsed)
+    return out
+
+
+@pytest.mark.parametrize("order, victim", [("slack", "x"), ("arrival", "z")])
+def test_accelgen_urgent_request_preempts_the_largest_slack_resident(order, victim):
+    """Four residents fill the 4-block pool, each one token short of its second block. The
+    resident `u` turns urgent (TBT 1 ms); growing it needs a block, so a resident goes.
+    Algorithm 1 read literally (`victim_order="slack"`) takes the one with the largest
+    remaining time T_r: `x` (TBT 5 s), neither the latest arrival nor the first resident.
+    vLLM's rule (`"arrival"`, the default) takes the latest arrival after `u`: `z`."""
+    s = make_sched("accelgen", device_blocks=4, block_size=4, watermark=0.0, t_max_s=0.005,
+                   min_token_budget=64, max_token_budget=64, victim_order=order)
+    for rid, t, tbt in (("u", 0.0, 0.001), ("y", 0.001, 1.0), ("x", 0.002, 5.0),
+                        ("z", 0.003, 2.0)):
+        s.add_request(req(rid, 4, 5, t=t, slo=Slo(ttft_s=10.0, tbt_s=tbt)))
+    first = _step(s, 0.0)
+    assert first.num_scheduled_tokens == {r: 4 for r in "uyxz"}
+    assert s.block_manager.num_free_device_blocks == 0
+    due = s.policy.sq.due
+    assert max(("y", "x", "z"), key=due.get) == "x"        # x has the largest slack
+    out = s.schedule(0.01)
+    assert out.preempted_request_ids == [victim]
+    assert out.num_scheduled_tokens == {"u": 1}            # forced in with the freed block
+    assert s.requests[victim].status.value == "waiting"    # recompute: back to the queue
+    assert s.requests[victim].num_computed_tokens == 0
+    assert {"u", "x", "y", "z"} - {victim} == set(s.running)
+
+
+@pytest.mark.parametrize("blocks, swapped", [(256, False), (27, True)])
+def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapped):
+    """Skip-join MLFQ: a 416-token prompt enters at the lowest level (its prefill is longer
+    than every quantum but the last); a 4-token job arriving while it decodes enters level 0
+    and takes the next iteration (batch of one). With a full KV pool the lower-level job's KV
+    is also swapped out to make room (FastServe's proactive swapping)."""
+    s = make_sched("fastserve", device_blocks=blocks, block_size=16, base_quantum_s=0.002,
+                   max_num_seqs=1, watermark=0.0, aging_threshold_s=None)
+    big = req("big", 416, 20, t=0.0)
+    s.add_request(big)
+    now = 0.0
+    for _ in range(3):                                     # prefill + two decodes
+        out = _step(s, now)
+        assert set(out.num_scheduled_tokens) == {"big"}
+        now += 0.01
+    big_level = s.policy.q.level_of["big"]
+    assert big_level == s.policy.num_queues - 1
+    small = req("small", 4, 3, t=now)
+    s.add_request(small)
+    assert s.policy.q.level_of["small"] == 0 < big_level
+    out = s.schedule(now)
+    assert out.num_scheduled_tokens == {"small": 4}        # the higher level runs first
+    if swapped:
+        assert out.preempted_request_ids == ["big"] and big.status.value == "swapped"
+        assert len(out.swap_out) == s.block_manager.num_host_blocks_of("big") == 27
+    else:
+        assert not out.preempted_request_ids and big.status.value == "running"
+    s.update(StepOutcome(out.step_id, {"small": (7, -0.5)}, 0.01), now + 0.01)
+    trace = drive(s, [])
+    small_end = max(i for i, (_, _, o) in enumerate(trace) if "small" in o.num_scheduled_tokens)
+    assert all("big" not in o.num_scheduled_tokens for _, _, o in trace[:small_end + 1])
+    assert small.is_finished and big.is_finished
+    assert small.finished_time < big.finished_time
+
+
+def test_alise_gpu_job_limit_caps_resident_jobs():
+    """ALISE Algorithm 2's GPU job limit M (`gpu_job_limit`): with six runnable jobs and
+    M = 2, no step runs or keeps more than two jobs on the device, although the pool and the
+    batch size would hold all six; the others wait or are swapped, and all finish."""
+    s = make_sched("alise", gpu_job_limit=2, aging_threshold_s=None)
+    reqs = [req(f"r{i}", 16, 10 + 7 * i, t=0.0, predicted_len=10 + 7 * i) for i in range(6)]
+    peak = []
+
+    def check(s, out):
+        assert len(out.num_scheduled_tokens) <= 2
+        assert len(s.running) <= 2, sorted(s.running)
+        peak.append(len(s.running))
+
+    drive(s, reqs, on_step=check)
+    assert max(peak) == 2
+    assert all(r.num_output_tokens == r.max_tokens for r in reqs)
+    assert sorted(reqs, key=lambda r: r.finished_time) == reqs   # shortest predicted first
+
+
+def test_alise_gpu_job_limit_offloads_the_highest_ewt_resident():
+    """Jobs with shorter predictions keep arriving while M = 2 jobs are resident: each time,
+    the resident job now ranked past M (the one with the most predicted work queued above it,
+    the highest EWT) is offloaded to host, not recomputed and not kept."""
+    s = make_sched("alise", gpu_job_limit=2, aging_threshold_s=None)
+    arrivals = [("a", 800), ("b", 200), ("c", 50), ("d", 12)]
+    now, offloaded = 0.0, []
+    for rid, pred in arrivals:
+        s.add_request(req(rid, 16, pred, t=now, predicted_len=pred))
+        for _ in range(2):
+            out = _step(s, now)
+            now += 0.01
+            assert len(s.running) <= 2
+            offloaded += out.preempted_request_ids
+            if out.preempted_request_ids:
+                assert out.swap_out and all(s.requests[r].status.value == "swapped"
+                                            for r in out.preempted_request_ids)
+    assert offloaded == ["a", "b"]                         # highest EWT first, one per arrival
+    assert set(s.running) == {"c", "d"} and set(s.swapped) == {"a", "b"}
+
+
+def test_accelgen_jct_allowance_carries_over_between_iterations():
+    """A JCT (deadline) request gets a per-iteration allowed wait
+    base = (SLO_JCT - T_e,total) / (N_ck + S_g). An iteration that starts before its
+    allowance is used up carries the remainder to the next one (its next due moves later by
+    it); waiting past the allowance carries the overrun (the next due moves earlier)."""
+    s = make_sched("accelgen", t_max_s=0.005, avg_chunk_tokens=64)
+    sq = s.policy.sq
+    job = req("j", 64, 10, t=0.0, predicted_len=10, slo=Slo(deadline_s=1.0))
+    s.add_request(job)
+    base = sq.jct_base["j"]
+    # N_ck = 1 chunk, S_g = 10 tokens: T_e,total = 11 * T_max (no preemption term)
+    assert base == pytest.approx((1.0 - 11 * 0.005) / 11)
+    assert sq.due["j"] == pytest.approx(0.0 + base)
+    out = _step(s, 0.0)                                    # prefill at once: waited 0
+    assert "j" in out.num_scheduled_tokens
+    assert sq.carry["j"] == pytest.approx(base)            # the whole allowance left over
+    # it re-entered at 0.01; its next allowance is its own plus the carried remainder
+    assert sq.enter["j"] == pytest.approx(0.01)
+    assert sq.due["j"] == pytest.approx(0.01 + 2 * base)
+    wait = base / 2                                        # runs half-way into its allowance
+    _step(s, 0.01 + wait)
+    assert sq.carry["j"] == pytest.approx(2 * base - wait)
+    assert sq.due["j"] == pytest.approx(0.02 + wait + base + (2 * base - wait))
+    late = 0.02 + wait + 5 * base                          # now waits past everything carried
+    _step(s, late)
+    carry = 3 * base - wait - 5 * base
+    assert carry < 0 and sq.carry["j"] == pytest.approx(carry)
+    assert sq.due["j"] - sq.enter["j"] == pytest.approx(base + carry) and base + carry < 0
+
+
+def test_accelgen_jct_carry_changes_the_order():
+    """Carry-over is what the schedule sees: two identical JCT jobs, one request per step
+    (a SelectRequests window of one), entering the queue at the same instant. Without
+    carry-over the one queued first would win the tie; the one that banked time in an early
+    iteration yields to the one that has not."""
+    s = make_sched("accelgen", t_max_s=0.005, avg_chunk_tokens=64, max_window=1,
+                   max_windows=1)
+    sq = s.policy.sq
+    a = req("a", 8, 10, t=0.0, predicted_len=10, slo=Slo(deadline_s=1.0))
+    s.add_request(a)
+    _step(s, 0.0)                                          # a: prefill with no wait, banks base
+    b = req("b", 8, 10, t=0.01, predicted_len=10, slo=Slo(deadline_s=1.0))
+    s.add_request(b)
+    assert sq.carry["a"] > 0 == sq.carry["b"]
+    assert sq.due["b"] < sq.due["a"]
+    out = s.schedule(0.01)
+    assert list(out.num_scheduled_tokens) == ["b"]

@@ -58,6 +58,11 @@ class PreemptivePolicy(Policy):
             raise ValueError(f"{self.name}: max_num_batched_tokens={self.budget} is below "
                              f"max_model_len={sched.max_model_len}; whole prompts would not fit")
         self.seqs = min(self.max_num_seqs, self.budget)
+        if self.gpu_job_limit:
+            # Algorithm 2's M bounds the jobs on the device, so it bounds the batch as well:
+            # without this every chosen job was scheduled (made resident) and only unchosen
+            # residents past rank M were offloaded, so M was never enforced
+            self.seqs = min(self.seqs, self.gpu_job_limit)
         self.q = LevelQueues(self.num_queues)
         self.aging = AgingClock(self.aging_threshold_s)
         self.boost: dict[str, int] = {}
