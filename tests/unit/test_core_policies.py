@@ -393,11 +393,12 @@ def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapp
     assert small.finished_time < big.finished_time
 
 
-def test_alise_gpu_job_limit_caps_resident_jobs():
+@pytest.mark.parametrize("policy", ["alise", "hybrid"])
+def test_alise_gpu_job_limit_caps_resident_jobs(policy):
     """ALISE Algorithm 2's GPU job limit M (`gpu_job_limit`): with six runnable jobs and
     M = 2, no step runs or keeps more than two jobs on the device, although the pool and the
     batch size would hold all six; the others wait or are swapped, and all finish."""
-    s = make_sched("alise", gpu_job_limit=2, aging_threshold_s=None)
+    s = make_sched(policy, gpu_job_limit=2, aging_threshold_s=None)
     reqs = [req(f"r{i}", 16, 10 + 7 * i, t=0.0, predicted_len=10 + 7 * i) for i in range(6)]
     peak = []
 

@@ -63,7 +63,7 @@ class HybridPolicy(AlisePolicy):
     def bind(self, sched) -> None:
         super().bind(sched)
         self.budget = sarathi_budget(self, sched)
-        self.seqs = min(self.max_num_seqs, self.budget)
+        self.seqs = self._batch_cap()
         self.tbt: dict[str, float] = {}          # requests with their own TBT objective
         self.ttft_heap: list[tuple[float, str]] = []
         self.long_inflight: set[str] = set()

@@ -57,12 +57,7 @@ class PreemptivePolicy(Policy):
         if self.budget < sched.max_model_len:
             raise ValueError(f"{self.name}: max_num_batched_tokens={self.budget} is below "
                              f"max_model_len={sched.max_model_len}; whole prompts would not fit")
-        self.seqs = min(self.max_num_seqs, self.budget)
-        if self.gpu_job_limit:
-            # Algorithm 2's M bounds the jobs on the device, so it bounds the batch as well:
-            # without this every chosen job was scheduled (made resident) and only unchosen
-            # residents past rank M were offloaded, so M was never enforced
-            self.seqs = min(self.seqs, self.gpu_job_limit)
+        self.seqs = self._batch_cap()
         self.q = LevelQueues(self.num_queues)
         self.aging = AgingClock(self.aging_threshold_s)
         self.boost: dict[str, int] = {}
@@ -249,6 +244,13 @@ class PreemptivePolicy(Policy):
                     e = promote if promote > 0.0 else 0.0
             ewt.append((-e, -level, order[rid], running[rid]))   # ties: residency order
         return Victims(((lowest, e[3]) for e in smallest_first(ewt)), tail)
+
+    def _batch_cap(self) -> int:
+        """Requests per step: Algorithm 2's M bounds the jobs on the device, so it bounds the
+        batch as well (otherwise every chosen job is made resident and only unchosen
+        residents past rank M are offloaded, and M is never enforced)."""
+        cap = min(self.max_num_seqs, self.budget)
+        return min(cap, self.gpu_job_limit) if self.gpu_job_limit else cap
 
     def _rebalance(self, s, b) -> None:
         """ALISE Algorithm 2 (swap mode): offload jobs past the GPU job limit M, upload
