@@ -1,16 +1,39 @@
 """Client channel helpers: timeouts, retries for idempotent calls, round-robin over replicas.
 
-`make_target(["h1:1", "h2:2"])` gives one channel that balances over several static
-addresses; a single DNS name (`dns:///predictor:50052`) balances over every address it
-resolves to, which is how `docker compose --scale predictor=N` replicas are found.
+Targets. One address goes to gRPC as `dns:///host:port`: gRPC resolves it itself, re-resolves
+it when connections drop, and balances over every address it resolves to, which is how
+`docker compose --scale predictor=N` replicas behind one service name are found.
+
+Several addresses (`predictor-1:50052,predictor-2:50052`, `localhost:A,localhost:B`) cannot go
+through gRPC's resolver: a `dns:` target names one host, and the only schemes that take a list,
+`ipv4:` and `ipv6:`, take IP literals (a host name there fails every call). So `make_target`
+resolves each host with `getaddrinfo` when the channel is built and hands gRPC the literals.
+gRPC's own round_robin policy then balances over them and picks only replicas it is connected
+to, so a replica that is down costs no failed calls. That is why this was chosen over one
+channel per address with a round-robin in Python, which would re-resolve names but send every
+N-th call to a dead replica. The price: names in a list are resolved once. A replica that comes
+back under a new IP is found only when the channel is rebuilt (a restart of the client); for
+replicas whose addresses move, give one DNS name instead.
+
+Timeouts. Unary calls to the services named as idempotent that set no deadline of their own
+get `DEFAULT_TIMEOUT_S`, so a call that forgot its `timeout=` cannot hang on a stuck server;
+calls that pass one keep it. This is a client interceptor, not the service config's `timeout`
+field: grpcio applies that one about 1-1.5 s early (grpc/grpc#34547, #40633; measured here
+with 1.85: a 2 s config timeout expired after 0.5-0.7 s, 0.3 s and 1 s ones at once).
+Streaming calls get no default (a Generate stream lives as long as its request).
 """
 from __future__ import annotations
 
 import json
+import logging
+import socket
+from collections import namedtuple
 from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -19,18 +42,79 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 1),
 ]
 
+DEFAULT_TIMEOUT_S = 30.0
+_SCHEMES = ("unix:", "ipv4:", "ipv6:", "dns:")
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`host:port` or `[ipv6]:port` -> (host without brackets, port)."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = address.rpartition(":")
+        if ":" in host:   # a bare IPv6 literal: its port is ambiguous without brackets
+            host = ""
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port or [ipv6]:port, got {address!r}")
+    return host, int(port)
+
+
+def _resolve(address: str) -> tuple[list[str], list[str]]:
+    """Every IPv4 and IPv6 `ip:port` literal (gRPC URI form) that `address` resolves to."""
+    host, port = split_host_port(address)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    v4 = [f"{sa[0]}:{port}" for family, *_, sa in infos if family == socket.AF_INET]
+    v6 = [f"[{sa[0]}]:{port}" for family, *_, sa in infos if family == socket.AF_INET6]
+    return list(dict.fromkeys(v4)), list(dict.fromkeys(v6))
+
+
+def _static_target(addresses: Sequence[str]) -> str:
+    """`ipv4:` (or `ipv6:`) target with the literals of every address that resolves.
+
+    One target holds one family: IPv4 when every resolved host has an IPv4 address (loopback
+    servers usually listen on 127.0.0.1), else IPv6 when every one has IPv6, else the family
+    that covers more hosts (the others are left out, with a warning). Hosts that do not resolve
+    are left out with a warning; when none resolves, the channel falls back to the first one as
+    a `dns:` target, which gRPC keeps resolving, so calls fail (UNAVAILABLE) instead of the
+    client failing to start.
+    """
+    resolved: list[tuple[str, list[str], list[str]]] = []
+    for address in addresses:
+        try:
+            resolved.append((address, *_resolve(address)))
+        except OSError as exc:
+            log.warning("gRPC address %s does not resolve (%s); left out of the channel",
+                        address, exc)
+    if not resolved:
+        log.warning("no gRPC address of %s resolves; using %s alone", list(addresses),
+                    addresses[0])
+        return f"dns:///{addresses[0]}"
+    with_v4 = [r for r in resolved if r[1]]
+    with_v6 = [r for r in resolved if r[2]]
+    if len(with_v4) >= len(with_v6):
+        scheme, chosen, literals = "ipv4:", with_v4, [lit for r in with_v4 for lit in r[1]]
+    else:
+        scheme, chosen, literals = "ipv6:", with_v6, [lit for r in with_v6 for lit in r[2]]
+    for address, *_ in resolved:
+        if all(address != c[0] for c in chosen):
+            log.warning("gRPC address %s has no %s address; left out of the channel",
+                        address, scheme[:-1])
+    return scheme + ",".join(dict.fromkeys(literals))
+
 
 def make_target(addresses: Sequence[str]) -> str:
-    """One gRPC target for one or several `host:port` addresses (or a `dns:///` name)."""
+    """One gRPC target for one or several `host:port` addresses (or one `dns:///` name).
+
+    Several addresses are resolved now (see the module docstring); one is left to gRPC."""
     if not addresses:
         raise ValueError("no address given")
     if len(addresses) == 1:
         addr = addresses[0]
-        return addr if "://" in addr or addr.startswith(("unix:", "ipv4:", "ipv6:")) \
-            else f"dns:///{addr}"
-    if any("://" in a for a in addresses):
+        return addr if "://" in addr or addr.startswith(_SCHEMES) else f"dns:///{addr}"
+    if any("://" in a or a.startswith(_SCHEMES) for a in addresses):
         raise ValueError("several addresses must all be plain host:port")
-    return "ipv4:" + ",".join(addresses)
+    return _static_target(addresses)
 
 
 def service_config(idempotent_services: Sequence[str] = (), max_attempts: int = 3) -> str:
@@ -50,20 +134,86 @@ def service_config(idempotent_services: Sequence[str] = (), max_attempts: int = 
     return json.dumps(config)
 
 
-def aio_channel(addresses: Sequence[str] | str,
-                idempotent_services: Sequence[str] = ()) -> grpc.aio.Channel:
-    if isinstance(addresses, str):
-        addresses = [addresses]
-    options = CHANNEL_OPTIONS + [("grpc.service_config", service_config(idempotent_services))]
-    return grpc.aio.insecure_channel(make_target(addresses), options=options)
+def _method_prefixes(services: Sequence[str]) -> tuple[str, ...]:
+    return tuple(f"/{s}/" for s in services)
 
 
-def sync_channel(addresses: Sequence[str] | str,
-                 idempotent_services: Sequence[str] = ()) -> grpc.Channel:
+def _needs_default(details, prefixes: tuple[str, ...]) -> bool:
+    method = details.method
+    if isinstance(method, bytes):
+        method = method.decode()
+    return details.timeout is None and method.startswith(prefixes)
+
+
+class _AioDefaultTimeout(grpc.aio.UnaryUnaryClientInterceptor):
+    """Gives unary calls to the named services `timeout_s` when they set no deadline."""
+
+    def __init__(self, services: Sequence[str], timeout_s: float) -> None:
+        self.prefixes = _method_prefixes(services)
+        self.timeout_s = timeout_s
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        if _needs_default(client_call_details, self.prefixes):
+            client_call_details = client_call_details._replace(timeout=self.timeout_s)
+        return await continuation(client_call_details, request)
+
+
+class _CallDetails(namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                               "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _SyncDefaultTimeout(grpc.UnaryUnaryClientInterceptor):
+    """The blocking-channel twin of `_AioDefaultTimeout`."""
+
+    def __init__(self, services: Sequence[str], timeout_s: float) -> None:
+        self.prefixes = _method_prefixes(services)
+        self.timeout_s = timeout_s
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        if _needs_default(client_call_details, self.prefixes):
+            d = client_call_details
+            client_call_details = _CallDetails(
+                d.method, self.timeout_s, d.metadata, d.credentials,
+                getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+        return continuation(client_call_details, request)
+
+
+def _target_and_options(addresses: Sequence[str] | str,
+                        idempotent_services: Sequence[str]) -> tuple[str, list]:
     if isinstance(addresses, str):
         addresses = [addresses]
-    options = CHANNEL_OPTIONS + [("grpc.service_config", service_config(idempotent_services))]
-    return grpc.insecure_channel(make_target(addresses), options=options)
+    config = service_config(idempotent_services)
+    return make_target(addresses), CHANNEL_OPTIONS + [("grpc.service_config", config)]
+
+
+def _check_timeout(timeout_s: float | None) -> None:
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds or None, got {timeout_s}")
+
+
+def aio_channel(addresses: Sequence[str] | str, idempotent_services: Sequence[str] = (),
+                timeout_s: float | None = DEFAULT_TIMEOUT_S) -> grpc.aio.Channel:
+    """A channel over `addresses`; the named services' unary calls are retried on UNAVAILABLE
+    and get `timeout_s` when they set no deadline (None = no default)."""
+    _check_timeout(timeout_s)
+    target, options = _target_and_options(addresses, idempotent_services)
+    interceptors = ([_AioDefaultTimeout(idempotent_services, timeout_s)]
+                    if idempotent_services and timeout_s is not None else None)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+def sync_channel(addresses: Sequence[str] | str, idempotent_services: Sequence[str] = (),
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> grpc.Channel:
+    """The blocking twin of `aio_channel`."""
+    _check_timeout(timeout_s)
+    target, options = _target_and_options(addresses, idempotent_services)
+    channel = grpc.insecure_channel(target, options=options)
+    if idempotent_services and timeout_s is not None:
+        channel = grpc.intercept_channel(channel,
+                                         _SyncDefaultTimeout(idempotent_services, timeout_s))
+    return channel
 
 
 async def check_health(channel: grpc.aio.Channel, service: str = "",
