@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 import pytest
@@ -136,6 +137,41 @@ def test_token_id_prompt_and_max_completion_tokens(openai_client, model):
                                                  max_completion_tokens=4,
                                                  extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 4
+
+
+def scheduler_params(stack, request_id: str) -> dict:
+    """What the scheduler stored for a request when it admitted it (its Redis record)."""
+    loaded = stack["loop"].run(stack["scheduler"].service.store.load(request_id))
+    assert loaded is not None, f"the scheduler never admitted {request_id}"
+    return json.loads(loaded[0]["params"])
+
+
+@pytest.mark.parametrize("route,body,headers,priority,slo", [
+    ("chat", {"priority": 7, "slo": {"ttft_ms": 1500, "tbt_ms": 80, "deadline_ms": 20000}}, {},
+     7, (1.5, 0.08, 20.0)),
+    ("completion", {}, {"x-priority": "-3", "x-slo-ttft-ms": "2500", "x-slo-tbt-ms": "120",
+                        "x-slo-deadline-ms": "30000"}, -3, (2.5, 0.12, 30.0)),
+    # The body wins field by field; headers fill what it leaves out.
+    ("chat", {"priority": 5, "slo": {"ttft_ms": 1000}},
+     {"x-priority": "9", "x-slo-ttft-ms": "4000", "x-slo-tbt-ms": "50"}, 5, (1.0, 0.05, None)),
+    ("completion", {}, {}, 0, (None, None, None)),
+])
+def test_priority_and_slo_reach_the_scheduler(stack, model, route, body, headers, priority, slo):
+    request_id = f"prio-{uuid.uuid4().hex[:12]}"
+    if route == "chat":
+        path, base = "/v1/chat/completions", {"messages": CHAT}
+    else:
+        path, base = "/v1/completions", {"prompt": "Once upon a time"}
+    response = httpx.post(stack["url"] + path, timeout=60,
+                          headers={"X-Request-Id": request_id, **headers},
+                          json={"model": model, "max_tokens": 2, "ignore_eos": True,
+                                **base, **body})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"] == request_id
+    params = scheduler_params(stack, request_id)
+    assert params["priority"] == priority
+    stored = params["slo"]
+    assert (stored["ttft_s"], stored["tbt_s"], stored["deadline_s"]) == pytest.approx(slo)
 
 
 def test_stop_string_cuts_text_and_aborts_upstream(openai_client, model, stack):
