@@ -4,6 +4,7 @@ executor, through the official openai client and a headless Chromium on the play
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -77,6 +78,66 @@ def test_requests_cut_by_max_tokens_are_not_observed(stack, client):
     assert out.choices[0].finish_reason == "length"
     time.sleep(2.0)
     assert stored(stack) == before
+
+
+def observed(stack, request_id: str) -> bool:
+    """Whether the predictor ever received an Observe for this request."""
+    return ("smollm2-135m-instruct", request_id) in stack["predictor"].observer.seen
+
+
+def aborted(stack) -> int:
+    from services.common.grpc_client import aio_channel
+    from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+
+    async def ask():
+        async with aio_channel(stack["address"]) as channel:
+            return await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
+                scheduler_pb2.StatsRequest(), timeout=5)
+
+    return stack["loop"].run(ask()).aborted
+
+
+def wait_until(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_requests_ended_by_a_stop_string_or_an_abort_are_not_observed(stack, client):
+    ids = {kind: f"{kind}-{uuid.uuid4().hex[:12]}" for kind in ("stop", "stream", "abort", "eos")}
+    ask = dict(model="smollm2-135m-instruct", temperature=0, max_tokens=48,
+               messages=[{"role": "user", "content": "What is the capital of France?"}])
+
+    def headers(kind: str) -> dict:
+        return {"X-Request-Id": ids[kind]}
+
+    start = aborted(stack)
+    cut = client.chat.completions.create(**ask, stop=["Paris"], extra_headers=headers("stop"))
+    assert cut.choices[0].finish_reason == "stop"
+    assert "Paris" not in cut.choices[0].message.content
+    chunks = list(client.chat.completions.create(**ask, stop=["Paris"], stream=True,
+                                                 extra_headers=headers("stream")))
+    assert "Paris" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+    # Both were aborted upstream at the match (background calls: wait for them).
+    assert wait_until(lambda: aborted(stack) >= start + 2)
+    before = aborted(stack)
+    body = {**ask, "max_tokens": 400, "stream": True,
+            "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
+    with httpx.stream("POST", stack["url"] + "/v1/chat/completions", json=body, timeout=180,
+                      headers=headers("abort")) as response:
+        assert next(line for line in response.iter_lines() if '"content":"' in line)
+    assert wait_until(lambda: aborted(stack) > before), "the dropped stream was not aborted"
+
+    # Control: the same question without a stop string ends on EOS ("Paris" in it) and is
+    # observed; by the time it is, the three above would have been too.
+    full = client.chat.completions.create(**ask, extra_headers=headers("eos"))
+    assert full.choices[0].finish_reason == "stop" and "Paris" in full.choices[0].message.content
+    assert wait_until(lambda: observed(stack, ids["eos"]))
+    time.sleep(1.0)
+    assert [kind for kind in ("stop", "stream", "abort") if observed(stack, ids[kind])] == []
 
 
 def test_multibyte_answer_streams_valid_text(stack, client):
