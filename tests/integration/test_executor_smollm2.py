@@ -1,8 +1,8 @@
 """The executor on the real SmolLM2-135M-Instruct weights (fp32, CPU) against transformers.
 
 - teacher-forced logits per position in mixed batches (chunks 1, 7, 64, whole): max |diff| <= 2e-3
-- greedy generation of 8 chat prompts x 64 tokens equals transformers' greedy decoding for at
-  least 7 of 8; any difference must start at a near-tie of transformers' own logits
+- greedy generation of 8 chat prompts x 64 tokens (EOS ignored) equals transformers' greedy
+  `generate` for at least 7 of 8; any difference must start at a near-tie of transformers' logits
 - INT8 KV: perplexity on a fixed 512-token passage within 1% of full-precision KV, greedy
   agreement >= 90% of tokens, KV bytes per token (scales included) <= 0.3x fp32
 """
@@ -76,21 +76,36 @@ def test_teacher_forced_parity(engine, hf, prompts):
         assert diff <= 2e-3, f"max |logit diff| {diff} for a {len(ids)}-token sequence"
 
 
-def test_greedy_generation_matches_transformers(hf, prompts, greedy_fp):
-    """Our greedy text equals transformers' greedy `generate` iff at every position our token
-    is transformers' argmax given the same prefix; one teacher-forced transformers pass over
-    prompt + our output checks all 64 positions at once (instead of 64 generate steps)."""
+@pytest.fixture(scope="module")
+def hf_greedy(hf, prompts):
+    """transformers' greedy `generate`, one prompt at a time (no padding), EOS ignored as the
+    Driver ignores it: per prompt the 64 tokens and the logits [64, V] each was chosen from."""
     model, _ = hf
+    refs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                                 return_dict_in_generate=True, output_logits=True)
+        refs.append((out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)))
+    return refs
+
+
+@pytest.mark.slow   # about a minute: 8 x 64 generate steps on one thread
+def test_greedy_generation_matches_transformers(greedy_fp, hf_greedy):
+    """At least 7 of 8 prompts give exactly transformers' tokens; where one differs, at the
+    first difference our token's logit is within NEAR_TIE of transformers' choice in
+    transformers' own logits (so the top-2 gap there is a near-tie too)."""
     equal = 0
-    for prompt, ours in zip(prompts, greedy_fp):
-        logits = hf_logits(model, prompt + ours)[len(prompt) - 1:-1]          # [64, V]
-        ref = logits.argmax(-1).tolist()
-        if ref == ours:
+    for ours, (ref, logits) in zip(greedy_fp, hf_greedy):
+        assert len(ours) == len(ref) == NEW_TOKENS
+        if ours == ref:
             equal += 1
             continue
         k = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
-        gap = abs(logits[k, ref[k]] - logits[k, ours[k]]).item()
-        assert gap < NEAR_TIE, f"divergence at token {k} is not a near-tie (gap {gap})"
+        gap = (logits[k, ref[k]] - logits[k, ours[k]]).item()
+        assert 0 <= gap < NEAR_TIE, f"divergence at token {k} is not a near-tie (gap {gap})"
     assert equal >= 7
 
 
