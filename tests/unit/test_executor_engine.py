@@ -22,11 +22,16 @@ def tiny_dirs(tmp_path_factory):
     return {arch: make_tiny_model(root / arch, arch, seed=1) for arch in ARCHS}
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_parity_mixed_chunks(tiny_dirs, arch):
+def test_tiny_parity_mixed_chunks(tiny_dirs, arch, block_size):
+    """The block size moves where chunks and prompts cross block boundaries (7-token chunks
+    straddle blocks of every size) and how long each block table is."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(tiny_dirs[arch], num_device_blocks=32, num_host_blocks=4)
+    engine = Engine(tiny_dirs[arch], num_device_blocks=32, num_host_blocks=4,
+                    block_size=block_size)
+    assert engine.describe()["block_size"] == block_size
     ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32)
     for ids, logits in zip(PROMPTS, ours):
