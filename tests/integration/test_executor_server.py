@@ -123,3 +123,52 @@ async def test_client_drops_a_failed_step_stream_and_opens_a_new_one(executor):
         assert again.sampled[0].request_id == "c" and client._stream is not broken
     finally:
         await client.close()
+
+
+def _scheduled(rid: str, n: int) -> executor_pb2.ScheduledTokens:
+    return executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=n)
+
+
+def _malformed(name: str, num_device_blocks: int) -> executor_pb2.StepRequest:
+    """Each carries a valid decode of "r" too: a rejected step must not run any of it."""
+    table = executor_pb2.BlockTableUpdate
+    steps = {
+        "unknown request": {"scheduled": [_scheduled("nope", 1)]},
+        "block id out of range": {
+            "block_tables": [table(request_id="a", block_ids=[num_device_blocks])],
+            "scheduled": [_scheduled("a", 1)]},
+        "negative block id": {"block_tables": [table(request_id="a", block_ids=[-1])]},
+        "chunk past the request's tokens": {"scheduled": [_scheduled("a", 2)]},
+    }
+    request = executor_pb2.StepRequest(step_id=2, **steps[name])
+    request.scheduled.append(_scheduled("r", 1))
+    return request
+
+
+@pytest.mark.parametrize("name", ["unknown request", "block id out of range",
+                                  "negative block id", "chunk past the request's tokens"])
+async def test_malformed_step_is_invalid_argument_and_changes_nothing(executor, name):
+    handle, stub, _ = executor
+    info = await stub.Describe(executor_pb2.DescribeRequest())
+    ids = list(range(100, 120))
+    first = await stub.Step(executor_pb2.StepRequest(
+        step_id=1,
+        new_requests=[executor_pb2.NewRequest(request_id=r, token_ids=ids) for r in "ar"],
+        block_tables=[executor_pb2.BlockTableUpdate(request_id="a", block_ids=[0, 1]),
+                      executor_pb2.BlockTableUpdate(request_id="r", block_ids=[2, 3])],
+        scheduled=[_scheduled("a", 20), _scheduled("r", 20)]))
+    assert {s.request_id for s in first.sampled} == {"a", "r"}
+    engine = handle.engine
+    before = {rid: (list(s.token_ids), s.num_computed, list(s.block_table))
+              for rid, s in engine.requests.items()}
+    owner = dict(engine.owner)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Step(_malformed(name, info.num_device_blocks))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+    assert {rid: (list(s.token_ids), s.num_computed, list(s.block_table))
+            for rid, s in engine.requests.items()} == before and engine.owner == owner
+    # the next valid steps work, and "a" (named by the bad step) continues exactly like "r"
+    a = await stub.Step(_decode(3, "a"))
+    r = await stub.Step(_decode(4, "r"))
+    assert a.num_decode_tokens == 1 and [s.request_id for s in a.sampled] == ["a"]
+    assert a.sampled[0].token_id == r.sampled[0].token_id

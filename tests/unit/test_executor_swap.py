@@ -3,6 +3,9 @@ another request's KV (hypothesis), on a tiny random-weight model."""
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import torch
@@ -194,3 +197,98 @@ def test_one_step_swaps_in_from_and_out_to_the_same_host_blocks(tiny_dir):
     got = [engine.step(StepInput(4, num_scheduled_tokens={"a": 1, "b": 1})).sampled
            for _ in range(3)]
     assert got == expected
+
+
+# -- overlap: a pending swap holds up only the steps that compute on its blocks ---------------
+B_PROMPT = list(range(700, 728))   # 28 tokens: 2 blocks
+
+
+def _hold_swap_worker(engine) -> threading.Event:
+    """Occupy the SwapManager's single copy worker (its real thread pool) until the returned
+    event is set: every swap queued meanwhile stays pending, as behind a long copy."""
+    release = threading.Event()
+    started = threading.Event()
+    engine.swap.pool.submit(lambda: (started.set(), release.wait(60)))
+    assert started.wait(10)
+    return release
+
+
+def _prefill_a_b(engine) -> None:
+    engine.step(StepInput(0, [NewRequest("a", PROMPT), NewRequest("b", B_PROMPT)],
+                          {"a": ([0, 1, 2], False), "b": ([3, 4], False)}, {"a": 37, "b": 28}))
+
+
+def test_pending_swap_does_not_block_other_requests_steps(tiny_dir):
+    kw = {"num_device_blocks": 16, "num_host_blocks": 8}
+    b_alone = StepInput(0, num_scheduled_tokens={"b": 1})
+    a_alone = StepInput(0, num_scheduled_tokens={"a": 1})
+    both = StepInput(0, num_scheduled_tokens={"a": 1, "b": 1})
+    ref = Engine(tiny_dir, **kw)                      # the same batches, nothing swapped
+    _prefill_a_b(ref)
+    expected = [ref.step(s).sampled for s in (b_alone, b_alone, a_alone, both, both)]
+
+    engine = Engine(tiny_dir, **kw)
+    _prefill_a_b(engine)
+    release = _hold_swap_worker(engine)
+    got = []
+    try:
+        with ThreadPoolExecutor(1) as caller:
+            def run(step):
+                return caller.submit(engine.step, step)
+
+            run(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)])).result(timeout=30)
+            swap_out_job = engine.swap.pending[0]
+            out = run(b_alone).result(timeout=30)       # b's blocks are not being copied
+            assert not swap_out_job.done() and out.timings.swap_wait_s < 0.05
+            got.append(out.sampled)
+            run(StepInput(2, swap_in=[(0, 5), (1, 6), (2, 7)],
+                          block_tables={"a": ([5, 6, 7], True)})).result(timeout=30)
+            out = run(b_alone).result(timeout=30)
+            assert not swap_out_job.done() and out.timings.swap_wait_s < 0.05
+            got.append(out.sampled)
+            waiting = run(a_alone)                      # a computes on blocks still arriving
+            with pytest.raises(FutureTimeout):
+                waiting.result(timeout=0.5)
+            assert not swap_out_job.done()
+            release.set()
+            out = waiting.result(timeout=30)
+            assert swap_out_job.done() and out.timings.swap_wait_s >= 0.4
+            got.append(out.sampled)
+            got += [run(both).result(timeout=30).sampled for _ in range(2)]
+    finally:
+        release.set()
+        engine.close()
+    assert got == expected
+
+
+def test_step_reusing_swapped_out_blocks_waits_for_the_copy(tiny_dir):
+    """The scheduler may hand a swapped-out request's device blocks to another request in
+    the next step: that step must wait until the copy has read them, or it would overwrite
+    the KV on its way to the host."""
+    kw = {"num_device_blocks": 16, "num_host_blocks": 8}
+    x_prompt = list(range(900, 940))                  # 40 tokens: fills blocks 0..2
+    ref = Engine(tiny_dir, **kw)
+    ref.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
+    expected = _decode(ref, "a", 6)
+    x_ref = Engine(tiny_dir, **kw).step(StepInput(0, [NewRequest("x", x_prompt)],
+                                                  {"x": ([0, 1, 2], False)}, {"x": 40}))
+
+    engine = Engine(tiny_dir, **kw)
+    engine.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
+    release = _hold_swap_worker(engine)
+    try:
+        engine.step(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))
+        with ThreadPoolExecutor(1) as caller:
+            admit_x = caller.submit(engine.step, StepInput(
+                2, [NewRequest("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40}))
+            with pytest.raises(FutureTimeout):
+                admit_x.result(timeout=0.5)
+            release.set()
+            out = admit_x.result(timeout=30)
+        assert out.timings.swap_wait_s >= 0.4 and out.sampled == x_ref.sampled
+        engine.step(StepInput(3, free_request_ids=["x"], swap_in=[(0, 5), (1, 6), (2, 7)],
+                              block_tables={"a": ([5, 6, 7], True)}))
+        assert _decode(engine, "a", 6) == expected
+    finally:
+        release.set()
+        engine.close()
