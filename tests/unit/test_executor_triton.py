@@ -34,3 +34,19 @@ def test_triton_kernels_match_torch_on_gpu():
     from services.executor.triton_check import compare
 
     _check(compare("cuda"))
+
+
+def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
+    """`attention_backend=auto` picks the Triton kernels for a CUDA device and the torch
+    reference on CPU (the choice is made without touching the device)."""
+    from services.executor.config import ModelSpec
+    from services.executor.runner import make_attention
+
+    spec = ModelSpec(arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     head_dim=16, intermediate_size=128, vocab_size=100, max_model_len=64)
+    assert make_attention(spec, "auto", torch.device("cuda")).name == "triton"
+    assert make_attention(spec, "auto", torch.device("cpu")).name == "torch"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        make_attention(spec, "triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_attention(spec, "flash", torch.device("cpu"))
