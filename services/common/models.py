@@ -64,8 +64,25 @@ def resolve(model: str) -> ModelSource:
 
 
 def _cache_dir(source: ModelSource, data_dir: Path) -> Path:
-    digest = hashlib.sha1(str(source.gguf_path).encode()).hexdigest()[:8]
+    """Keyed by the GGUF file's content, not its path: every checkout or virtual environment
+    holding the same file shares one dequantized copy, and a file replaced in place gets a
+    new one instead of the stale cache."""
+    st = source.gguf_path.stat()
+    digest = _content_digest(str(source.gguf_path), st.st_size, st.st_mtime_ns)
     return Path(data_dir) / "models" / f"{source.name}-{digest}"
+
+
+@lru_cache(maxsize=16)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha1 of the size, the first and the last MiB: the header (metadata, tensor table) and
+    the end of the tensor data; cached per (path, size, mtime) so repeated calls only stat."""
+    h = hashlib.sha1(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(-(1 << 20), 2)
+            h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 @contextmanager

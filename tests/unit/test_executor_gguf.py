@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.models import resolve, weights_dir
+from services.common.models import _cache_dir, resolve, weights_dir
 from services.executor.engine import Engine
 from services.executor.testing import teacher_forced_logits
 from services.executor.tiny import make_tiny_model
@@ -129,12 +129,18 @@ def test_gguf_loads_like_safetensors_and_is_dequantized_once(tiny_llama, tmp_pat
     drift = max((a - b).abs().max().item() for a, b in zip(ours, original))
     assert 1e-4 < drift < 0.1, drift
 
-    # second load: the cache is reused as is, the GGUF file is never read again
+    # second load, of the same file in another place (another checkout or venv): the cache
+    # is reused as is (nothing rewritten, no second directory)
     files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
-    gguf_path.write_bytes(b"not a gguf file any more")
-    again = weights_dir(str(gguf_path), data_dir)
+    elsewhere = tmp_path / "elsewhere" / gguf_path.name
+    elsewhere.parent.mkdir()
+    shutil.copyfile(gguf_path, elsewhere)
+    again = weights_dir(str(elsewhere), data_dir)
     assert again == cache
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == files
     assert [p.name for p in (data_dir / "models").iterdir() if p.is_dir()] == [cache.name]
     second = teacher_forced_logits(_engine(again), PROMPTS, [7, None])
     assert all(torch.equal(a, b) for a, b in zip(second, ours))
+    # a file replaced in place is not mistaken for the cached one
+    elsewhere.write_bytes(b"not a gguf file any more")
+    assert _cache_dir(resolve(str(elsewhere)), data_dir) != cache
