@@ -126,3 +126,35 @@ def test_counts_and_describe(tiny_dirs):
     assert info["architecture"] == "llama" and info["kv_dtype"] == "int8"
     assert info["num_device_blocks"] == 16 and info["bytes_per_block"] > 0
     assert len(info["instance_id"]) == 32
+
+
+def test_llama3_rope_scaling_parity(tiny_dirs, tmp_path):
+    """Llama 3's frequency-dependent RoPE scaling (`rope_type=llama3`): the same tiny weights
+    with a scaled config match transformers, and the scaling really changes the logits (a
+    runner that ignored it would fail). original_max_position_embeddings=64 puts most
+    frequencies in the scaled band at these prompt lengths."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    scaled = tmp_path / "llama3"
+    shutil.copytree(tiny_dirs["llama"], scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}
+    (scaled / "config.json").write_text(json.dumps(config))
+    engine = Engine(scaled, num_device_blocks=32, num_host_blocks=4)
+    ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)
+    model = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32)
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    for ids, logits in zip(PROMPTS, ours):
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0]
+            unscaled = plain(torch.tensor([ids])).logits[0]
+        assert (logits - ref).abs().max() < 1e-4
+        if len(ids) > 16:
+            assert (ref - unscaled).abs().max() > 1e-2
