@@ -25,6 +25,9 @@ def group_mask(g: Group, groups_per_kv: int) -> torch.Tensor:
 
 class TorchAttention:
     name = "torch"
+    # each group is padded to its longest context: split decodes and chunks into groups of
+    # similar context when that saves more than this many padded query-key pairs per group
+    group_cost: int | None = 128
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale

@@ -95,7 +95,8 @@ def _group(chunks: list[Chunk], row_start: int, block_size: int, device) -> Grou
 def split_by_context(chunks: list[Chunk], block_size: int, group_cost: int) -> list[list[Chunk]]:
     """Contiguous runs of `chunks` sorted by context length that minimise the padded work,
     sum over groups of (size * Qmax * Lk) + group_cost per group (exact dynamic programme over
-    the distinct padded shapes, O(shapes^2); decodes have at most max_model_len / block_size)."""
+    the distinct padded shapes, O(shapes^2) at worst, cut short once the last group alone
+    costs more than the best split found; decodes have at most max_model_len / block_size)."""
     if len(chunks) < 2:
         return [chunks] if chunks else []
     units: list[list] = []                  # [lk, q, chunks], ascending lk
@@ -112,7 +113,10 @@ def split_by_context(chunks: list[Chunk], block_size: int, group_cost: int) -> l
         for i in range(j, 0, -1):           # last group = units[i-1:j]
             count += len(units[i - 1][2])
             q_max = max(q_max, units[i - 1][1])
-            cost = best[i - 1] + count * q_max * lk + group_cost
+            last = count * q_max * lk + group_cost
+            if best_j is not None and last >= best_j:
+                break                       # the last group only grows from here: no better cut
+            cost = best[i - 1] + last
             if best_j is None or cost < best_j:
                 best_j, cut[j] = cost, i - 1
         best[j] = best_j

@@ -54,9 +54,6 @@ class Engine:
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
         self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype)
         self.kv_dtype, self.block_size = kv_dtype, block_size
-        # padded query-key pairs one more attention group must save (batch.split_by_context);
-        # None: one group per kind (decodes, prefill chunks)
-        self.attention_group_cost: int | None = 128
         per_block = bytes_per_block(self.spec, kv_dtype, block_size, self.dtype)
         if num_device_blocks is None:
             num_device_blocks = int(kv_memory_gb * GIB // per_block)
@@ -65,6 +62,9 @@ class Engine:
         self.cache = make_cache(self.spec, kv_dtype, num_device_blocks, block_size, self.dtype,
                                 self.device)
         self.attn = make_attention(self.spec, attention_backend, self.device)
+        # padded query-key pairs one more attention group must save (batch.split_by_context),
+        # set by the backend; None: one group per kind (decodes, prefill chunks)
+        self.attention_group_cost: int | None = self.attn.group_cost
         host_bytes = SwapManager.host_block_bytes(self.cache, swap_compress)
         if num_host_blocks is None:
             num_host_blocks = int(swap_memory_gb * GIB // host_bytes)

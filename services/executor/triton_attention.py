@@ -18,6 +18,7 @@ def _pow2(n: int) -> bool:
 
 class TritonAttention:
     name = "triton"
+    group_cost: int | None = None   # ragged kernels pad nothing: one group per kind suffices
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  device: torch.device) -> None:
