@@ -1,1 +1,1 @@
-"""Benchmarks, traces and metrics shared by the simulator and the live load generator."""
+"""Benchmarks (`alise bench ...`) and the live load generator; they import from services."""

@@ -1,7 +1,7 @@
 """`alise bench engine`: offline throughput of our executor against transformers, in one run.
 
-Workload: the first N ShareGPT test-split prompts (filtered as DESIGN.md §6) with prompts of at
-most 512 tokens; each request generates its reference output length capped at 256, EOS
+Workload: the first N ShareGPT test-split prompts (filtered as docs/workloads.md says) with
+prompts of at most 512 tokens; each request generates its reference output length capped at 256, EOS
 ignored; only requested tokens count. Systems, same weights, dtype and thread count:
   ours      - Engine + the minimal continuous-batching driver (services/executor/driver.py)
   hf_static - transformers `generate`, static batches of 32 (left padding, greedy)
@@ -20,9 +20,9 @@ import time
 
 
 def _workload(n: int, max_prompt: int, max_output: int):
-    from bench.traces.sharegpt import load_split
     from services.common.models import load_tokenizer
     from services.common.settings import CommonSettings
+    from services.workload.traces.sharegpt import load_split
 
     settings = CommonSettings()
     tok = load_tokenizer(settings.model, settings.data_dir)
@@ -84,10 +84,10 @@ def run_hf_cb(model, prompts, lens, kv_memory_gb: float, budget: int) -> float:
 
 
 def decode_step_ms(engine, batch: int = 32, context: int = 512, reps: int = 5) -> float:
-    from services.executor.profiler import _Bench
+    from services.executor.profiler import StepTimer
 
     with engine.exclusive():
-        return 1e3 * _Bench(engine).time(0, batch, context, reps)["time_s"]
+        return 1e3 * StepTimer(engine).time(0, batch, context, reps)["time_s"]
 
 
 def mixed_context_decode_ms(engine, batch: int = 48, reps: int = 5, seed: int = 0) -> dict:
@@ -95,7 +95,7 @@ def mixed_context_decode_ms(engine, batch: int = 48, reps: int = 5, seed: int = 
     traffic), attention split into groups of similar context vs one padded group."""
     import random
 
-    from services.executor.profiler import _Bench
+    from services.executor.profiler import StepTimer
 
     rng = random.Random(seed)
     contexts = [rng.randint(20, 600) for _ in range(batch)]
@@ -106,8 +106,8 @@ def mixed_context_decode_ms(engine, batch: int = 48, reps: int = 5, seed: int = 
 
     try:
         with engine.exclusive():
-            t = _Bench(engine).time_decodes(contexts, {"split": use(keep), "one_group": use(None)},
-                                            reps)
+            variants = {"split": use(keep), "one_group": use(None)}
+            t = StepTimer(engine).time_decodes(contexts, variants, reps)
     finally:
         engine.attention_group_cost = keep
     return {"batch": batch, "context_tokens": sum(contexts), "max_context": max(contexts),

@@ -26,7 +26,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from bench.report import emit_json
+
+from services.workload.report import emit_json
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -23,7 +23,8 @@ import json
 import random
 import time
 from pathlib import Path
-from bench.report import emit_json
+
+from services.workload.report import emit_json
 
 BENCH_KNOBS = {"orca": {"max_batch_size": 256}, "request": {"max_batch_size": 256}}
 
@@ -82,7 +83,7 @@ def _build(policy: str, running: int, seed: int, profile: str):
     sched = Scheduler(make_policy(policy, **knobs), bm, cost, max_model_len=2048)
     work, now = _Workload(seed), 0.0
     for _ in range(running):
-        sched.add_request(work.request(now))
+        sched.admit(work.request(now))
     for _ in range(5000):          # until every running request is decoding
         if all(r.num_uncomputed_tokens == 1 for r in sched.running.values()) and not sched.waiting:
             break
@@ -94,12 +95,12 @@ def _measure(policy: str, running: int, waiting: int, steps: int, seed: int, pro
     """One deterministic run: per measured step (cpu s, wall s, update s, state signature)."""
     sched, cost, work, now = _build(policy, running, seed, profile)
     for _ in range(waiting):
-        sched.add_request(work.request(now))
+        sched.admit(work.request(now))
     rows = []
     gc.collect()
     for i in range(steps + 10):
         while len(sched.waiting) + len(sched.swapped) < waiting:
-            sched.add_request(work.request(now))
+            sched.admit(work.request(now))
         s_t, u_t, now = _step(sched, cost, now)
         if i >= 10:                # warm-up steps are not counted
             rows.append((s_t[1], s_t[0], u_t, (sched.num_finished, len(sched.running))))

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.metrics import summarize
-from bench.report import emit_json
+from services.workload.metrics import summarize
+from services.workload.report import emit_json
 
 LIVE_POLICIES = ("fcfs", "sarathi", "alise", "accelgen", "hybrid")
 
@@ -25,7 +25,7 @@ def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: flo
     """The trace with prompts <= max_prompt tokens and outputs capped at max_output."""
     from dataclasses import replace
 
-    from bench.traces.spec import make_trace
+    from services.workload.traces.spec import make_trace
 
     items = make_trace(workload, None, rate, arrival, burstiness, slo, seed)
     items = [i for i in items if i.prompt and i.prompt_len <= max_prompt][:n]
@@ -33,7 +33,7 @@ def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: flo
         raise ValueError(f"only {len(items)} requests with text and prompt <= {max_prompt}")
     first = items[0].arrival_s
     # Re-draw arrivals for exactly these n requests so the rate is the one asked for.
-    from bench.traces.arrivals import make_arrivals
+    from services.workload.traces.arrivals import make_arrivals
 
     times = make_arrivals(n, arrival, rate, burstiness, seed) if arrival != "trace" \
         else [i.arrival_s - first for i in items]
@@ -44,7 +44,7 @@ def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: flo
 def request_details(results) -> list[dict]:
     """Per-request figures (`--save-detailed`, as vllm bench serve): what the client saw, by
     the shared metric definitions."""
-    from bench import metrics
+    from services.workload import metrics
 
     def rounded(value):
         return None if value is None else round(value, 4)
@@ -152,7 +152,7 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
     if not args.live:
         print("the simulated sweep is `alise sim sweep`; pass --live to sweep the real stack")
         return 2
-    from bench.plots import plot_results
+    from services.workload.plots import plot_results
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.metrics import RequestRecord
-from bench.traces.trace import TraceItem
+from services.workload.metrics import RequestRecord
+from services.workload.traces.trace import TraceItem
 
 
 @dataclass

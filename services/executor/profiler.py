@@ -1,4 +1,5 @@
-"""Self-profiler: time a grid of batches on this engine and fit the cost model (DESIGN.md §4).
+"""Self-profiler: time a grid of batches on this engine and fit the cost model
+(docs/scheduling.md, "Cost model").
 
     iteration_time = c0 + c_prefill*P + c_decode*D + c_context*C
 
@@ -16,13 +17,18 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from itertools import product
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from scipy.optimize import nnls
 
 from services.executor.messages import NewRequest, StepInput
+
+if TYPE_CHECKING:
+    from services.executor.engine import Engine
 
 # decode counts 2 and 3 are measured on purpose: on CPU they cost far more than a line through
 # 1 and 4 suggests (small-row matrix products), and the simulator's measured clock
@@ -35,13 +41,15 @@ QUICK = {"prefill": (16, 64, 128, 256), "decode": (1, 8), "context": (64, 256),
 SATURATION = 0.9
 
 
-class _Bench:
-    """Builds and times batches on an engine, reusing blocks from a private free list."""
+class StepTimer:
+    """Builds and times batches on an idle engine, reusing blocks from a private free list
+    (the profiler's grid, and the engine benchmark's single steps)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine, self.bs = engine, engine.block_size
         self.free = list(range(engine.num_device_blocks))
         self.n = 0
+        self._computed: dict[str, tuple[int, list[int]]] = {}
 
     def _new(self, step: StepInput, length: int, computed: int) -> str:
         rid = f"profile-{self.n}"
@@ -57,10 +65,10 @@ class _Bench:
         return need <= len(self.free) and prefill + 8 <= self.engine.max_model_len \
             and context + 8 <= self.engine.max_model_len
 
-    def time(self, prefill: int, decodes: int, context: int, reps: int) -> dict:
+    def time(self, prefill: int, decodes: int, context: int, reps: int) -> dict[str, Any]:
         """Median time of a batch: one fresh prefill of `prefill` tokens + `decodes` decodes
         at `context` tokens of KV each."""
-        self._computed: dict[str, tuple[int, list[int]]] = {}
+        self._computed = {}
         setup = StepInput(0)
         dec = [self._new(setup, context, context - 1) for _ in range(decodes)]
         self.engine.step(setup)                      # admit, nothing scheduled
@@ -80,7 +88,8 @@ class _Bench:
         return {"prefill_tokens": prefill, "decode_tokens": decodes, "context_tokens": ctx,
                 "time_s": statistics.median(times[1:])}
 
-    def time_decodes(self, contexts: list[int], variants: dict, reps: int) -> dict:
+    def time_decodes(self, contexts: list[int], variants: dict[str, Callable[[Engine], Any]],
+                     reps: int) -> dict[str, float]:
         """Median decode-step time of one decode per context in `contexts`, for each variant
         {name: callable(engine)} applied before its runs; variants are interleaved so machine
         drift hits them alike."""
@@ -88,7 +97,7 @@ class _Bench:
         setup = StepInput(0)
         dec = [self._new(setup, c, c - 1) for c in contexts]
         self.engine.step(setup)
-        times: dict = {name: [] for name in variants}
+        times: dict[str, list[float]] = {name: [] for name in variants}
         for rep in range(reps + 1):                  # first round is warm-up
             for name, apply in variants.items():
                 for rid, c in zip(dec, contexts):    # every run decodes at the same context
@@ -114,7 +123,7 @@ def _grid(cfg: dict) -> list[tuple[int, int, int]]:
     return points + list(cfg["mixed"])
 
 
-def fit(samples: list[dict]) -> dict:
+def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Least-squares cost model, ALISE's T0/alpha/beta, pivot and fit error from samples."""
     x = np.array([[1, s["prefill_tokens"], s["decode_tokens"], s["context_tokens"]]
                   for s in samples], dtype=float)
@@ -137,14 +146,15 @@ def fit(samples: list[dict]) -> dict:
             "fit_error": float(np.sqrt(np.mean(((pred - t) / t) ** 2)))}
 
 
-def profile_engine(engine, quick: bool = False, max_prefill: int | None = None) -> dict:
+def profile_engine(engine: Engine, quick: bool = False,
+                   max_prefill: int | None = None) -> dict[str, Any]:
     """Run the grid (QUICK or FULL) on an idle engine and return the profile JSON dict.
     `max_prefill` drops batches with more prefill tokens (fit the regime you serve: on CPU
     the linear model fits short prompts badly when 2K-token prefills dominate the fit)."""
     if engine.requests:
         raise ValueError("the executor is serving requests: profile an idle executor")
     cfg = QUICK if quick else FULL
-    bench = _Bench(engine)
+    bench = StepTimer(engine)
     grid = [(p, d, c) for p, d, c in _grid(cfg) if max_prefill is None or p <= max_prefill]
     with engine.exclusive():
         samples = [bench.time(p, d, c, cfg["reps"]) for p, d, c in grid
@@ -157,11 +167,11 @@ def profile_engine(engine, quick: bool = False, max_prefill: int | None = None) 
             "kv_dtype": info["kv_dtype"], "quick": quick, "max_prefill": max_prefill}
 
 
-def write_profile(profile: dict, path) -> None:
+def write_profile(profile: dict[str, Any], path: str | Path) -> None:
     """The profile JSON as `alise executor profile`, Describe and the fidelity check read it."""
     Path(path).write_text(json.dumps(profile, indent=2) + "\n")
 
 
-def summary(profile: dict) -> dict:
+def summary(profile: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in profile.items() if k != "samples"} | \
         {"num_samples": len(profile["samples"])}

@@ -19,7 +19,7 @@ QUESTIONS = [
 
 def passage(tok, length: int = 512) -> list[int]:
     """The first ShareGPT reply with at least `length` tokens, cut to `length`."""
-    from bench.traces.sharegpt import first_exchange, iter_conversations
+    from services.workload.traces.sharegpt import first_exchange, iter_conversations
 
     for conv in iter_conversations():
         pair = first_exchange(conv)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.store import Record, point_id
+from services.predictor.store_base import Record, point_id
 
 
 def _vectors(n: int, dim: int, cache: Path | None) -> tuple[np.ndarray, str]:

@@ -1,17 +1,20 @@
 """Assemble a predictor from settings; seed its store and train its MLP from ShareGPT.
 
-Seeding bulk-loads the train split of `bench.traces.sharegpt` (the fixed split the simulator
-uses too) with its reference output lengths, counted by the serving model's tokenizer. The
-prompts' embeddings are cached on disk (`<data_dir>/predictor/embeddings/`, keyed by embedder
-and text hash), so only the first seed pays for embedding them. Calibration of the reference
-lengths to the serving model (generating answers for a sample) is not implemented.
+Seeding bulk-loads the train split of `services.workload.traces.sharegpt` (the fixed split the
+simulator uses too) with its reference output lengths, counted by the serving model's
+tokenizer. The prompts' embeddings are cached on disk (`<data_dir>/predictor/embeddings/`,
+keyed by embedder and text hash), so only the first seed pays for embedding them. Calibration
+of the reference lengths to the serving model (generating answers for a sample) is not
+implemented.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,7 +22,11 @@ from services.common.settings import PredictorSettings
 from services.predictor.core import LengthPredictor
 from services.predictor.embedder import Embedder, EmbeddingCache
 from services.predictor.mlp import MlpRegressor, length_feature, train
-from services.predictor.store import LengthStore, Record, open_store, point_id
+from services.predictor.store import open_store
+from services.predictor.store_base import LengthStore, Record, point_id
+
+if TYPE_CHECKING:
+    from services.workload.traces.sharegpt import Sample
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +79,8 @@ def build_predictor(settings: PredictorSettings, embedder: Embedder | None = Non
                            capacity=settings.predictor_capacity)
 
 
-def train_samples(settings: PredictorSettings, limit: int | None = None):
-    from bench.traces.sharegpt import load_split
+def train_samples(settings: PredictorSettings, limit: int | None = None) -> list[Sample]:
+    from services.workload.traces.sharegpt import load_split
 
     samples = load_split("train", settings.model, settings.data_dir)
     return samples[:limit] if limit else samples
@@ -83,7 +90,7 @@ class SeedCancelled(Exception):
     """Seeding stopped on request (what was embedded so far stays cached)."""
 
 
-def embed_samples(settings: PredictorSettings, embedder: Embedder, samples,
+def embed_samples(settings: PredictorSettings, embedder: Embedder, samples: Sequence[Sample],
                   stop: threading.Event | None = None) -> np.ndarray:
     """[N, D] embeddings of the samples' prompts, through the on-disk cache."""
     cache = embedding_cache(settings, embedder)
@@ -99,7 +106,7 @@ def embed_samples(settings: PredictorSettings, embedder: Embedder, samples,
 
 def seed(settings: PredictorSettings, predictor: LengthPredictor, model: str,
          limit: int | None = None, stop: threading.Event | None = None,
-         samples: list | None = None) -> dict:
+         samples: list[Sample] | None = None) -> dict:
     """Bulk-load the train split (or `samples`) into `model`'s collection; returns timings."""
     t0 = time.perf_counter()
     samples = samples if samples is not None else train_samples(settings, limit)
@@ -112,12 +119,13 @@ def seed(settings: PredictorSettings, predictor: LengthPredictor, model: str,
     predictor.store.optimize(model)
     predictor.store.flush()
     return {"points": len(records), "embed_s": round(t_embed, 1),
-            "total_s": round(time.perf_counter() - t0, 1), "store_size": predictor.store.count(model)}
+            "total_s": round(time.perf_counter() - t0, 1),
+            "store_size": predictor.store.count(model)}
 
 
 def train_mlp(settings: PredictorSettings, embedder: Embedder, model: str,
               limit: int | None = None, epochs: int = 60,
-              samples: list | None = None) -> tuple[MlpRegressor, Path]:
+              samples: list[Sample] | None = None) -> tuple[MlpRegressor, Path]:
     """Fit the MLP on the train split (or `samples`); save it where the service looks."""
     samples = samples if samples is not None else train_samples(settings, limit)
     vectors = embed_samples(settings, embedder, samples)

@@ -22,8 +22,8 @@ import numpy as np
 
 from services.predictor.embedder import Embedder, text_hash
 from services.predictor.mlp import MlpRegressor, length_feature
-from services.predictor.store import (LengthStore, Neighbor, Record, StoreUnavailable,
-                                      point_id)
+from services.predictor.store_base import (LengthStore, Neighbor, Record, StoreUnavailable,
+                                           point_id)
 
 log = logging.getLogger(__name__)
 DEFAULT_PRIOR = 200.0  # tokens; used only when no MLP checkpoint carries the train mean

@@ -11,22 +11,28 @@ Each method runs through its own `LengthPredictor`, so none reuses another's emb
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.predictor.core import LengthPredictor, combine, decide
 from services.predictor.metrics_eval import accuracy
 
+if TYPE_CHECKING:
+    from services.common.settings import PredictorSettings
+
 log = logging.getLogger(__name__)
 METHODS = ("prior", "mlp", "retrieval", "ours", "proxy")
 
 
-def chat_formatter(settings):
+def chat_formatter(settings: PredictorSettings) -> Callable[[str], str]:
     from services.common.models import load_tokenizer
 
     tok = load_tokenizer(settings.model, settings.data_dir)
@@ -35,7 +41,7 @@ def chat_formatter(settings):
 
 
 def _load(settings, args):
-    from bench.traces.sharegpt import load_split
+    from services.workload.traces.sharegpt import load_split
 
     train = load_split("train", settings.model, settings.data_dir)[:args.limit_train]
     test = load_split("test", settings.model, settings.data_dir)[:args.limit_test]
@@ -43,7 +49,7 @@ def _load(settings, args):
 
 
 def _seeded_store(dim: int, model: str, root: Path, vectors, lengths):
-    from services.predictor.store import Record, point_id
+    from services.predictor.store_base import Record, point_id
     from services.predictor.store_edge import EdgeStore
 
     store = EdgeStore(dim, root)
@@ -102,7 +108,7 @@ def _time(methods: dict, singles: list[str], batches: list[list[str]]) -> dict:
             for m in methods}
 
 
-def run(settings, args) -> dict:
+def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     from services.predictor.build import embedding_cache, make_embedder, served_models
     from services.predictor.mlp import length_feature, train
 
@@ -164,7 +170,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     from services.common.settings import PredictorSettings
 
     logging.basicConfig(level=logging.INFO)

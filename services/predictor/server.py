@@ -21,7 +21,7 @@ from services.predictor.core import LengthPredictor
 from services.predictor.embedder import Embedder
 from services.predictor.servicer import (SERVICE_NAME, ObserveQueue, PredictorMetrics,
                                          PredictorServicer, add_to_server)
-from services.predictor.store import StoreUnavailable
+from services.predictor.store_base import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

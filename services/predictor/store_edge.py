@@ -11,7 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.store import LengthStore, Neighbor, Record, neighbor_of, payload_of
+from services.predictor.store_base import (
+    LengthStore,
+    Neighbor,
+    Record,
+    neighbor_of,
+    payload_of,
+)
 
 HNSW_M = 16
 HNSW_EF_CONSTRUCT = 100
@@ -31,8 +37,13 @@ class EdgeStore(LengthStore):
         self._lock = threading.Lock()
 
     def _config(self):
-        from qdrant_edge import (Distance, EdgeConfig, EdgeOptimizersConfig, EdgeVectorParams,
-                                 HnswIndexConfig)
+        from qdrant_edge import (
+            Distance,
+            EdgeConfig,
+            EdgeOptimizersConfig,
+            EdgeVectorParams,
+            HnswIndexConfig,
+        )
 
         return EdgeConfig(
             vectors=EdgeVectorParams(size=self.dim, distance=Distance.Cosine),

@@ -7,8 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.store import (LengthStore, Neighbor, Record, StoreUnavailable,
-                                      neighbor_of, payload_of)
+from services.predictor.store_base import (
+    LengthStore,
+    Neighbor,
+    Record,
+    StoreUnavailable,
+    neighbor_of,
+    payload_of,
+)
 
 
 class QdrantClientStore(LengthStore):

@@ -10,7 +10,7 @@ import numpy as np
 
 from services.predictor.core import decide
 from services.predictor.metrics_eval import accuracy
-from services.predictor.store import Neighbor
+from services.predictor.store_base import Neighbor
 
 KS = (1, 2, 4, 8, 16, 32)
 THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)

@@ -2,8 +2,9 @@
 
 The loop awaits only its executor: Redis writes are handed to the store writer and token
 events go to per-request logs (see streams.py). A Step's bookkeeping (its Redis write, token
-events, metrics) runs while the next Step is already in flight, or before the loop idles. A failed or timed-out Step marks the executor
-down; the service then recomputes its requests elsewhere (service.executor_down).
+events, metrics) runs while the next Step is already in flight, or before the loop idles. A
+failed or timed-out Step marks the executor down; its host then recomputes its requests
+elsewhere. The loop knows its host only through the `LoopHost` protocol.
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -18,38 +22,72 @@ from services.common.pb import executor_pb2
 from services.common.tasks import cancel_and_wait
 from services.scheduler.convert import step_outcome, step_request
 from services.scheduler.executor_client import ExecutorClient
+from services.scheduler.recorder import CompletedStep
+
+if TYPE_CHECKING:
+    from services.scheduler.core.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 
+class LoopHost(Protocol):
+    """What an executor loop tells the service, and the one thing it asks of it."""
+
+    def make_scheduler(self, info: executor_pb2.ExecutorInfo) -> Scheduler:
+        """A fresh core scheduler for an executor that (re)connected."""
+        ...
+
+    def executor_up(self, loop: ExecutorLoop) -> None: ...
+
+    def executor_down(self, loop: ExecutorLoop, sched: Scheduler | None, reason: str) -> None:
+        """`sched` held the executor's requests: re-admit them elsewhere."""
+        ...
+
+    def step_done(self, loop: ExecutorLoop, step: CompletedStep) -> None:
+        """Record a completed Step (called while the next one is in flight)."""
+        ...
+
+    def stale_freed(self, loop: ExecutorLoop, ids: list[str]) -> None: ...
+
+    def step_overhead(self, seconds: float) -> None:
+        """Time between two Steps not spent in the executor (a metric)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LoopTiming:
+    step_timeout_s: float = 30.0
+    step_spin_ms: float = 3.0          # hybrid polling window before a Step's expected end
+    poll_interval_s: float = 0.5       # reconnect attempts while down
+    health_interval_s: float = 2.0     # health checks while idle
+    max_backoff_s: float = 5.0
+
+
 class ExecutorLoop:
-    def __init__(self, address: str, service, stale: set[str] = frozenset(),
-                 poll_interval_s: float = 0.5, health_interval_s: float = 2.0) -> None:
+    def __init__(self, address: str, host: LoopHost, timing: LoopTiming,
+                 stale: Iterable[str] = ()) -> None:
         self.address = address
-        self.service = service
+        self.host = host
+        self.timing = timing
         self.client = ExecutorClient(address)
-        self.sched = None                 # core Scheduler while up, None while down
+        self.sched: Scheduler | None = None   # core scheduler while up, None while down
         self.info: executor_pb2.ExecutorInfo | None = None
         self.up = False
         self.down_since: float | None = time.time()
         self.stale: set[str] = set(stale)  # ids the executor may hold: freed in the next Step
-        self.poll_interval_s = poll_interval_s
-        self.health_interval_s = health_interval_s
         # (seconds between two Steps minus the first Step's executor time, requests in that
         #  first Step, seconds of it spent in this loop's own code: update, Redis hand-off,
         #  schedule, encoding), for the overhead benchmark and metric
         self.overheads: deque[tuple[float, int, float]] = deque(maxlen=100_000)
         self.steps = 0
         self.failures = 0                  # consecutive failed attempts (reconnect backoff)
-        self.max_backoff_s = 5.0
         self._wake = asyncio.Event()
         self._last_send: float | None = None
         self._last_exec_s = 0.0
         self._last_batch = 0
         self._last_compute = 0.0
         self._model_ratio = 1.0              # measured / cost-model step time, smoothed
-        self._deferred: tuple | None = None   # (out, updates, result) of the last Step
-        self._trace: tuple | None = None      # (sent at, estimate, round trip) of that Step
+        self._deferred: CompletedStep | None = None   # the last Step, not yet recorded
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -84,23 +122,23 @@ class ExecutorLoop:
     # -- connecting and health ---------------------------------------------------------------
     async def _connect(self) -> None:
         if self.failures:       # back off from an executor that keeps failing
-            await self._sleep(min(self.max_backoff_s, 0.05 * 2 ** self.failures))
+            await self._sleep(min(self.timing.max_backoff_s, 0.05 * 2 ** self.failures))
         try:
             info = await self.client.describe(timeout=2.0)
         except (grpc.aio.AioRpcError, TimeoutError):
-            await self._sleep(self.poll_interval_s)
+            await self._sleep(self.timing.poll_interval_s)
             return
         if self.info is not None and info.instance_id != self.info.instance_id:
             log.warning("executor restarted: its KV is lost", extra={"executor": self.address})
         if not await self._free_stale():
             return
         self.info = info
-        self.sched = self.service.make_scheduler(info)
+        self.sched = self.host.make_scheduler(info)
         self.up, self.down_since, self._last_send = True, None, None
         self.failures = 0
         log.info("executor up", extra={"executor": self.address, "instance": info.instance_id,
                                        "blocks": info.num_device_blocks})
-        self.service.executor_up(self)
+        self.host.executor_up(self)
 
     async def _free_stale(self) -> bool:
         """Before anything is sent again, a free-only Step drops every request the executor may
@@ -110,14 +148,14 @@ class ExecutorLoop:
         stale = sorted(self.stale)
         try:
             await self.client.step(executor_pb2.StepRequest(free_request_ids=stale),
-                                   timeout=self.service.settings.step_timeout_s)
+                                   timeout=self.timing.step_timeout_s)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             self.failures += 1
             log.warning("freeing stale requests failed", extra={
                 "executor": self.address, "error": _brief(exc)})
             return False
         self.stale.difference_update(stale)
-        self.service.stale_freed(self, stale)
+        self.host.stale_freed(self, stale)
         return True
 
     async def _health_check(self) -> None:
@@ -137,7 +175,7 @@ class ExecutorLoop:
         self._flush_record()
         self.up, self.down_since, self._last_send = False, time.time(), None
         sched, self.sched = self.sched, None
-        self.service.executor_down(self, sched, reason)
+        self.host.executor_down(self, sched, reason)
 
     async def _sleep(self, seconds: float) -> bool:
         """Sleep until woken or `seconds` pass; True when woken."""
@@ -158,7 +196,7 @@ class ExecutorLoop:
                 or out.free_request_ids or out.new_requests):
             self._flush_record()
             self._last_send = None
-            if not await self._sleep(self.health_interval_s):
+            if not await self._sleep(self.timing.health_interval_s):
                 await self._health_check()
             return
         pb = step_request(out)
@@ -167,8 +205,8 @@ class ExecutorLoop:
             overhead = t_send - self._last_send - self._last_exec_s
             compute = self._last_compute + (t_send - t_start)
             self.overheads.append((overhead, self._last_batch, compute))
-            self.service.metrics.overhead.observe(max(0.0, overhead))
-        call = self.client.start_step(pb, timeout=self.service.settings.step_timeout_s)
+            self.host.step_overhead(max(0.0, overhead))
+        call = self.client.start_step(pb, timeout=self.timing.step_timeout_s)
         await asyncio.sleep(0)      # the Step goes out; the previous one is recorded meanwhile
         self._flush_record()
         estimate = self.sched.cost_model.output_time(out)
@@ -189,9 +227,8 @@ class ExecutorLoop:
         self.steps += 1
         t_recv = time.perf_counter()
         updates = self.sched.update(step_outcome(result), time.time())
-        self._deferred = (out, updates, result)
-        if self.service.step_trace is not None:     # written with the deferred record
-            self._trace = (now + (t_send - t_start), estimate, t_recv - t_send)
+        self._deferred = CompletedStep(out, updates, result, now + (t_send - t_start), estimate,
+                                       t_recv - t_send)
         self._last_compute = time.perf_counter() - t_recv
 
     async def _wait_hot(self, call: asyncio.Future, expected_end: float) -> None:
@@ -199,7 +236,7 @@ class ExecutorLoop:
         event loop awake (yielding to every other task) until it does, for at most three
         windows. An idle process takes 0.3-0.5 ms longer to pick up the result on the 2-core
         development machine; this spends at most three windows of one core per Step on it."""
-        window = self.service.settings.step_spin_ms / 1000
+        window = self.timing.step_spin_ms / 1000
         if window <= 0:
             return
         start = expected_end - window
@@ -213,14 +250,8 @@ class ExecutorLoop:
     def _flush_record(self) -> None:
         """Record the last completed Step (Redis write, token events, metrics)."""
         deferred, self._deferred = self._deferred, None
-        trace, self._trace = self._trace, None
         if deferred is not None:
-            self.service.iteration_done(self, *deferred)
-            if trace is not None:
-                out, _, result = deferred
-                sent_at, estimate, round_trip = trace
-                self.service.step_trace.write(self.address, sent_at, out, result, estimate,
-                                              round_trip)
+            self.host.step_done(self, deferred)
 
 
 def _brief(exc: BaseException) -> str:

@@ -1,10 +1,15 @@
 """Placement across executors: the core's rule (`core/placement.py`: least predicted outstanding
-work among the executors that can hold the request, ties to the first name) with each
+work among the executors that can admit the request, ties to the first name) with each
 executor's outstanding work cached for `refresh_s` and bumped by every placement in between,
 so admitting or re-placing N requests costs O(N), not O(N x requests queued)."""
 from __future__ import annotations
 
-from services.scheduler.core.placement import can_hold
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.scheduler.core.request import Request
+    from services.scheduler.core.scheduler import Scheduler
 
 
 class Placer:
@@ -12,14 +17,14 @@ class Placer:
         self.refresh_s = refresh_s
         self._work: dict[str, tuple[float, float]] = {}   # address -> (computed at, seconds)
 
-    def choose(self, schedulers: dict, req, now: float) -> str | None:
-        """Address of the scheduler to add `req` to, or None when none can hold it."""
-        candidates = [a for a in sorted(schedulers) if can_hold(schedulers[a], req)]
+    def choose(self, schedulers: Mapping[str, Scheduler], req: Request, now: float) -> str | None:
+        """Address of the scheduler to admit `req` to, or None when none can hold it."""
+        candidates = [a for a in sorted(schedulers) if schedulers[a].can_admit(req)]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         return min(candidates, key=lambda a: (self._work_of(a, schedulers[a], now), a))
 
-    def placed(self, address: str, sched, req) -> None:
+    def placed(self, address: str, sched: Scheduler, req: Request) -> None:
         """Count the work `req` adds until the next refresh."""
         if address in self._work:
             at, work = self._work[address]
@@ -29,7 +34,7 @@ class Placer:
     def forget(self, address: str) -> None:
         self._work.pop(address, None)
 
-    def _work_of(self, address: str, sched, now: float) -> float:
+    def _work_of(self, address: str, sched: Scheduler, now: float) -> float:
         cached = self._work.get(address)
         if cached is None or now - cached[0] > self.refresh_s:
             cached = (now, sched.outstanding_work(now))

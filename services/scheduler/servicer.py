@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -16,12 +17,20 @@ from services.scheduler.convert import usage_pb
 from services.scheduler.streams import RequestStream, final_event
 from services.scheduler.validation import request_from_pb, request_id_of
 
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from services.scheduler.loop import ExecutorLoop
+    from services.scheduler.service import SchedulerService
+
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, service) -> None:
+    def __init__(self, service: SchedulerService) -> None:
         self.service = service
 
-    async def Generate(self, request: scheduler_pb2.GenerateRequest, context):
+    async def Generate(self, request: scheduler_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[
+                           scheduler_pb2.TokenEvent]:
         stream, start = await self._open(request)
         # Accepted: tell the client now (headers), so it can start its response before the
         # first token while refusals above stay proper status codes.
@@ -64,14 +73,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                f"request {rid!r} is not loaded yet; retry")
         return stream_from_record(rid, record, tokens)
 
-    async def Abort(self, request: scheduler_pb2.AbortRequest, context):
+    async def Abort(self, request: scheduler_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         return scheduler_pb2.AbortResponse(found=self.service.abort(request.request_id))
 
-    async def Stats(self, request: scheduler_pb2.StatsRequest, context):
+    async def Stats(self, request: scheduler_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.StatsResponse:
         service = self.service
         counters = await service.store.stats()
         reply = scheduler_pb2.StatsResponse(
-            policy=service.settings.policy, waiting=len(service.pending),
+            policy=service.settings.policy, waiting=len(service.admission.pending),
             finished=counters.get("finished", 0), aborted=counters.get("aborted", 0),
             preemptions=counters.get("preemptions", 0), model=service.model_name,
             max_model_len=service.limits.max_model_len or 0)
@@ -84,7 +95,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return reply
 
 
-def executor_stats(addr: str, loop) -> scheduler_pb2.ExecutorStats:
+def executor_stats(addr: str, loop: ExecutorLoop) -> scheduler_pb2.ExecutorStats:
     stats = scheduler_pb2.ExecutorStats(address=addr, up=loop.up)
     if loop.info is not None:
         stats.num_device_blocks = stats.free_device_blocks = loop.info.num_device_blocks

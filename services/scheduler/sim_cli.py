@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from bench.report import emit_json
+
+from services.workload.report import emit_json
 
 
 def _rates(text: str) -> list[float]:
@@ -120,8 +121,8 @@ def _run(args) -> int:
 
 
 def _criteria(args, profile: dict):
-    from bench.capacity import Criterion, sarathi_tbt_slo
     from services.scheduler.core.cost_model import CostModel
+    from services.workload.capacity import Criterion, sarathi_tbt_slo
 
     tbt = args.tbt_slo or sarathi_tbt_slo(CostModel.from_profile(profile).iteration_time,
                                           args.tbt_slo_factor)
@@ -129,8 +130,8 @@ def _criteria(args, profile: dict):
 
 
 def _sweep(args) -> int:
-    from bench.plots import plot_results
     from services.scheduler.sim.sweep import _profile, sweep
+    from services.workload.plots import plot_results
 
     base = _base_config(args)
     criteria = _criteria(args, _profile(base.profile))
@@ -151,13 +152,13 @@ def _sweep(args) -> int:
 def _fidelity(args) -> int:
     from dataclasses import replace
 
-    from bench.traces.arrivals import poisson_arrivals
-    from bench.traces.trace import build_trace
-    from bench.traces.workloads import sample_shapes, sharegpt_pool
     from services.common.models import load_tokenizer
     from services.common.settings import ExecutorSettings
     from services.executor.engine import Engine
     from services.scheduler.sim.fidelity import check
+    from services.workload.traces.arrivals import poisson_arrivals
+    from services.workload.traces.trace import build_trace
+    from services.workload.traces.workloads import sample_shapes, sharegpt_pool
 
     settings = ExecutorSettings()
     pool = [replace(s, output_len=min(s.output_len, args.max_output))

@@ -14,28 +14,23 @@ Layout under a namespace `ns` (default `alise`):
 
 Loops describe what changed in an `IterationWrite`; the `StoreWriter` task commits every write
 submitted since its last flush in one atomic Lua script call (store_script.py), then runs the
-writes' callbacks (which publish token events). So a client never sees a token that Redis does not hold, and a crash
-leaves Redis at an iteration boundary.
+writes' callbacks (which publish token events). So a client never sees a token that Redis does
+not hold, and a crash leaves Redis at an iteration boundary. `IterationWrite` and the value
+formats live in iteration_write.py.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import struct
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.common.tasks import cancel_and_wait
+from services.scheduler.iteration_write import QUEUES, TOKEN, FieldValue, IterationWrite
+from services.scheduler.store_script import LUA, script_args
 
 log = logging.getLogger(__name__)
-
-TOKEN = struct.Struct("<ifd")  # token id, logprob, unix time
-QUEUES = ("waiting", "running", "swapped")
-FieldValue = str | int | float
 
 
 class Keys:
@@ -60,46 +55,6 @@ class Keys:
     @property
     def stats(self) -> str:
         return f"{self.ns}:stats"
-
-
-@dataclass
-class IterationWrite:
-    """Everything one loop iteration changed; applied atomically by the writer."""
-
-    fields: dict[str, dict[str, FieldValue]] = field(default_factory=lambda: defaultdict(dict))
-    tokens: dict[str, tuple[int, bytearray]] = field(default_factory=dict)
-    queue: dict[str, tuple[str | None, float]] = field(default_factory=dict)
-    finished: list[str] = field(default_factory=list)
-    held_add: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    held_remove: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    executors: dict[str, dict[str, FieldValue]] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    callbacks: list[Callable[[], None]] = field(default_factory=list)
-
-    def set(self, rid: str, **values: FieldValue) -> None:
-        self.fields[rid].update(values)
-
-    def add_token(self, rid: str, index: int, token_id: int, logprob: float, t: float) -> None:
-        """Append output token `index`; consecutive indices of one request must be added."""
-        start, buf = self.tokens.get(rid, (index, bytearray()))
-        if start + len(buf) // TOKEN.size != index:
-            raise ValueError(f"token {index} of {rid} is not contiguous")
-        buf += TOKEN.pack(token_id, logprob, t)
-        self.tokens[rid] = (start, buf)
-        self.fields[rid]["n_out"] = index + 1
-
-    def move(self, rid: str, queue: str | None, score: float) -> None:
-        """Put `rid` in one queue (None = in none: finished)."""
-        self.queue[rid] = (queue, score)
-
-    def finish(self, rid: str) -> None:
-        self.queue[rid] = (None, 0.0)
-        self.finished.append(rid)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.fields or self.tokens or self.queue or self.held_add
-                    or self.held_remove or self.executors or self.counters or self.callbacks)
 
 
 def _text(value: bytes | str) -> str:
@@ -182,8 +137,6 @@ class Store:
 
     async def commit(self, writes: list[IterationWrite]) -> None:
         """Apply several iteration writes, in order, atomically (one Lua script call)."""
-        from services.scheduler.store_script import LUA, script_args
-
         if self._script is None:
             self._script = self.client.register_script(LUA)
         ttl_ms = max(1, int(self.retention_s * 1000))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from services.scheduler.store import QUEUES, TOKEN, IterationWrite
+from services.scheduler.iteration_write import QUEUES, TOKEN, IterationWrite
 
 LUA = """
 local head = cjson.decode(ARGV[1])

@@ -80,7 +80,7 @@ def reference_run(engine, requests: list[Request], policy: str = "fcfs",
                   knobs: dict | None = None) -> dict[str, list[int]]:
     """Drive an in-process Engine with the core Scheduler directly (no service, no gRPC):
     the output tokens each request gets."""
-    from services.scheduler.iteration import cost_model_for
+    from services.scheduler.executors import cost_model_for
     from services.common.pb import executor_pb2
 
     info = executor_pb2.ExecutorInfo(block_size=engine.block_size,
@@ -89,7 +89,7 @@ def reference_run(engine, requests: list[Request], policy: str = "fcfs",
     sched = Scheduler(make_policy(policy, **(knobs or {})), bm, cost_model_for(info),
                       engine.max_model_len)
     for req in requests:
-        sched.add_request(req)
+        sched.admit(req)
     while True:
         now = time.time()
         out = sched.schedule(now)

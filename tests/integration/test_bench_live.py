@@ -10,9 +10,9 @@ import pytest
 
 from bench.bench_serve import run_point
 from bench.live import run_trace, served_model
-from bench.metrics import summarize
-from bench.traces.trace import SloSpec, TraceItem
 from services.gateway.testing import inprocess_stack
+from services.workload.metrics import summarize
+from services.workload.traces.trace import SloSpec, TraceItem
 
 
 @pytest.fixture(scope="module")

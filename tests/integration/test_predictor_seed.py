@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.traces.sharegpt import Sample
 from services.common.settings import PredictorSettings
 from services.predictor.build import build_predictor, embedding_cache, seed, train_mlp
+from services.workload.traces.sharegpt import Sample
 
 MODEL = "smollm2-135m-instruct"
 SAMPLES = [Sample(f"id{i}", text, "", 10, n) for i, (text, n) in enumerate([

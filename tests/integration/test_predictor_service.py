@@ -15,7 +15,7 @@ from services.predictor.build import mlp_path
 from services.predictor.core import Observation
 from services.predictor.mlp import MlpConfig, length_feature, train
 from services.predictor.server import start_predictor
-from services.predictor.store import Record, point_id
+from services.predictor.store_base import Record, point_id
 
 MODEL = "smollm2-135m-instruct"
 SEEDED = {

@@ -18,7 +18,7 @@ def req(rid: str, prompt: int, predicted: int) -> Request:
 
 def test_least_outstanding_work_and_capacity():
     schedulers = {"a": sched(), "b": sched(max_len=64)}
-    schedulers["a"].add_request(req("long", 100, 400))
+    schedulers["a"].admit(req("long", 100, 400))
     placer = Placer(refresh_s=1e9)          # never refresh: only the increments move the cache
     assert placer.choose(schedulers, req("x", 10, 10), 0.0) == "b"
     assert placer.choose(schedulers, req("big", 100, 10), 0.0) == "a"   # b cannot hold it
@@ -29,6 +29,6 @@ def test_least_outstanding_work_and_capacity():
         r = req(f"s{i}", 30, 100)
         chosen = placer.choose(schedulers, r, 0.0)
         assert chosen == choose_executor(schedulers, r, 0.0), i
-        schedulers[chosen].add_request(r)
+        schedulers[chosen].admit(r)
         placer.placed(chosen, schedulers[chosen], r)
     assert schedulers["a"].num_waiting > 1 and schedulers["b"].num_waiting > 1

@@ -13,9 +13,16 @@ import pytest
 from services.common.grpc_client import aio_channel, check_health
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_runner import free_port
-from services.scheduler.store import QUEUES
-from services.scheduler.testing import (cached_tiny_model, core_request, gen_request, generate,
-                                        reference_run, start_tiny_executor, tokens_of)
+from services.scheduler.iteration_write import QUEUES
+from services.scheduler.testing import (
+    cached_tiny_model,
+    core_request,
+    gen_request,
+    generate,
+    reference_run,
+    start_tiny_executor,
+    tokens_of,
+)
 
 POLICY = "hybrid"
 MAX_TOKENS = 48

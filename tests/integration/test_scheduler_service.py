@@ -123,17 +123,17 @@ async def test_full_queue_is_resource_exhausted(redis_server):
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             held = [asyncio.create_task(generate(stub, gen_request(f"w{i}", [7] * 30, 4)))
                     for i in range(3)]
-            while len(handle.service.backlog) < 3:
+            while len(handle.service.admission.backlog) < 3:
                 await asyncio.sleep(0.01)
             assert await status_of(stub, gen_request("w3", [7], 4)) == \
                 grpc.StatusCode.RESOURCE_EXHAUSTED
             for task in held:
                 task.cancel()
             await asyncio.gather(*held, return_exceptions=True)
-            while handle.service.backlog:      # cancelled clients: their requests aborted
+            while handle.service.admission.backlog:      # cancelled clients: their requests aborted
                 await asyncio.sleep(0.01)
             first = asyncio.create_task(generate(stub, gen_request("t0", [7] * 60, 4)))
-            while not handle.service.backlog:
+            while not handle.service.admission.backlog:
                 await asyncio.sleep(0.01)
             assert await status_of(stub, gen_request("t1", [7] * 60, 4)) == \
                 grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -1,7 +1,8 @@
 """The scheduler's Redis store against a real embedded redis-server."""
 import asyncio
 
-from services.scheduler.store import IterationWrite, Store, StoreWriter
+from services.scheduler.iteration_write import IterationWrite
+from services.scheduler.store import Store, StoreWriter
 
 
 async def test_create_write_tokens_and_finish(redis_server):

@@ -4,16 +4,17 @@ invariants (check_step after every step, each request finishing exactly once).""
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from bench.traces.arrivals import poisson_arrivals
-from bench.traces.trace import Shape, build_trace
-from bench.traces.workloads import mixed_long_prompt_shapes
 from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Slo
 from services.scheduler.sim.config import SimConfig, load_profile, parse_policy
 from services.scheduler.sim.engine import Simulation
+from services.workload.traces.arrivals import poisson_arrivals
+from services.workload.traces.trace import Shape, build_trace
+from services.workload.traces.workloads import mixed_long_prompt_shapes
 from tests.unit.test_core_properties import _requests
 from tests.unit.test_core_util import EOS, SIMPLE, drive, make_sched, req
 
@@ -48,8 +49,8 @@ def test_sarathi_default_chunks_the_same_prompt():
 @pytest.mark.parametrize("chunked", [True, False])
 def test_sarathi_whole_prompts_wait_when_the_leftover_budget_is_short(chunked):
     s = make_sched("sarathi", token_budget=128, tile_size=16, chunked_prefill=chunked)
-    s.add_request(req("a", 100, 4))
-    s.add_request(req("b", 100, 4))
+    s.admit(req("a", 100, 4))
+    s.admit(req("b", 100, 4))
     out = s.schedule(0.0)
     expect = {"a": 100, "b": 28} if chunked else {"a": 100}   # no chunk of b: it waits whole
     assert out.num_scheduled_tokens == expect
@@ -79,7 +80,7 @@ def test_sarathi_default_mixes_prefill_chunks_with_decodes():
 
 def test_sarathi_chunked_prefills_only_runs_prefills_back_to_back_without_decodes():
     s = make_sched("sarathi", token_budget=64, tile_size=16, hybrid_batching=False)
-    s.add_request(req("p", 200, 2))
+    s.admit(req("p", 200, 2))
     trace = drive(s, [])
     assert [o.num_scheduled_tokens["p"] for _, _, o in trace] == [64, 64, 64, 8, 1]
 
@@ -104,8 +105,8 @@ def _accel(**knobs):
 def test_accelgen_without_slack_ordering_admits_in_arrival_order():
     def first_step(**knobs):
         s = _accel(**knobs)
-        s.add_request(req("early", 64, 2, t=0.0, slo=Slo(ttft_s=10.0)))
-        s.add_request(req("late", 64, 2, t=0.0005, slo=Slo(ttft_s=0.002)))   # far less slack
+        s.admit(req("early", 64, 2, t=0.0, slo=Slo(ttft_s=10.0)))
+        s.admit(req("late", 64, 2, t=0.0005, slo=Slo(ttft_s=0.002)))   # far less slack
         return s.schedule(0.001).num_scheduled_tokens
 
     assert first_step() == {"late": 64}
@@ -126,7 +127,7 @@ def _window(**knobs):
     s = _accel(admit_whole=False, **knobs)
     s.block_manager.allocate(req("hog", 60 * 16, 1), 60 * 16)     # leave 4 free blocks = 64 tokens
     for rid, n in (("c20", 20), ("a60", 60), ("b48", 48), ("e64", 64)):
-        s.add_request(req(rid, n, 2, t=0.0, slo=Slo(ttft_s=10.0)))
+        s.admit(req(rid, n, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     return s.schedule(0.0).num_scheduled_tokens
 
 
@@ -141,7 +142,7 @@ def test_accelgen_without_dynamic_chunking_has_one_fixed_budget():
     for dynamic in (True, False):
         for tbt in (0.02, 2.0):
             s = make_sched("accelgen", dynamic_chunking=dynamic)
-            s.add_request(req("r", 10, 2, slo=Slo(tbt_s=tbt)))
+            s.admit(req("r", 10, 2, slo=Slo(tbt_s=tbt)))
             budgets[dynamic, tbt] = s.schedule(0.0).token_budget
     assert budgets[True, 0.02] < budgets[True, 2.0]
     fixed = max(16, SIMPLE.token_budget(0.1875))                 # S_b at default_tbt_s
@@ -150,13 +151,13 @@ def test_accelgen_without_dynamic_chunking_has_one_fixed_budget():
 
 def test_accelgen_without_dynamic_chunking_takes_prompts_whole():
     s = _accel(dynamic_chunking=False)
-    s.add_request(req("x", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
-    s.add_request(req("y", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
+    s.admit(req("x", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
+    s.admit(req("y", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     out = s.schedule(0.0)
     assert out.num_scheduled_tokens == {"x": 40}                 # y is not chunked into 24
     s2 = _accel()
-    s2.add_request(req("x", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
-    s2.add_request(req("y", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
+    s2.admit(req("x", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
+    s2.admit(req("y", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     assert sorted(s2.schedule(0.0).num_scheduled_tokens.values()) == [24, 40]
 
 

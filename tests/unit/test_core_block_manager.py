@@ -89,12 +89,12 @@ def test_random_operations_keep_invariants(seq):
                 r.num_computed_tokens = min(r.num_computed_tokens + n, 80)
         elif op == "append" and bm.is_swapped(rid):
             with pytest.raises(ValueError):        # a decode needs its KV on the device
-                bm.append(r)
+                bm.allocate(r, 1)
             assert bm.num_free_device_blocks + bm.num_free_host_blocks == before
         elif op == "append":
-            ok, free = bm.can_append(r), bm.num_free_device_blocks
+            ok, free = bm.can_allocate(r, 1), bm.num_free_device_blocks
             table = bm.block_table(rid)
-            got = bm.append(r)
+            got = bm.allocate(r, 1)
             assert (got is not None) == ok
             if got is None:                         # only when a new block was needed
                 assert free == 0 and len(table) * 4 <= r.num_computed_tokens

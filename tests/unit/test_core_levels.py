@@ -87,7 +87,7 @@ def test_due_after_a_huge_gap_is_one_pop(hang_guard):
 def test_request_that_arrived_at_zero_ages_to_the_top_at_once(policy, hang_guard):
     s = make_sched(policy, aging_threshold_s=5.0)
     long = req("long", 3000, 2000, t=0.0)             # enters a low level
-    s.add_request(long)
+    s.admit(long)
     level = s.policy.q.level_of["long"]
     assert level > 0
     out = s.schedule(NOW)                              # wall clock vs. arrival 0.0
@@ -108,7 +108,7 @@ def test_due_with_a_limit_spreads_a_cohort_and_keeps_every_period():
 def test_aging_per_step_bounds_promotions_per_step():
     s = make_sched("alise", aging_threshold_s=1.0, aging_per_step=3)
     for i in range(7):
-        s.add_request(req(f"w{i}", 2000, 2000, t=0.0))      # a cohort, all below the top
+        s.admit(req(f"w{i}", 2000, 2000, t=0.0))      # a cohort, all below the top
     before = dict(s.policy.q.level_of)
     assert min(before.values()) > 0
     promoted = []

@@ -17,7 +17,7 @@ def _step(s, now, tokens=None):
 
 def test_first_step_sends_new_request_and_blocks():
     s = make_sched("fcfs", block_size=4)
-    s.add_request(req("a", 10, 3))
+    s.admit(req("a", 10, 3))
     out = s.schedule(0.0)
     assert out.step_id == 1
     assert [n.request_id for n in out.new_requests] == ["a"]
@@ -36,9 +36,9 @@ def test_first_step_sends_new_request_and_blocks():
 
 def test_stop_conditions_and_frees_in_next_output():
     s = make_sched("fcfs")
-    s.add_request(Request("eos", [1] * 4, 10, 0.0, eos_token_ids=(EOS,), min_tokens=2))
-    s.add_request(Request("stop", [1] * 4, 10, 0.0, stop_token_ids=(42,)))
-    s.add_request(Request("len", [1] * 4, 2, 0.0, eos_token_ids=(EOS,)))
+    s.admit(Request("eos", [1] * 4, 10, 0.0, eos_token_ids=(EOS,), min_tokens=2))
+    s.admit(Request("stop", [1] * 4, 10, 0.0, stop_token_ids=(42,)))
+    s.admit(Request("len", [1] * 4, 2, 0.0, eos_token_ids=(EOS,)))
     _, ups = _step(s, 0.0, {"eos": EOS, "stop": 42, "len": 3})
     done = {u.request_id: u.finish_reason for u in ups if u.finished}
     assert done == {"stop": "stop"}                      # EOS ignored before min_tokens
@@ -55,12 +55,12 @@ def test_stop_conditions_and_frees_in_next_output():
 def test_max_model_len_and_validation():
     s = make_sched("fcfs", max_model_len=12)
     with pytest.raises(ValueError, match="no room"):
-        s.add_request(req("big", 12, 5))
-    s.add_request(Request("a", [1] * 10, 100, 0.0))
+        s.admit(req("big", 12, 5))
+    s.admit(Request("a", [1] * 10, 100, 0.0))
     drive(s, [])
     assert s.requests["a"].num_tokens == 12 and s.requests["a"].finish_reason == "length"
     with pytest.raises(ValueError, match="already exists"):
-        s.add_request(req("x", 3, 1)) or s.add_request(req("x", 3, 1))
+        s.admit(req("x", 3, 1)) or s.admit(req("x", 3, 1))
     with pytest.raises(ValueError):
         Request("r", [], 5, 0.0)
     with pytest.raises(ValueError):
@@ -69,11 +69,11 @@ def test_max_model_len_and_validation():
 
 def test_abort_while_in_flight_and_wrong_step():
     s = make_sched("fcfs")
-    s.add_request(req("a", 8, 5))
+    s.admit(req("a", 8, 5))
     out = s.schedule(0.0)
     with pytest.raises(RuntimeError):
         s.schedule(0.0)
-    assert s.abort_request("a", 0.001) and not s.abort_request("a", 0.002)
+    assert s.abort("a", 0.001) and not s.abort("a", 0.002)
     with pytest.raises(ValueError):
         s.update(StepOutcome(out.step_id + 1, {}), 0.01)
     assert s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01) == []
@@ -83,7 +83,7 @@ def test_abort_while_in_flight_and_wrong_step():
 
 def test_missing_sample_is_an_error():
     s = make_sched("fcfs")
-    s.add_request(req("a", 8, 5))
+    s.admit(req("a", 8, 5))
     out = s.schedule(0.0)
     with pytest.raises(ValueError, match="no token"):
         s.update(StepOutcome(out.step_id, {}), 0.01)
@@ -130,7 +130,7 @@ def test_fcfs_swap_mode_swaps_out_and_back():
 
 def test_placement_prefers_least_outstanding_work():
     s1, s2 = make_sched("fcfs"), make_sched("fcfs", max_model_len=64)
-    s1.add_request(req("x", 100, 200))
+    s1.admit(req("x", 100, 200))
     assert choose_executor({"a": s1, "b": s2}, req("y", 10, 10), 0.0) == "b"
     assert choose_executor({"a": s1, "b": s2}, req("z", 100, 10), 0.0) == "a"
     assert choose_executor({"b": s2}, req("w", 100, 10), 0.0) is None
@@ -142,13 +142,13 @@ def test_placement_prefers_least_outstanding_work():
 
 def test_free_only_output_is_not_in_flight():
     s = make_sched("fcfs")
-    s.add_request(req("a", 4, 1))
+    s.admit(req("a", 4, 1))
     out = s.schedule(0.0)
     s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
     frees = s.schedule(0.02)
     assert frees.free_request_ids == ["a"] and not frees.num_scheduled_tokens
     assert s.update(StepOutcome(frees.step_id, {}), 0.03) == []     # sent: accepted as no-op
-    s.add_request(req("b", 4, 1, t=0.03))
+    s.admit(req("b", 4, 1, t=0.03))
     assert s.schedule(0.04).num_scheduled_tokens == {"b": 4}        # dropped: still fine
 
 
@@ -161,7 +161,7 @@ def _readmitted(rid="a", prompt=6, output=(9, 8), max_tokens=5, **kw) -> Request
 
 def test_readmitted_request_is_recomputed_from_prompt_and_output():
     s = make_sched("fcfs", block_size=4)
-    s.add_request(_readmitted())
+    s.admit(_readmitted())
     out = s.schedule(1.0)
     (new,) = out.new_requests
     assert new.token_ids == [5] * 6 + [9, 8] and new.num_output_tokens == 2
@@ -187,7 +187,7 @@ def test_every_policy_finishes_readmitted_requests(policy):
 def test_readmitted_prediction_is_doubled_past_its_output():
     s = make_sched("alise")
     r = _readmitted(output=[7] * 10, max_tokens=100, predicted_len=4)
-    s.add_request(r)
+    s.admit(r)
     assert s.predicted_len(r) == 16 and s.policy.demotions["a"] == 1
 
 
@@ -202,10 +202,10 @@ def test_readmission_validation():
                        (_readmitted("full", prompt=8, output=[7] * 4, max_tokens=9),
                         r"prompt of 8 tokens \+ 4 output tokens leaves no room")]:
         with pytest.raises(ValueError, match=match):
-            s.add_request(bad)
+            s.admit(bad)
     assert not s.requests and not s.has_unfinished
     ok = _readmitted("ok", prompt=8, output=[7] * 3, max_tokens=9)   # 11 + 1 fits
-    s.add_request(ok)
+    s.admit(ok)
     drive(s, [])
     assert ok.num_tokens == 12 and ok.finish_reason == "length"
 
@@ -213,25 +213,25 @@ def test_readmission_validation():
 def test_finished_request_is_dropped_once_its_free_is_acknowledged():
     s = make_sched("fcfs")
     a = req("a", 4, 1)
-    s.add_request(a)
+    s.admit(a)
     out = s.schedule(0.0)
     s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
     assert a.is_finished and s.requests["a"] is a        # its free is not out yet
-    s.add_request(req("b", 4, 2, t=0.01))
+    s.admit(req("b", 4, 2, t=0.01))
     out = s.schedule(0.02)
     assert out.free_request_ids == ["a"] and "a" in s.requests   # that step may still fail
     s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.03)
-    assert "a" not in s.requests and not s.abort_request("a", 0.03)
+    assert "a" not in s.requests and not s.abort("a", 0.03)
     c = req("c", 4, 2, t=0.03)                           # never sent: dropped when aborted
-    s.add_request(c)
-    assert s.abort_request("c", 0.03) and "c" not in s.requests
+    s.admit(c)
+    assert s.abort("c", 0.03) and "c" not in s.requests
     out = s.schedule(0.04)
     assert "c" not in out.free_request_ids and list(s.requests) == ["b"]
     s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.05)
     frees = s.schedule(0.06)                             # free-only output, never acknowledged
     assert frees.free_request_ids == ["b"] and "b" in s.requests
     assert s.schedule(0.07).is_empty and s.requests == {}    # the next schedule drops it
-    s.add_request(req("a", 4, 1, t=0.07))                # the id may be used again
+    s.admit(req("a", 4, 1, t=0.07))                # the id may be used again
     assert s.schedule(0.08).num_scheduled_tokens == {"a": 4}
 
 

@@ -53,7 +53,7 @@ def drive(s: Scheduler, arrivals: list[Request], token=lambda r, i: 7, max_steps
     now, trace, k = 0.0, [], 0
     for _ in range(max_steps):
         while k < len(pending) and pending[k].arrival_time <= now:
-            s.add_request(pending[k])
+            s.admit(pending[k])
             k += 1
         if not s.has_unfinished and k == len(pending):
             return trace

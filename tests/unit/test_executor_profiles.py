@@ -4,7 +4,7 @@ import json
 
 from services.executor.engine import BUNDLED_PROFILES, bundled_profile
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.iteration import cost_model_for
+from services.scheduler.executors import cost_model_for
 from services.common.pb import executor_pb2
 
 

@@ -1,8 +1,8 @@
-"""bench.metrics against hand-computed examples."""
+"""services.workload.metrics against hand-computed examples."""
 import pytest
 
-from bench import metrics as m
-from bench.metrics import IterationRecord, RequestRecord
+from services.workload import metrics as m
+from services.workload.metrics import IterationRecord, RequestRecord
 
 
 def _a():

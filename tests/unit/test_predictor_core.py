@@ -7,7 +7,7 @@ import pytest
 from services.predictor.core import combine, decide
 from services.predictor.embedder import normalize_prompt
 from services.predictor.mlp import MlpConfig, MlpRegressor, train
-from services.predictor.store import Neighbor, Record, collection_name, point_id
+from services.predictor.store_base import Neighbor, Record, collection_name, point_id
 
 
 def test_combine_weights_by_similarity_and_count_above_threshold():

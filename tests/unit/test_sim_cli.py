@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from bench.capacity import Criterion, Search, bisect_many, sarathi_tbt_slo
-from bench.traces.arrivals import poisson_arrivals
-from bench.traces.trace import TraceItem, save_jsonl
 from services.cli import main
+from services.workload.capacity import Criterion, Search, bisect_many, sarathi_tbt_slo
+from services.workload.traces.arrivals import poisson_arrivals
+from services.workload.traces.trace import TraceItem, save_jsonl
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@ request on the wall clock, and the simulator, given the engine's own measured pr
 produces numbers of the same order (a fixed profile here: the real check uses a measured one)."""
 import pytest
 
-from bench.traces.trace import TraceItem
 from services.scheduler.sim.fidelity import check, live_run
+from services.workload.traces.trace import TraceItem
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.traces import sharegpt
-from bench.traces.arrivals import gamma_arrivals, make_arrivals, scale_timestamps
-from bench.traces.csv_replay import load_csv, parse_timestamp
-from bench.traces.slo import assign_slos
-from bench.traces.spec import make_trace, parse_spec
-from bench.traces.trace import Shape, SloSpec, TraceItem, build_trace, load_jsonl, save_jsonl
-from bench.traces.workloads import mixed_long_prompt_shapes, sample_shapes
+from services.workload.traces import sharegpt
+from services.workload.traces.arrivals import gamma_arrivals, make_arrivals, scale_timestamps
+from services.workload.traces.csv_replay import load_csv, parse_timestamp
+from services.workload.traces.slo import assign_slos
+from services.workload.traces.spec import make_trace, parse_spec
+from services.workload.traces.trace import (
+    Shape,
+    SloSpec,
+    TraceItem,
+    build_trace,
+    load_jsonl,
+    save_jsonl,
+)
+from services.workload.traces.workloads import mixed_long_prompt_shapes, sample_shapes
 
 FIX = Path(__file__).parents[1] / "fixtures" / "traces"
 

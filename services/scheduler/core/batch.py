@@ -8,15 +8,20 @@ Rules it enforces (they follow from the executor's order swap_out, swap_in, free
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.scheduler.core.output import NewRequestData, SchedulerOutput
-from services.scheduler.core.request import RequestStatus
+from services.scheduler.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from services.scheduler.core.scheduler import Scheduler
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 UNLIMITED = 1 << 62
 
 
 class Batch:
-    def __init__(self, sched, now: float, token_budget: int | None = None):
+    def __init__(self, sched: Scheduler, now: float, token_budget: int | None = None) -> None:
         self.sched = sched
         self.bm = sched.block_manager
         self.now = now
@@ -41,7 +46,7 @@ class Batch:
         return len(self.scheduled)
 
     # -- scheduling -------------------------------------------------------------------------
-    def schedule(self, req, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
+    def schedule(self, req: Request, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Grant `num_new_tokens` to a resident or waiting request (admitting it); False when
         its KV does not fit (nothing changes then)."""
         rid = req.request_id
@@ -59,7 +64,7 @@ class Batch:
         if new is None:
             return False
         if status is WAITING:
-            self.sched._move(req, RUNNING)
+            self.sched.move(req, RUNNING)
         if new:
             entry = self.block_tables.get(rid)
             if entry is None:
@@ -70,7 +75,7 @@ class Batch:
         self.num_tokens += num_new_tokens
         return True
 
-    def swap_in(self, req, reserve_blocks: int = 0) -> bool:
+    def swap_in(self, req: Request, reserve_blocks: int = 0) -> bool:
         rid = req.request_id
         if rid in self.touched:
             return False
@@ -80,11 +85,11 @@ class Batch:
         self.swap_in_map.extend(mapping)
         self.block_tables[rid] = (self.bm.block_table(rid), True)
         self.swapped_in.add(rid)
-        self.sched._move(req, RUNNING)
+        self.sched.move(req, RUNNING)
         return True
 
     # -- preemption -------------------------------------------------------------------------
-    def preempt(self, req, mode: str = "recompute") -> bool:
+    def preempt(self, req: Request, mode: str = "recompute") -> bool:
         """Take a resident request off the device: 'swap' copies its KV to host blocks
         (falling back to recompute when the host pool is full), 'recompute' drops it."""
         rid = req.request_id
@@ -95,18 +100,18 @@ class Batch:
             mapping = self.bm.swap_out(rid, req.num_computed_tokens)
             if mapping is not None:
                 self.swap_out.extend(mapping)
-                self.sched._move(req, SWAPPED)
+                self.sched.move(req, SWAPPED)
                 return self._mark(req)
         elif mode not in ("swap", "recompute"):
             raise ValueError(f"preemption mode must be 'swap' or 'recompute', got {mode!r}")
         self.bm.free(rid)
         req.num_computed_tokens = 0
-        if self.sched._forget(rid):
+        if self.sched.forget(rid):
             self.freed.append(rid)
-        self.sched._move(req, WAITING)
+        self.sched.move(req, WAITING)
         return self._mark(req)
 
-    def offload(self, req) -> bool:
+    def offload(self, req: Request) -> bool:
         """Swap a resident request's KV to host only (no recompute fallback)."""
         rid = req.request_id
         if req.status is not RUNNING or rid in self.swapped_in or req.num_computed_tokens == 0:
@@ -115,7 +120,7 @@ class Batch:
             return False
         return self.preempt(req, "swap")
 
-    def _mark(self, req) -> bool:
+    def _mark(self, req: Request) -> bool:
         req.num_preemptions += 1
         self.preempted.append(req.request_id)
         self.touched.add(req.request_id)
@@ -129,14 +134,14 @@ class Batch:
 
     # -- result -----------------------------------------------------------------------------
     def finish(self) -> SchedulerOutput:
-        reqs = self.sched.requests
-        known = self.sched._known
-        new_requests, decodes, context = [], [], 0
-        now = self.now
+        sched = self.sched
+        reqs = sched.requests
+        new_requests: list[NewRequestData] = []
+        decodes: list[str] = []
+        context, now = 0, self.now
         for rid, n in self.scheduled.items():
             req = reqs[rid]
-            if rid not in known:
-                known.add(rid)
+            if sched.mark_sent(rid):
                 new_requests.append(NewRequestData(rid, req.all_token_ids, req.sampling,
                                                    len(req.output_token_ids)))
             if req.num_uncomputed_tokens == 1:

@@ -9,11 +9,16 @@ never overwrites a host block that is still being read.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.scheduler.core.request import Request
+
 _EMPTY: list[int] = []
 
 
 class BlockManager:
-    def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16):
+    def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16) -> None:
         if num_device_blocks < 1:
             raise ValueError(f"num_device_blocks must be >= 1, got {num_device_blocks}")
         if num_host_blocks < 0:
@@ -34,7 +39,7 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_new_blocks(self, req, num_new_tokens: int) -> int:
+    def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
         """Device blocks `req` needs so that `num_computed_tokens + num_new_tokens` fit."""
         table = self._dev.get(req.request_id)
         need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -59,10 +64,10 @@ class BlockManager:
         return 1.0 - (len(self._free_host) + len(self._host_quarantine)) / self.num_host_blocks
 
     # -- device allocation ------------------------------------------------------------------
-    def can_allocate(self, req, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         return self.num_new_blocks(req, num_new_tokens) + reserve_blocks <= len(self._free_dev)
 
-    def allocate(self, req, num_new_tokens: int, reserve_blocks: int = 0) -> list[int] | None:
+    def allocate(self, req: Request, num_new_tokens: int, reserve_blocks: int = 0) -> list[int] | None:
         """Grow `req`'s device table to hold its computed + new tokens.
 
         Returns the newly added block ids ([] when none were needed) or None when the pool
@@ -86,13 +91,6 @@ class BlockManager:
         else:
             table.extend(new)
         return new
-
-    def can_append(self, req) -> bool:
-        return self.can_allocate(req, 1)
-
-    def append(self, req) -> list[int] | None:
-        """Room for one more token (a decode)."""
-        return self.allocate(req, 1)
 
     def free(self, request_id: str) -> int:
         """Return every block of the request (device and host) to the pools; returns the count."""
@@ -129,10 +127,6 @@ class BlockManager:
         self._host[request_id] = host
         return list(zip(table[:keep], host))
 
-    def can_swap_in(self, request_id: str, reserve_blocks: int = 0) -> bool:
-        host = self._host.get(request_id)
-        return host is not None and len(host) + reserve_blocks <= len(self._free_dev)
-
     def swap_in(self, request_id: str, reserve_blocks: int = 0) -> list[tuple[int, int]] | None:
         """Move the request's KV back to device blocks; returns (host, device) pairs or None."""
         host = self._host.get(request_id)
@@ -155,9 +149,6 @@ class BlockManager:
     # -- queries ----------------------------------------------------------------------------
     def block_table(self, request_id: str) -> list[int]:
         return list(self._dev.get(request_id, _EMPTY))
-
-    def host_table(self, request_id: str) -> list[int]:
-        return list(self._host.get(request_id, _EMPTY))
 
     def num_device_blocks_of(self, request_id: str) -> int:
         table = self._dev.get(request_id)
@@ -182,7 +173,8 @@ class BlockManager:
         assert not both, f"requests on device and host at once: {sorted(both)}"
 
     @staticmethod
-    def _check_pool(name, total, free, tables, quarantine) -> None:
+    def _check_pool(name: str, total: int, free: list[int], tables: dict[str, list[int]],
+                    quarantine: list[int]) -> None:
         owned = [b for t in tables.values() for b in t]
         every = owned + list(free) + list(quarantine)
         assert len(every) == total, f"{name}: {len(every)} blocks accounted, pool has {total}"

@@ -1,4 +1,4 @@
-"""One cost model (DESIGN.md section 4): iteration time of a batch, fitted by least squares.
+"""One cost model (docs/scheduling.md, "Cost model"): iteration time of a batch, fitted by least squares.
 
     iteration_time = c0 + c_prefill * P + c_decode * D + c_context * C
 
@@ -15,6 +15,16 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.scheduler.core.output import SchedulerOutput
+    from services.scheduler.core.request import Request
+    from services.scheduler.core.residual import Residuals
+
+Sample = dict[str, Any]      # one profiled batch: prefill/decode/context tokens and time_s
+Profile = dict[str, Any]     # a saved profile (JSON object)
+UNSET = math.nan             # a derived quantity not given: computed from the coefficients
 
 COEFFS = ("c0", "c_prefill", "c_decode", "c_context")
 _T0_GRID = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -26,19 +36,19 @@ class CostModel:
     c_prefill: float
     c_decode: float
     c_context: float = 0.0
-    t0: float | None = None
-    alpha: float | None = None
-    beta: float | None = None
-    pivot_tokens: int | None = None     # AccelGen S_pf: forward size that saturates compute
-    pivot_time_s: float | None = None   # AccelGen T_pf: iteration time at S_pf
+    t0: float = UNSET
+    alpha: float = UNSET
+    beta: float = UNSET
+    pivot_tokens: int = 0               # AccelGen S_pf: forward size that saturates compute
+    pivot_time_s: float = UNSET         # AccelGen T_pf: iteration time at S_pf
     fit_error: float | None = None
     device: str = "unknown"
     model: str = "unknown"
     block_size: int | None = None
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None
-    samples: list[dict] = field(default_factory=list, repr=False)
-    _residuals: object = field(default=None, init=False, repr=False, compare=False)
+    samples: list[Sample] = field(default_factory=list, repr=False)
+    _residuals: Residuals | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in COEFFS:
@@ -47,28 +57,30 @@ class CostModel:
                 raise ValueError(f"cost model coefficient {name} must be finite and >= 0, got {value!r}")
         if self.c0 + self.c_prefill + self.c_decode <= 0:
             raise ValueError("cost model predicts zero time for every batch")
-        if self.t0 is None:
+        if math.isnan(self.t0):
             grid = [(s, self.iteration_time(s, 0, s)) for s in _T0_GRID]
             self.t0 = sum(s * t for s, t in grid) / sum(s * s for s, _ in grid)
-        if self.alpha is None:
+        if math.isnan(self.alpha):
             self.alpha = self.c_context
-        if self.beta is None:
+        if math.isnan(self.beta):
             self.beta = self.c0 + self.c_decode
-        if self.pivot_tokens is None:
+        if self.pivot_tokens < 1:
             # compute time per token equals the fixed per-iteration (weight streaming) time
             per_token = self.c_prefill + self.c_context
             self.pivot_tokens = max(1, round(self.c0 / per_token)) if per_token > 0 else 512
-        if self.pivot_time_s is None:
+        if math.isnan(self.pivot_time_s):
             self.pivot_time_s = self.iteration_time(self.pivot_tokens, 0, self.pivot_tokens)
 
     # -- batch time -------------------------------------------------------------------------
-    def iteration_time(self, prefill_tokens: int, decode_tokens: int, context_tokens: int = 0) -> float:
+    def iteration_time(self, prefill_tokens: float, decode_tokens: float,
+                       context_tokens: float = 0) -> float:
         if prefill_tokens == 0 and decode_tokens == 0:
             return 0.0
         return (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_tokens
                 + self.c_context * context_tokens)
 
-    def measured_time(self, prefill_tokens: int, decode_tokens: int, context_tokens: int = 0) -> float:
+    def measured_time(self, prefill_tokens: int, decode_tokens: int,
+                      context_tokens: int = 0) -> float:
         """`iteration_time` corrected by the profile's measured samples nearest in shape (see
         core/residual.py): the simulator's clock. Equal to `iteration_time` without samples."""
         base = self.iteration_time(prefill_tokens, decode_tokens, context_tokens)
@@ -82,7 +94,7 @@ class CostModel:
             return base
         return base * self._residuals.ratio(prefill_tokens, decode_tokens, context_tokens)
 
-    def output_time(self, out) -> float:
+    def output_time(self, out: SchedulerOutput) -> float:
         """Iteration time of a SchedulerOutput (swaps are assumed overlapped with compute)."""
         return self.iteration_time(out.num_prefill_tokens, out.num_decode_tokens,
                                    out.num_context_tokens)
@@ -94,7 +106,7 @@ class CostModel:
     def decode_time(self, s: int, n: int) -> float:
         return n * (self.alpha * s + self.beta)
 
-    def remaining_time(self, request, predicted_len: int | None = None) -> float:
+    def remaining_time(self, request: Request, predicted_len: int | None = None) -> float:
         """Estimated seconds of execution left for `request` if it outputs `predicted_len`
         tokens in total (default: its own prediction, else max_tokens)."""
         pred = predicted_len or request.predicted_len or request.max_tokens
@@ -128,18 +140,19 @@ class CostModel:
 
     # -- (de)serialisation ------------------------------------------------------------------
     @classmethod
-    def from_profile(cls, profile: dict | str | Path) -> "CostModel":
-        if not isinstance(profile, dict):
-            profile = json.loads(Path(profile).read_text())
+    def from_profile(cls, source: Profile | str | Path) -> CostModel:
+        profile: Profile = (source if isinstance(source, dict)
+                            else json.loads(Path(source).read_text()))
         coeffs = profile.get("coefficients")
         if not isinstance(coeffs, dict) or any(k not in coeffs for k in COEFFS):
             if profile.get("samples"):
                 return cls.fit(profile["samples"], **_meta(profile))
             raise ValueError(f"profile needs 'coefficients' with {COEFFS} or 'samples'")
-        return cls(**{k: float(coeffs[k]) for k in COEFFS}, **_alise(profile), **_meta(profile),
+        c0, c_prefill, c_decode, c_context = (float(coeffs[k]) for k in COEFFS)
+        return cls(c0, c_prefill, c_decode, c_context, **_alise(profile), **_meta(profile),
                    samples=list(profile.get("samples") or []))
 
-    def to_profile(self) -> dict:
+    def to_profile(self) -> Profile:
         return {
             "device": self.device, "model": self.model,
             "coefficients": {k: getattr(self, k) for k in COEFFS},
@@ -151,22 +164,23 @@ class CostModel:
         }
 
     @classmethod
-    def fit(cls, samples: list[dict], **meta) -> "CostModel":
+    def fit(cls, samples: list[Sample], **meta: Any) -> CostModel:
         """Non-negative least squares over samples {prefill_tokens, decode_tokens,
         context_tokens, time_s}; fit_error is the relative RMSE."""
         from services.scheduler.core.lsq import nnls
 
         rows, ys = _design(samples)
-        coef = nnls(rows, ys)
-        model = cls(*coef, samples=list(samples), **meta)
+        c0, c_prefill, c_decode, c_context = nnls(rows, ys)
+        model = cls(c0, c_prefill, c_decode, c_context, samples=list(samples), **meta)
         model.fit_error = _relative_rmse(model, rows, ys)
         return model
 
 
-def _design(samples: list[dict]) -> tuple[list[list[float]], list[float]]:
+def _design(samples: list[Sample]) -> tuple[list[list[float]], list[float]]:
     if len(samples) < 4:
         raise ValueError(f"need at least 4 profile samples to fit 4 coefficients, got {len(samples)}")
-    rows, ys = [], []
+    rows: list[list[float]] = []
+    ys: list[float] = []
     for i, s in enumerate(samples):
         try:
             p, d = float(s["prefill_tokens"]), float(s["decode_tokens"])
@@ -180,13 +194,13 @@ def _design(samples: list[dict]) -> tuple[list[list[float]], list[float]]:
     return rows, ys
 
 
-def _relative_rmse(model: CostModel, rows, ys) -> float:
+def _relative_rmse(model: CostModel, rows: list[list[float]], ys: list[float]) -> float:
     err = [(model.iteration_time(r[1], r[2], r[3]) - y) / y for r, y in zip(rows, ys)]
     return math.sqrt(sum(e * e for e in err) / len(err))
 
 
-def _alise(profile: dict) -> dict:
-    out = {}
+def _alise(profile: Profile) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key in ("t0", "alpha", "beta", "pivot_time_s", "fit_error"):
         if profile.get(key) is not None:
             out[key] = float(profile[key])
@@ -195,15 +209,15 @@ def _alise(profile: dict) -> dict:
     return out
 
 
-def _meta(profile: dict) -> dict:
-    out = {k: str(profile[k]) for k in ("device", "model") if profile.get(k)}
+def _meta(profile: Profile) -> dict[str, Any]:
+    out: dict[str, Any] = {k: str(profile[k]) for k in ("device", "model") if profile.get(k)}
     for key in ("block_size", "num_device_blocks", "num_host_blocks"):
         if profile.get(key) is not None:
             out[key] = int(profile[key])
     return out
 
 
-def roofline_profile(name: str) -> dict:
+def roofline_profile(name: str) -> Profile:
     """Analytical profile for a named `gpu/model` (see core/roofline.py for the numbers)."""
     from services.scheduler.core.roofline import roofline_profile as _rp
 

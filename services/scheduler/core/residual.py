@@ -14,6 +14,8 @@ weights spread out and the correction fades towards the samples' mean ratio.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 
 def _shape(prefill: float, decode: float, context: float) -> tuple[float, float, float]:
@@ -23,7 +25,8 @@ def _shape(prefill: float, decode: float, context: float) -> tuple[float, float,
 
 
 class Residuals:
-    def __init__(self, samples: list[dict], fitted, k: int = 3) -> None:
+    def __init__(self, samples: list[dict[str, Any]], fitted: Callable[[float, float, float], float],
+                 k: int = 3) -> None:
         """`fitted(prefill, decode, context)` is the linear model's time for a batch."""
         self.k = k
         self.points: list[tuple[tuple[float, float, float], float]] = []

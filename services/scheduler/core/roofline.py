@@ -21,6 +21,8 @@ Pools: 90% of device memory minus weights minus 1 GiB activations, in 16-token b
 """
 from __future__ import annotations
 
+from typing import Any
+
 GIB = 1024 ** 3
 GPUS = {   # name: (peak FLOP/s, bandwidth B/s, memory bytes)
     "v100-32g": (125e12, 900e9, 32 * GIB),
@@ -37,7 +39,7 @@ MFU, MBU, OVERHEAD_S = 0.6, 0.8, 0.003
 BLOCK_SIZE, GPU_MEM_UTIL, ACTIVATION_BYTES, HOST_SWAP_BYTES = 16, 0.9, 1 * GIB, 32 * GIB
 
 
-def roofline_profile(name: str) -> dict:
+def roofline_profile(name: str) -> dict[str, Any]:
     """Profile JSON (same schema as `alise executor profile`) for 'gpu/model'."""
     try:
         gpu, model = name.lower().split("/")

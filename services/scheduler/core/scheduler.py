@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.scheduler.core.batch import Batch
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.output import RequestUpdate, SchedulerOutput, StepOutcome
 from services.scheduler.core.request import FINISH_REASON_STATUS, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from services.scheduler.core.policies.base import Policy
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 
@@ -33,9 +37,9 @@ class AppliedStep:
 
 
 class Scheduler:
-    def __init__(self, policy, block_manager: BlockManager, cost_model: CostModel,
-                 max_model_len: int):
-        from services.scheduler.core.policies import make_policy
+    def __init__(self, policy: Policy | str, block_manager: BlockManager,
+                 cost_model: CostModel, max_model_len: int) -> None:
+        from services.scheduler.core.policies.base import make_policy
 
         if isinstance(policy, str):
             policy = make_policy(policy)
@@ -51,7 +55,7 @@ class Scheduler:
         self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.running: OrderedDict[str, Request] = OrderedDict()   # resident on device
         self.swapped: OrderedDict[str, Request] = OrderedDict()
-        self._known: set[str] = set()          # requests the executor holds state for
+        self._sent: set[str] = set()           # requests the executor holds state for
         self._pending_free: list[str] = []     # finished and known: freed in the next output
         self._freed_sent: list[str] = []       # freed in the last output: dropped once acked
         self._inflight: SchedulerOutput | None = None
@@ -67,22 +71,23 @@ class Scheduler:
             self.max_model_len = min(self.max_model_len, max(2, usable))
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        """Queue `req`. It must be WAITING with nothing computed; it may already carry output
-        tokens (re-admitted after a scheduler restart or an executor failure): prompt + output
-        are then recomputed and sent together in `new_requests` (`num_output_tokens` set)."""
+    def admit(self, req: Request) -> None:
+        """Queue `req`. It must be WAITING with nothing computed. It may already carry output
+        (re-admitted after a scheduler restart or an executor failure): the policy's `on_add`
+        then sees that output (ALISE doubles an outgrown prediction, hybrid skips the TTFT
+        queue), and prompt + output are recomputed and sent together in `new_requests`
+        (`num_output_tokens` set)."""
         rid = req.request_id
         if rid in self.requests and not self.requests[rid].is_finished:
             raise ValueError(f"request {rid} already exists")
         if req.status is not WAITING or req.num_computed_tokens:
             raise ValueError(f"request {rid} must be waiting with nothing computed, got status="
                              f"{req.status.value} num_computed_tokens={req.num_computed_tokens}")
-        limit = self.max_model_len if req.max_model_len is None else min(req.max_model_len,
-                                                                          self.max_model_len)
         n_out = req.num_output_tokens
         if n_out >= req.max_tokens:
             raise ValueError(f"request {rid} already has {n_out} output tokens "
                              f"(max_tokens={req.max_tokens}): nothing left to generate")
+        limit = self.length_limit(req)
         if req.num_tokens + 1 > limit:
             what = f"prompt of {req.num_prompt_tokens} tokens" + (
                 f" + {n_out} output tokens" if n_out else "")
@@ -93,7 +98,19 @@ class Scheduler:
         self.waiting[rid] = req
         self.policy.on_add(req, req.arrival_time)
 
-    def abort_request(self, request_id: str, now: float) -> bool:
+    def can_admit(self, req: Request) -> bool:
+        """Whether `admit(req)` would accept `req`'s length: its known tokens (prompt, plus the
+        output of a re-admitted request) and one more fit, and max_tokens is not reached."""
+        return (req.num_tokens + 1 <= self.length_limit(req)
+                and req.num_output_tokens < req.max_tokens)
+
+    def length_limit(self, req: Request) -> int:
+        """The most tokens (prompt + output) `req` may reach on this executor."""
+        own = req.max_model_len
+        return self.max_model_len if own is None else min(own, self.max_model_len)
+
+    def abort(self, request_id: str, now: float) -> bool:
+        """Finish an unfinished request as aborted; False when there is none by that id."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
@@ -109,7 +126,7 @@ class Scheduler:
             raise RuntimeError(f"step {self._inflight.step_id} is still in flight; update() first")
         self._drop_freed()
         self.block_manager.begin_step()
-        out = self.policy.schedule(self, now)
+        out = self.policy.schedule(now)
         self._step_id += 1
         out.step_id = self._step_id
         if self._pending_free:
@@ -149,27 +166,23 @@ class Scheduler:
         self.policy.update(AppliedStep(out, outcome, updates), now)
         return updates
 
-    @property
-    def inflight(self) -> SchedulerOutput | None:
-        return self._inflight
-
     def _append_token(self, req: Request, token: int, logprob: float, now: float) -> RequestUpdate:
         req.output_token_ids.append(token)
         req.output_logprobs.append(logprob)
         req.token_times.append(now)
         index = len(req.output_token_ids) - 1
-        reason = self._stop_reason(req, token)
+        reason = self._stop_reason(req, token, self.length_limit(req))
         if reason is not None:
             self._finish(req, reason, now)
         return RequestUpdate(req.request_id, (token, logprob, index), reason is not None, reason)
 
     @staticmethod
-    def _stop_reason(req: Request, token: int) -> str | None:
+    def _stop_reason(req: Request, token: int, limit: int) -> str | None:
         n = len(req.output_token_ids)
         if n >= req.min_tokens:
             if token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids):
                 return "stop"
-        if n >= req.max_tokens or req.num_tokens >= req.max_model_len:
+        if n >= req.max_tokens or req.num_tokens >= limit:
             return "length"
         return None
 
@@ -180,7 +193,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finished_time = now
         self.block_manager.free(rid)
-        if self._forget(rid):
+        if self.forget(rid):
             self._pending_free.append(rid)
         elif self.requests.get(rid) is req:
             del self.requests[rid]          # the executor never saw it: nothing to free
@@ -196,23 +209,34 @@ class Scheduler:
                 del reqs[rid]
         self._freed_sent = []
 
-    # -- queue moves (used by Batch) --------------------------------------------------------
-    def _queue(self, status: RequestStatus) -> OrderedDict:
-        return self.running if status is RUNNING else self.waiting if status is WAITING else self.swapped
+    # -- queue moves and executor state (used by Batch) -----------------------------------
+    def _queue(self, status: RequestStatus) -> OrderedDict[str, Request]:
+        if status is RUNNING:
+            return self.running
+        return self.waiting if status is WAITING else self.swapped
 
     def _dequeue(self, req: Request) -> None:
         if not req.status.is_finished:
             self._queue(req.status).pop(req.request_id, None)
 
-    def _move(self, req: Request, status: RequestStatus) -> None:
+    def move(self, req: Request, status: RequestStatus) -> None:
+        """Move an unfinished request to the queue of `status` (and tell the policy)."""
         self._queue(req.status).pop(req.request_id, None)
         req.status = status
         self._queue(status)[req.request_id] = req
         self.policy.on_move(req, status)
 
-    def _forget(self, rid: str) -> bool:
-        if rid in self._known:
-            self._known.discard(rid)
+    def mark_sent(self, request_id: str) -> bool:
+        """The executor learns of `request_id` in the step being built; False if it knew it."""
+        if request_id in self._sent:
+            return False
+        self._sent.add(request_id)
+        return True
+
+    def forget(self, request_id: str) -> bool:
+        """The executor drops its state of `request_id`; True if it held any (free it)."""
+        if request_id in self._sent:
+            self._sent.discard(request_id)
             return True
         return False
 
@@ -245,7 +269,7 @@ class Scheduler:
                 total += cm.remaining_time(req, self.policy.predicted_len(req))
         return total
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int | float | str]:
         bm = self.block_manager
         return {
             "policy": self.policy.name, "steps": self._step_id,

@@ -1,2 +1,2 @@
 """Discrete-event simulator: drives the same scheduling core as the live scheduler, with the
-cost model as its clock (DESIGN.md section 7 item 4). See docs/simulator.md."""
+cost model as its clock. See docs/simulator.md."""

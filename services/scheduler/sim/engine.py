@@ -17,8 +17,6 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from bench.metrics import IterationRecord
-from bench.traces.trace import TraceItem
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.output import SchedulerOutput, StepOutcome
@@ -26,8 +24,14 @@ from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, Slo
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.sim.config import (
-    SimConfig, kv_bytes_per_token, load_profile, prefill_attention_coeff)
+    SimConfig,
+    kv_bytes_per_token,
+    load_profile,
+    prefill_attention_coeff,
+)
 from services.scheduler.sim.predictions import predict_lengths
+from services.workload.metrics import IterationRecord
+from services.workload.traces.trace import TraceItem
 
 STEP_END, SWAP_DONE, ARRIVAL = 0, 1, 2
 DUMMY_TOKEN = 0
@@ -128,7 +132,7 @@ class Simulation:
             if target is None:
                 raise SimulationError(f"no executor can ever hold {req.request_id} "
                                       f"({req.num_prompt_tokens} prompt tokens)")
-        self.by_name[target].scheduler.add_request(req)
+        self.by_name[target].scheduler.admit(req)
 
     # -- steps ----------------------------------------------------------------------------
     def _start_step(self, ex: Executor) -> None:

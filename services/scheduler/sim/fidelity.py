@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from bench.metrics import RequestRecord, summarize
-from bench.traces.trace import TraceItem
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.output import StepOutcome
@@ -20,6 +18,8 @@ from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.sim.config import SimConfig
+from services.workload.metrics import RequestRecord, summarize
+from services.workload.traces.trace import TraceItem
 
 COMPARED = ("mean_e2e", "p99_tbt", "mean_ttft", "median_tbt")
 
@@ -51,7 +51,7 @@ def live_run(engine, items: list[TraceItem], policy: str, profile: dict,
     while pending or sched.has_unfinished:
         now = time.perf_counter() - start
         while pending and pending[0].arrival_time <= now:
-            sched.add_request(pending.popleft())
+            sched.admit(pending.popleft())
         out = sched.schedule(now)
         if out.is_empty:
             if pending:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.traces.spec import parse_spec
-from bench.traces.trace import TraceItem
+from services.workload.traces.spec import parse_spec
+from services.workload.traces.trace import TraceItem
 
 KINDS = ("oracle", "mean", "noisy", "file")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from bench.metrics import IterationRecord, RequestRecord, summarize
-from bench.traces.trace import TraceItem
 from services.scheduler.sim.config import SimConfig
 from services.scheduler.sim.engine import Simulation
+from services.workload.metrics import IterationRecord, RequestRecord, summarize
+from services.workload.traces.trace import TraceItem
 
 
 @dataclass

@@ -11,13 +11,17 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from bench.capacity import Criterion, Search, bisect_many
-from bench.metrics import e2e, normalized_latency, ttft
-from bench.traces.spec import make_trace
-from bench.traces.trace import TraceItem
 from services.scheduler.sim.config import (
-    SimConfig, load_profile, parse_policy, prefill_attention_coeff)
+    SimConfig,
+    load_profile,
+    parse_policy,
+    prefill_attention_coeff,
+)
 from services.scheduler.sim.engine import SimulationError
+from services.workload.capacity import Criterion, Search, bisect_many
+from services.workload.metrics import e2e, normalized_latency, ttft
+from services.workload.traces.spec import make_trace
+from services.workload.traces.trace import TraceItem
 
 POINT_KEYS = ("mean_normalized_latency", "p99_tbt", "median_ttft", "slo_attainment",
               "goodput", "throughput_tok_s")

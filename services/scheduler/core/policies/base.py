@@ -67,9 +67,13 @@ class Policy:
     def on_finish(self, req, now: float) -> None:
         pass
 
-    def predicted_len(self, req) -> int:
-        """Output length this policy believes in (for remaining-time estimates)."""
+    def initial_prediction(self, req) -> int:
+        """Output length this policy assumes when `req` arrives (its prior without one)."""
         return req.predicted_len or req.max_tokens
+
+    def predicted_len(self, req) -> int:
+        """Output length this policy believes in now (for remaining-time estimates)."""
+        return self.initial_prediction(req)
 
     def describe(self) -> dict:
         return {"name": self.name, "knobs": dict(self.knobs)}

@@ -2,7 +2,7 @@
 
 Everything is computed from per-request records (arrival, first scheduled, the time of each
 output token, the request's SLO) and, for utilisation, per-iteration records. Times are
-seconds. Definitions (DESIGN.md section 6):
+seconds. Definitions (docs/workloads.md, "Metrics"):
 
 - TTFT = first token - arrival; TBT = gaps between consecutive tokens of one request (pooled
   over requests for percentiles, as vLLM's ITL); TPOT = (E2E - TTFT) / (output_len - 1);

@@ -1,6 +1,6 @@
 """Request shapes (token counts, text) for the workloads the benchmarks use.
 
-- `sharegpt_shapes`: the ShareGPT train or test split (bench/traces/sharegpt.py), each
+- `sharegpt_shapes`: the ShareGPT train or test split (`traces/sharegpt.py`), each
   prompt with its reference answer's true length.
 - `mixed_long_prompt_shapes`: AccelGen's mixed-prompt scenario: short chat requests plus a
   configurable share of long prompts (4K-32K tokens, log-uniform), whose answers borrow the
@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from bench.traces.trace import Shape
+from services.workload.traces.trace import Shape
 
 
 def sample_shapes(pool: list[Shape], n: int | None, seed: int = 0,
@@ -41,7 +41,7 @@ def sharegpt_pool(split: str = "test", model: str = "smollm2-135m-instruct",
 
 @lru_cache(maxsize=4)
 def _sharegpt_pool(split: str, model: str, data_dir) -> tuple[Shape, ...]:
-    from bench.traces.sharegpt import load_split
+    from services.workload.traces.sharegpt import load_split
 
     return tuple(Shape(s.prompt_len, s.output_len, s.prompt, s.id)
                  for s in load_split(split, model, data_dir))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from bench.traces.trace import Shape
+from services.workload.traces.trace import Shape
 
 FORMATS = {
     "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.traces.arrivals import make_arrivals, scale_timestamps
-from bench.traces.csv_replay import load_csv
-from bench.traces.slo import assign_slos
-from bench.traces.trace import TraceItem, build_trace, load_jsonl
-from bench.traces.workloads import mixed_long_prompt_shapes, sample_shapes, sharegpt_pool
+from services.workload.traces.arrivals import make_arrivals, scale_timestamps
+from services.workload.traces.csv_replay import load_csv
+from services.workload.traces.slo import assign_slos
+from services.workload.traces.trace import TraceItem, build_trace, load_jsonl
+from services.workload.traces.workloads import (
+    mixed_long_prompt_shapes,
+    sample_shapes,
+    sharegpt_pool,
+)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
