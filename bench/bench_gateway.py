@@ -25,6 +25,7 @@ import os
 import statistics
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from services.workload.report import emit_json
@@ -102,7 +103,7 @@ def _gaps(results) -> tuple[list[float], list[float]]:
     for points in results:
         hops += [(c - s) * 1000 for c, s in points]
         added += [((c1 - c0) - (s1 - s0)) * 1000
-                  for (c0, s0), (c1, s1) in zip(points, points[1:])]
+                  for (c0, s0), (c1, s1) in pairwise(points)]
     return added, hops
 
 
@@ -132,7 +133,8 @@ def measure_overhead(url: str, model: str, scheduler: str, gateway_pid: int, str
     return {"added_p50_ms": q(added, 0.5), "added_p99_ms": q(added, 0.99),
             "added_mean_ms": statistics.fmean(added),
             "hop_latency_p50_ms": q(hops, 0.5), "hop_latency_p99_ms": q(hops, 0.99),
-            "grpc_direct_added_p50_ms": q(g_added, 0.5), "grpc_direct_added_p99_ms": q(g_added, 0.99),
+            "grpc_direct_added_p50_ms": q(g_added, 0.5),
+            "grpc_direct_added_p99_ms": q(g_added, 0.99),
             "grpc_direct_hop_p50_ms": q(g_hops, 0.5), "grpc_direct_hop_p99_ms": q(g_hops, 0.99),
             "gateway_hop_added_p50_ms": q(hops, 0.5) - q(g_hops, 0.5),
             "gateway_hop_added_p99_ms": q(hops, 0.99) - q(g_hops, 0.99),

@@ -49,7 +49,8 @@ def _client(address: str, n: int, prompt_len: int, max_tokens: int, tag: str) ->
 
 def _start_executor(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
     env = dict(os.environ, ALISE_MODEL=str(model_dir), ALISE_EXECUTOR_PORT=str(port),
-               ALISE_DEVICE="cpu", ALISE_NUM_THREADS="1", ALISE_KV_MEMORY_GB="0.05", ALISE_SWAP_MEMORY_GB="0.01",
+               ALISE_DEVICE="cpu", ALISE_NUM_THREADS="1", ALISE_KV_MEMORY_GB="0.05",
+               ALISE_SWAP_MEMORY_GB="0.01",
                ALISE_LOG_LEVEL="WARNING", HF_HUB_OFFLINE="1")
     return subprocess.Popen([sys.executable, "-m", "services.cli", "executor", "serve"],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))

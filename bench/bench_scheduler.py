@@ -77,7 +77,7 @@ def _build(policy: str, running: int, seed: int, profile: str):
     from services.scheduler.core.scheduler import Scheduler
 
     cost = CostModel.from_profile(roofline_profile(profile))
-    knobs = {"max_num_seqs": running} if policy not in BENCH_KNOBS else BENCH_KNOBS[policy]
+    knobs = BENCH_KNOBS.get(policy, {"max_num_seqs": running})
     # room for `running` requests of average length (272 prompt + 256 output) plus 25%
     bm = BlockManager(num_device_blocks=running * 42, num_host_blocks=running * 32, block_size=16)
     sched = Scheduler(make_policy(policy, **knobs), bm, cost, max_model_len=2048)
@@ -117,7 +117,8 @@ def bench_policy(policy: str, running: int, waiting: int, steps: int, seed: int,
     update_s = [r[2] for rows, _ in runs for r in rows]
     sched = runs[-1][1]
     out = {"p50_ms": 1e3 * _percentile(cpu, 0.5), "p99_ms": 1e3 * _percentile(cpu, 0.99),
-           "wall_p50_ms": 1e3 * _percentile(wall, 0.5), "wall_p99_ms": 1e3 * _percentile(wall, 0.99),
+           "wall_p50_ms": 1e3 * _percentile(wall, 0.5),
+           "wall_p99_ms": 1e3 * _percentile(wall, 0.99),
            "update_p50_ms": 1e3 * _percentile(update_s, 0.5),
            "running": len(sched.running), "waiting": len(sched.waiting) + len(sched.swapped)}
     if repeats > 1:                # the same step, run `repeats` times: its least-disturbed time

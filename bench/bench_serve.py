@@ -98,7 +98,7 @@ class LiveStack:
 
         self.port = free_port()
         self.policy = policy
-        self.log = open(log_dir / f"serve-{policy}.log", "w")
+        self.log = open(log_dir / f"serve-{policy}.log", "w")  # noqa: SIM115 - closed by stop()
         env = {**os.environ, "ALISE_GATEWAY_PORT": str(self.port),
                "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"), "PYTHONUNBUFFERED": "1",
                "ALISE_POLICY_CONFIG": policy_config}

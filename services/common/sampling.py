@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,6 @@ class SamplingParams:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, float | int | None]) -> SamplingParams:
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
         """Inverse of `to_dict`; absent keys (and None values) take their defaults."""
-        return cls(**{k: v for k, v in data.items() if v is not None})  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if v is not None})

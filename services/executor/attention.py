@@ -7,10 +7,15 @@ paged cache gathers into).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from services.executor.batch import Group, StepBatch
+from services.executor.ragged_batch import Group, StepBatch
+
+if TYPE_CHECKING:
+    from services.executor.runner import KVCache
 
 
 def group_mask(g: Group, groups_per_kv: int) -> torch.Tensor:
@@ -38,13 +43,13 @@ class TorchAttention:
             g.extra["mask"] = group_mask(g, self.g)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache, batch: StepBatch) -> torch.Tensor:
+                cache: KVCache, batch: StepBatch) -> torch.Tensor:
         """q [T, H, D], new k/v [T, Hkv, D] -> attention output [T, H*D]."""
         cache.write(layer, k, v, batch)
         outs = [self._group(layer, q, cache, g) for g in batch.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
-    def _group(self, layer: int, q: torch.Tensor, cache, g: Group) -> torch.Tensor:
+    def _group(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
         b, qm = g.q_rows.shape
         kc, vc = cache.gather(layer, g)                                       # [Hkv, B, Lk, D]
         qg = q.index_select(0, g.q_rows.view(-1))                             # [B*Qm, H, D]

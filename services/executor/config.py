@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-SUPPORTED = LLAMA_FAMILY + ("opt",)
+SUPPORTED = (*LLAMA_FAMILY, "opt")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

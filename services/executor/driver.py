@@ -8,17 +8,24 @@ keeps the engine busy.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from services.executor.messages import NewRequest, StepInput
+from services.common.sampling import SamplingParams
+from services.executor.messages import NewRequest, StepInput, StepOutput
+
+if TYPE_CHECKING:
+    from services.executor.engine import Engine
 
 
 @dataclass
-class _Seq:
+class DriverSeq:
+    """One request the driver runs: its prompt, and the tokens and logprobs it produced."""
     rid: str
     prompt: list[int]
     max_tokens: int
-    sampling: object = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
@@ -30,20 +37,23 @@ class _Seq:
 
 
 class Driver:
-    def __init__(self, engine, token_budget: int = 512, max_batch: int = 64) -> None:
+    def __init__(self, engine: Engine, token_budget: int = 512, max_batch: int = 64) -> None:
         self.engine, self.budget, self.max_batch = engine, token_budget, max_batch
         self.free_blocks = list(range(engine.num_device_blocks - 1, -1, -1))
         self.steps = 0
 
-    def _blocks_for(self, seq: _Seq) -> int:
+    def _blocks_for(self, seq: DriverSeq) -> int:
         return -(-(len(seq.prompt) + seq.max_tokens) // self.engine.block_size)
 
-    def generate(self, prompts: list[list[int]], max_tokens, sampling=None,
-                 eos_ids=()) -> list[_Seq]:
+    def generate(self, prompts: list[list[int]], max_tokens: int | list[int],
+                 sampling: SamplingParams | None = None,
+                 eos_ids: Iterable[int] = ()) -> list[DriverSeq]:
         """Run prompts to completion; max_tokens is an int or one per prompt. A request stops
         at max_tokens, or at an id in eos_ids (empty = ignore EOS)."""
         lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        seqs = [_Seq(f"r{i}", list(p), n, sampling) for i, (p, n) in enumerate(zip(prompts, lens))]
+        params = sampling or SamplingParams()
+        seqs = [DriverSeq(f"r{i}", list(p), n, params)
+                for i, (p, n) in enumerate(zip(prompts, lens))]
         waiting, running, to_free = list(seqs), [], []
         while waiting or running:
             step = StepInput(self.steps, free_request_ids=to_free)
@@ -57,7 +67,8 @@ class Driver:
             self.engine.step(StepInput(self.steps, free_request_ids=to_free))
         return seqs
 
-    def _schedule(self, step: StepInput, waiting: list[_Seq], running: list[_Seq]) -> None:
+    def _schedule(self, step: StepInput, waiting: list[DriverSeq],
+                  running: list[DriverSeq]) -> None:
         budget = self.budget
         for seq in sorted(running, key=lambda s: s.computed < len(s.prompt)):  # decodes first
             n = min(seq.total - seq.computed, budget)
@@ -80,7 +91,7 @@ class Driver:
             budget -= n
             running.append(seq)
 
-    def _update(self, out, running: list[_Seq], eos: set[int]) -> list[str]:
+    def _update(self, out: StepOutput, running: list[DriverSeq], eos: set[int]) -> list[str]:
         done = []
         for seq in list(running):
             if seq.rid in out.sampled:

@@ -16,20 +16,26 @@ import functools
 import json
 import os
 import threading
-from contextlib import contextmanager
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from services.executor.batch import Chunk, build_batch
 from services.executor.config import resolve_device, resolve_dtype
 from services.executor.messages import RequestState, StepInput, StepOutput, StepTimings
+from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
 from services.executor.sampler import sample
-from services.executor.step_plan import Plan, StepChecker
+from services.executor.step_plan import StepChecker, StepPlan
 from services.executor.swap import SwapManager
+
+if TYPE_CHECKING:
+    from services.common.settings import ExecutorSettings
+    from services.scheduler.core.output import SchedulerOutput
 
 GIB = 1 << 30
 
@@ -80,7 +86,7 @@ class Engine:
         self._lock = threading.RLock()
 
     @classmethod
-    def from_settings(cls, settings) -> "Engine":
+    def from_settings(cls, settings: ExecutorSettings) -> Engine:
         """From an ExecutorSettings: loads `settings.model` (GGUF is dequantized once)."""
         from services.common.models import served_model_id, weights_dir
 
@@ -128,7 +134,7 @@ class Engine:
                 "attention_backend": self.attn.name}
 
     # -- one step -------------------------------------------------------------------------
-    def step(self, step: StepInput, all_logits: bool = False) -> StepOutput:
+    def step(self, step: StepInput | SchedulerOutput, all_logits: bool = False) -> StepOutput:
         """Apply the delta, run the forward pass, sample. all_logits: also return the fp32
         logits of every computed position per request (tests, perplexity)."""
         start = time.perf_counter()
@@ -139,7 +145,7 @@ class Engine:
         out.timings.total_s = time.perf_counter() - start
         return out
 
-    def _apply(self, step, plan: Plan) -> None:
+    def _apply(self, step: StepInput | SchedulerOutput, plan: StepPlan) -> None:
         self.swap.swap(list(step.swap_out), list(step.swap_in))
         for rid in plan.suspended:
             self._release(rid)
@@ -161,23 +167,23 @@ class Engine:
             if self.owner.get(b) == rid:
                 del self.owner[b]
 
-    def _chunks(self, plan: Plan) -> list[Chunk]:
-        chunks = []
+    def _runs(self, plan: StepPlan) -> list[TokenRun]:
+        runs = []
         for rid, n in plan.scheduled:
             st = self.requests[rid]
             end = st.num_computed + n
-            chunks.append(Chunk(rid, st.token_ids[st.num_computed:end], st.num_computed,
-                                st.block_table, st.staging_slot, end == len(st.token_ids)))
-        return chunks
+            runs.append(TokenRun(rid, st.token_ids[st.num_computed:end], st.num_computed,
+                                 st.block_table, st.staging_slot, end == len(st.token_ids)))
+        return runs
 
-    def _run(self, step_id: int, plan: Plan, all_logits: bool) -> StepOutput:
-        timings, chunks = StepTimings(), self._chunks(plan)
-        if not chunks:
+    def _run(self, step_id: int, plan: StepPlan, all_logits: bool) -> StepOutput:
+        timings, runs = StepTimings(), self._runs(plan)
+        if not runs:
             return StepOutput(step_id, {}, timings, logits={} if all_logits else None)
         if self.swap.pending:
-            timings.swap_wait_s = self.swap.wait_for({b for c in chunks for b in c.block_table})
+            timings.swap_wait_s = self.swap.wait_for({b for r in runs for b in r.block_table})
         t0 = time.perf_counter()
-        batch = build_batch(chunks, self.block_size, self.device, self.attention_group_cost)
+        batch = build_batch(runs, self.block_size, self.device, self.attention_group_cost)
         if all_logits:
             batch.logits_rows = torch.arange(batch.num_tokens, device=self.device)
         self.cache.prepare(batch)
@@ -192,28 +198,28 @@ class Engine:
         self._count(out, batch)
         if all_logits:
             out.logits = self._split_logits(batch, logits)
-            sample_rows = [i for i, c in enumerate(batch.chunks) if c.sample]
-            ends = torch.tensor([c.q_len for c in batch.chunks]).cumsum(0) - 1
+            sample_rows = [i for i, r in enumerate(batch.runs) if r.sample]
+            ends = torch.tensor([r.q_len for r in batch.runs]).cumsum(0) - 1
             logits = logits[ends[sample_rows]] if sample_rows else logits[:0]
         self._sample(batch, logits, out)
         timings.sample_s = time.perf_counter() - t1
-        for c in batch.chunks:
-            self.requests[c.request_id].num_computed += c.q_len
+        for r in batch.runs:
+            self.requests[r.request_id].num_computed += r.q_len
         return out
 
     @staticmethod
-    def _split_logits(batch, logits) -> dict[str, torch.Tensor]:
-        parts = logits.split([c.q_len for c in batch.chunks])
-        return {c.request_id: p for c, p in zip(batch.chunks, parts)}
+    def _split_logits(batch: StepBatch, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = logits.split([r.q_len for r in batch.runs])
+        return {r.request_id: p for r, p in zip(batch.runs, parts)}
 
-    def _count(self, out: StepOutput, batch) -> None:
-        for c in batch.chunks:
-            if c.q_len == 1 and c.sample:
+    def _count(self, out: StepOutput, batch: StepBatch) -> None:
+        for r in batch.runs:
+            if r.q_len == 1 and r.sample:
                 out.num_decode_tokens += 1
             else:
-                out.num_prefill_tokens += c.q_len
+                out.num_prefill_tokens += r.q_len
 
-    def _sample(self, batch, logits: torch.Tensor, out: StepOutput) -> None:
+    def _sample(self, batch: StepBatch, logits: torch.Tensor, out: StepOutput) -> None:
         if not batch.sample_ids:
             return
         states = [self.requests[rid] for rid in batch.sample_ids]
@@ -229,7 +235,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     @contextmanager
-    def exclusive(self):
+    def exclusive(self) -> Iterator[Engine]:
         """Hold off other threads' steps (the profiler's many steps run as one unit)."""
         with self._lock:
             yield self

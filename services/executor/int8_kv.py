@@ -12,11 +12,17 @@ explicitly for the causal mask.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.executor import quant
-from services.executor.batch import Group, StepBatch
 from services.executor.kv_cache import allocate, layout_bytes
+from services.executor.ragged_batch import Group, StepBatch
+
+# (cache, layer, "k" | "v", combined rows, source rows per block, target blocks): quantizes
+# completed blocks into the pool
+BlockWriter = Callable[["Int8PagedKV", int, str, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def int8_layout(block_size: int, kv_heads: int, head_dim: int) -> dict:
@@ -81,9 +87,9 @@ class Int8PagedKV:
             self._prepare_group(g)
 
     def _write_plan(self, batch: StepBatch) -> dict[str, torch.Tensor]:
-        bs, r = self.block_size, len(batch.chunks)
+        bs, r = self.block_size, len(batch.runs)
         fq_src, fq_dst, st_src, row = [], [], [], 0
-        for i, c in enumerate(batch.chunks):
+        for i, c in enumerate(batch.runs):
             staged = c.ctx_before % bs
             seq = [i * bs + j for j in range(staged)] + [r * bs + row + j for j in range(c.q_len)]
             first = c.ctx_before // bs
@@ -98,7 +104,7 @@ class Int8PagedKV:
         def t(values, shape=None):
             out = torch.tensor(values, dtype=torch.long, device=self.device)
             return out.view(shape) if shape else out
-        return {"slots": t([c.staging_slot for c in batch.chunks]), "fq_src": t(fq_src, (-1, bs)),
+        return {"slots": t([c.staging_slot for c in batch.runs]), "fq_src": t(fq_src, (-1, bs)),
                 "fq_dst": t(fq_dst), "st_src": t(st_src, (-1, bs))}
 
     def _prepare_group(self, g: Group) -> None:
@@ -108,13 +114,13 @@ class Int8PagedKV:
         full_pos = torch.arange(nf_max * bs, device=self.device).expand(g.size, -1)
         tail_pos = n_full[:, None] * bs + torch.arange(bs, device=self.device)  # [B, bs]
         g.extra["full_tables"] = g.tables[:, :nf_max]
-        g.extra["slots"] = torch.tensor([c.staging_slot for c in g.chunks], device=self.device)
+        g.extra["slots"] = torch.tensor([c.staging_slot for c in g.runs], device=self.device)
         g.extra["key_pos"] = torch.cat([full_pos, tail_pos], dim=1)          # [B, Lk]
         g.extra["key_valid"] = torch.cat(
             [full_pos < (n_full * bs)[:, None], tail_pos < g.ctx_after[:, None]], dim=1)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
-              block_writer=None) -> None:
+              block_writer: BlockWriter | None = None) -> None:
         """Complete blocks are quantized into the pool; the open remainder goes to staging.
         block_writer(cache, layer, "k"|"v", combined, src_idx, dst) quantizes the completed
         blocks (default: torch; the Triton backend passes its kernel)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.batch import Group, StepBatch
+from services.executor.ragged_batch import Group, StepBatch
 
 
 def block_layout(block_size: int, kv_heads: int, head_dim: int,
@@ -33,8 +33,8 @@ def layout_bytes(num_layers: int, kv_heads: int, layout: dict) -> int:
     return total * num_layers * kv_heads
 
 
-def allocate(num_layers: int, kv_heads: int, num_blocks: int, layout: dict, device,
-             pin: bool = False) -> dict[str, torch.Tensor]:
+def allocate(num_layers: int, kv_heads: int, num_blocks: int, layout: dict,
+             device: torch.device | str, pin: bool = False) -> dict[str, torch.Tensor]:
     out = {}
     for name, (shape, dtype) in layout.items():
         t = torch.zeros((num_layers, kv_heads, num_blocks, *shape), dtype=dtype, device=device)

@@ -6,14 +6,18 @@ of all requests; only attention looks at per-request structure (through the batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from services.executor.batch import StepBatch
 from services.executor.config import ModelSpec
 from services.executor.lm_head import LmHead
+from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
+
+if TYPE_CHECKING:
+    from services.executor.runner import Attention, KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,7 +60,8 @@ class LlamaLayer:
 
 
 class LlamaRunner:
-    def __init__(self, spec: ModelSpec, state: dict[str, torch.Tensor], device, dtype) -> None:
+    def __init__(self, spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.eps = spec.hf_config.rms_norm_eps
         embed = take(state, "embed_tokens.weight", required=False)
@@ -91,7 +96,7 @@ class LlamaRunner:
         sin = (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :]
         return cos, sin
 
-    def forward(self, batch: StepBatch, cache, attn) -> torch.Tensor:
+    def forward(self, batch: StepBatch, cache: KVCache, attn: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         s = self.spec
         x = F.embedding(batch.token_ids, self.embed)                          # [T, hidden]

@@ -7,29 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.executor.sampler import SamplingParams
-
-
-def sampling_from(value) -> SamplingParams:
-    """SamplingParams from a SamplingParams, a dict (core `sampling`) or None."""
-    if value is None:
-        return SamplingParams()
-    if isinstance(value, SamplingParams):
-        return value
-    if isinstance(value, dict):
-        known = {"temperature", "top_p", "top_k", "seed"}
-        kw = {k: v for k, v in value.items() if k in known and v is not None}
-        if "top_p" in kw and kw["top_p"] == 0:
-            kw["top_p"] = 1.0
-        return SamplingParams(**kw)
-    raise ValueError(f"bad sampling params {value!r}")
+from services.common.sampling import SamplingParams
 
 
 @dataclass
 class NewRequest:
     request_id: str
     token_ids: list[int]
-    sampling: SamplingParams | dict | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0
 
 

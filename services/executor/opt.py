@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from services.executor.batch import StepBatch
 from services.executor.config import ModelSpec
 from services.executor.lm_head import LmHead
+from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
+
+if TYPE_CHECKING:
+    from services.executor.runner import Attention, KVCache
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -32,7 +36,8 @@ class OptLayer:
 
 
 class OptRunner:
-    def __init__(self, spec: ModelSpec, state: dict[str, torch.Tensor], device, dtype) -> None:
+    def __init__(self, spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         cfg = spec.hf_config
         self.pre_norm = cfg.do_layer_norm_before
@@ -67,7 +72,7 @@ class OptRunner:
     def _ln(self, x, w, b):
         return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
 
-    def forward(self, batch: StepBatch, cache, attn) -> torch.Tensor:
+    def forward(self, batch: StepBatch, cache: KVCache, attn: Attention) -> torch.Tensor:
         s = self.spec
         x = F.embedding(batch.token_ids, self.embed)                          # [T, E_in]
         if self.project_in is not None:

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from services.executor.engine import Engine
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
@@ -17,7 +23,7 @@ QUESTIONS = [
 ]
 
 
-def passage(tok, length: int = 512) -> list[int]:
+def passage(tok: PreTrainedTokenizerBase, length: int = 512) -> list[int]:
     """The first ShareGPT reply with at least `length` tokens, cut to `length`."""
     from services.workload.traces.sharegpt import first_exchange, iter_conversations
 
@@ -30,13 +36,14 @@ def passage(tok, length: int = 512) -> list[int]:
     raise ValueError(f"no {length}-token passage in the dataset")
 
 
-def chat_prompts(tok, n: int) -> list[list[int]]:
+def chat_prompts(tok: PreTrainedTokenizerBase, n: int) -> list[list[int]]:
     return [list(tok.apply_chat_template([{"role": "user", "content": q}],
                                          add_generation_prompt=True, return_dict=False))
             for q in QUESTIONS[:n]]
 
 
-def measure(fp_engine, q_engine, tok, n_prompts: int = 8, n_tokens: int = 64) -> dict:
+def measure(fp_engine: Engine, q_engine: Engine, tok: PreTrainedTokenizerBase,
+            n_prompts: int = 8, n_tokens: int = 64) -> dict[str, Any]:
     from services.executor.driver import Driver
     from services.executor.testing import perplexity, teacher_forced_logits
 

@@ -37,19 +37,21 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, d
     return (codes.float() * s - o).to(dtype)
 
 
-def quantize_keys(k: torch.Tensor):
+def quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k [..., bs, D] (one block) -> codes [..., bs, D], scale/offset [..., D] (per channel)."""
     return quantize(k, dim=-2)
 
 
-def quantize_values(v: torch.Tensor):
+def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """v [..., bs, D] -> codes [..., bs, D], scale/offset [..., bs] (per token)."""
     return quantize(v, dim=-1)
 
 
-def dequantize_keys(codes, scale, offset, dtype):
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
     return dequantize(codes, scale, offset, dim=-2, dtype=dtype)
 
 
-def dequantize_values(codes, scale, offset, dtype):
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
     return dequantize(codes, scale, offset, dim=-1, dtype=dtype)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
@@ -11,8 +12,18 @@ from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import PagedKV
 from services.executor.weights import load_state
 
+if TYPE_CHECKING:
+    from services.executor.llama import LlamaRunner
+    from services.executor.opt import OptRunner
+    from services.executor.triton_attention import TritonAttention
 
-def load_runner(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    KVCache: TypeAlias = PagedKV | Int8PagedKV
+    Attention: TypeAlias = TorchAttention | TritonAttention
+    ModelRunner: TypeAlias = LlamaRunner | OptRunner
+
+
+def load_runner(model_dir: Path, device: torch.device,
+                dtype: torch.dtype) -> tuple[ModelSpec, ModelRunner]:
     """(spec, runner) for a Hugging Face directory with safetensors weights."""
     spec = load_spec(Path(model_dir))
     state = load_state(Path(model_dir), dtype, device)
@@ -26,8 +37,8 @@ def load_runner(model_dir: Path, device: torch.device, dtype: torch.dtype):
 
 
 def make_cache(spec: ModelSpec, kv_dtype: str, num_blocks: int, block_size: int,
-               dtype: torch.dtype, device: torch.device):
-    cls = {"auto": PagedKV, "int8": Int8PagedKV}.get(kv_dtype)
+               dtype: torch.dtype, device: torch.device) -> KVCache:
+    cls: type[KVCache] | None = {"auto": PagedKV, "int8": Int8PagedKV}.get(kv_dtype)
     if cls is None:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r}: expected auto or int8")
     return cls(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
@@ -46,7 +57,7 @@ def bytes_per_block(spec: ModelSpec, kv_dtype: str, block_size: int, dtype: torc
     return layout_bytes(spec.num_layers, spec.num_kv_heads, layout)
 
 
-def make_attention(spec: ModelSpec, backend: str, device: torch.device):
+def make_attention(spec: ModelSpec, backend: str, device: torch.device) -> Attention:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     scale = spec.head_dim ** -0.5

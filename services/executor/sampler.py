@@ -7,26 +7,9 @@ same seed gives the same text whether or not the request was preempted and recom
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0      # 0 = greedy
-    top_p: float = 1.0            # 0 or 1 = disabled
-    top_k: int = 0                # 0 = disabled
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or self.top_p < 0 or self.top_p > 1 or self.top_k < 0:
-            raise ValueError(f"invalid sampling params {self}: need temperature >= 0, "
-                             "0 <= top_p <= 1, top_k >= 0")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+from services.common.sampling import SamplingParams
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -4,11 +4,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common.grpc_server import GrpcServer, start_server
 from services.common.metrics import TOKEN_BUCKETS, Metrics
 from services.common.pb import executor_pb2_grpc
+from services.executor.messages import StepOutput
 from services.executor.servicer import ExecutorServicer
+
+if TYPE_CHECKING:
+    from services.common.settings import ExecutorSettings
+    from services.executor.engine import Engine
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "alise.v1.Executor"
@@ -26,7 +32,7 @@ class ExecutorMetrics(Metrics):
         self.prefill_tokens = self.counter("executor_prefill_tokens", "Prompt tokens computed.")
         self.decode_tokens = self.counter("executor_decode_tokens", "Decode tokens computed.")
 
-    def observe(self, out) -> None:
+    def observe(self, out: StepOutput) -> None:
         self.step_time.observe(out.timings.total_s)
         self.forward_time.observe(out.timings.forward_s)
         self.swap_wait.observe(out.timings.swap_wait_s)
@@ -38,7 +44,7 @@ class ExecutorMetrics(Metrics):
 @dataclass
 class ExecutorHandle:
     server: GrpcServer
-    engine: object
+    engine: Engine
     metrics: ExecutorMetrics
 
     @property
@@ -50,7 +56,8 @@ class ExecutorHandle:
         await asyncio.to_thread(self.engine.close)
 
 
-async def start_executor(settings, engine=None) -> ExecutorHandle:
+async def start_executor(settings: ExecutorSettings,
+                         engine: Engine | None = None) -> ExecutorHandle:
     """Serve `engine` (default: built from `settings`, off the event loop) on
     settings.executor_host:executor_port (port 0 = a free one)."""
     if engine is None:

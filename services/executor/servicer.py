@@ -4,16 +4,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
+from services.common import sampling_pb
 from services.common.pb import executor_pb2, executor_pb2_grpc
 from services.executor.messages import NewRequest, StepInput, StepOutput
-from services.executor.sampler import SamplingParams
 
+if TYPE_CHECKING:
+    import grpc
 
-def sampling_from_pb(p) -> SamplingParams:
-    return SamplingParams(temperature=p.temperature,
-                          top_p=p.top_p if 0 < p.top_p < 1 else 1.0, top_k=p.top_k,
-                          seed=p.seed if p.HasField("seed") else None)
+    from services.executor.engine import Engine
+    from services.executor.server import ExecutorMetrics
 
 
 def _unique(ids: list[str], what: str) -> None:
@@ -26,7 +28,7 @@ def step_from_pb(req: executor_pb2.StepRequest) -> StepInput:
     _unique([s.request_id for s in req.scheduled], "scheduled")
     return StepInput(
         step_id=req.step_id,
-        new_requests=[NewRequest(r.request_id, list(r.token_ids), sampling_from_pb(r.sampling),
+        new_requests=[NewRequest(r.request_id, list(r.token_ids), sampling_pb.from_pb(r.sampling),
                                  r.num_output_tokens) for r in req.new_requests],
         block_tables={t.request_id: (list(t.block_ids), t.replace) for t in req.block_tables},
         num_scheduled_tokens={s.request_id: s.num_new_tokens for s in req.scheduled},
@@ -54,7 +56,7 @@ def info_to_pb(info: dict) -> executor_pb2.ExecutorInfo:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, engine, metrics=None) -> None:
+    def __init__(self, engine: Engine, metrics: ExecutorMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self._profiling = asyncio.Lock()
@@ -62,13 +64,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         # new stream while an abandoned one finishes, must not run beside it)
         self._stepping = asyncio.Lock()
 
-    async def Describe(self, request, context):
+    async def Describe(self, request: executor_pb2.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> executor_pb2.ExecutorInfo:
         return info_to_pb(self.engine.describe())
 
-    async def Step(self, request, context):
+    async def Step(self, request: executor_pb2.StepRequest,
+                   context: grpc.aio.ServicerContext) -> executor_pb2.StepResult:
         return await self._step(request)
 
-    async def StepStream(self, request_iterator, context):
+    async def StepStream(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[executor_pb2.StepResult]:
         async for request in request_iterator:
             yield await self._step(request)
 
@@ -85,7 +91,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self.metrics.observe(out)
         return pb
 
-    async def Profile(self, request, context):
+    async def Profile(self, request: executor_pb2.ProfileRequest,
+                      context: grpc.aio.ServicerContext) -> executor_pb2.ProfileResult:
         if self._profiling.locked():
             raise ValueError("a profile is already running")
         async with self._profiling:

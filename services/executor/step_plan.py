@@ -11,13 +11,19 @@ leaves the executor untouched. Semantics, in the contract's order:
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from services.executor.messages import RequestState, sampling_from
+from services.executor.messages import RequestState
+
+if TYPE_CHECKING:
+    from services.executor.messages import NewRequest, StepInput
+    from services.scheduler.core.output import NewRequestData, SchedulerOutput
 
 
 @dataclass
-class Plan:
+class StepPlan:
     suspended: set[str] = field(default_factory=set)        # swapped-out owners
     freed: list[str] = field(default_factory=list)
     new: list[RequestState] = field(default_factory=list)
@@ -33,8 +39,8 @@ class StepChecker:
         self.nd, self.nh, self.bs = num_device_blocks, num_host_blocks, block_size
         self.max_len, self.vocab = max_model_len, vocab_size
 
-    def plan(self, step) -> Plan:
-        p = Plan()
+    def plan(self, step: StepInput | SchedulerOutput) -> StepPlan:
+        p = StepPlan()
         self._swaps(step.swap_out, self.nd, self.nh, "swap_out")
         self._swaps(step.swap_in, self.nh, self.nd, "swap_in")
         for src, _ in step.swap_out:
@@ -49,7 +55,7 @@ class StepChecker:
         return p
 
     @staticmethod
-    def _swaps(pairs, n_src: int, n_dst: int, what: str) -> None:
+    def _swaps(pairs: list[tuple[int, int]], n_src: int, n_dst: int, what: str) -> None:
         for src, dst in pairs:
             if not (0 <= src < n_src and 0 <= dst < n_dst):
                 raise ValueError(f"{what} ({src} -> {dst}) out of range: source blocks "
@@ -59,7 +65,8 @@ class StepChecker:
             if len(set(ids)) != len(ids):
                 raise ValueError(f"{what} names a {name} block twice")
 
-    def _new_requests(self, new_requests, live: set[str], p: Plan) -> None:
+    def _new_requests(self, new_requests: Iterable[NewRequest | NewRequestData],
+                      live: set[str], p: StepPlan) -> None:
         for nr in new_requests:
             rid = nr.request_id
             if rid in live or any(r.request_id == rid for r in p.new):
@@ -74,9 +81,9 @@ class StepChecker:
                 raise ValueError(f"new request {rid!r} has a token id outside 0..{self.vocab - 1}")
             if not 0 <= nr.num_output_tokens <= len(ids):
                 raise ValueError(f"new request {rid!r}: num_output_tokens out of range")
-            p.new.append(RequestState(rid, ids, sampling_from(nr.sampling), nr.num_output_tokens))
+            p.new.append(RequestState(rid, ids, nr.sampling, nr.num_output_tokens))
 
-    def _current_table(self, rid: str, p: Plan) -> list[int] | None:
+    def _current_table(self, rid: str, p: StepPlan) -> list[int] | None:
         if rid in p.tables:
             return p.tables[rid]
         if rid in p.suspended:
@@ -86,7 +93,8 @@ class StepChecker:
             return []                       # a new request
         return None if state.block_table is None else list(state.block_table)
 
-    def _tables(self, updates, live: set[str], p: Plan) -> None:
+    def _tables(self, updates: dict[str, tuple[list[int], bool]], live: set[str],
+                p: StepPlan) -> None:
         gone = p.suspended | set(p.freed)
         released = {b for b, r in self.owner.items() if r in gone} if gone else set()
         claims: dict[int, str] = {}
@@ -111,14 +119,14 @@ class StepChecker:
             if holder is not None and holder != rid and b not in released:
                 raise ValueError(f"block {b} given to {rid!r} but still owned by {holder!r}")
 
-    def _swap_in_targets(self, swap_in, p: Plan) -> None:
+    def _swap_in_targets(self, swap_in: list[tuple[int, int]], p: StepPlan) -> None:
         for _, dst in swap_in:
             holder = self.owner.get(dst)
             if holder and holder not in p.suspended and holder not in p.freed \
                     and (holder not in p.tables or dst in p.tables[holder]):
                 raise ValueError(f"swap_in target block {dst} still belongs to {holder!r}")
 
-    def _scheduled(self, scheduled: dict[str, int], p: Plan) -> None:
+    def _scheduled(self, scheduled: dict[str, int], p: StepPlan) -> None:
         new = {r.request_id: r for r in p.new}
         for rid, n in scheduled.items():
             state = new.get(rid) or (self.requests.get(rid) if rid not in p.freed else None)

@@ -11,7 +11,9 @@ the block, values per token; quant.py) and dequantized on the way back.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +21,12 @@ from services.executor import quant
 from services.executor.int8_kv import int8_layout
 from services.executor.kv_cache import allocate, layout_bytes
 
+if TYPE_CHECKING:
+    from services.executor.runner import KVCache
+
 
 class SwapManager:
-    def __init__(self, cache, num_host_blocks: int, compress: bool = False) -> None:
+    def __init__(self, cache: KVCache, num_host_blocks: int, compress: bool = False) -> None:
         self.cache, self.device = cache, cache.device
         self.compress = compress and "k" in cache.tensors  # only full-precision pools compress
         layout = int8_layout(cache.block_size, cache.kv_heads, cache.head_dim) \
@@ -35,7 +40,7 @@ class SwapManager:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-swap")
 
     @staticmethod
-    def host_block_bytes(cache, compress: bool) -> int:
+    def host_block_bytes(cache: KVCache, compress: bool) -> int:
         compress = compress and "k" in cache.tensors
         layout = int8_layout(cache.block_size, cache.kv_heads, cache.head_dim) \
             if compress else cache.layout
@@ -94,7 +99,7 @@ class SwapManager:
         return {"k": quant.dequantize_keys(h["kq"], h["ks"], h["ko"], dtype),
                 "v": quant.dequantize_values(h["vq"], h["vs"], h["vo"], dtype)}
 
-    def wait_for(self, device_blocks) -> float:
+    def wait_for(self, device_blocks: Iterable[int]) -> float:
         """Block until copies touching these device blocks are done; returns seconds waited."""
         handles = {id(h): h for b in device_blocks if (h := self.pending.get(b)) is not None}
         start = time.perf_counter()

@@ -1,12 +1,17 @@
 """Helpers that drive an Engine with hand-made step schedules (tests, quality measurements)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.executor.messages import NewRequest, StepInput
 
+if TYPE_CHECKING:
+    from services.executor.engine import Engine
 
-def teacher_forced_logits(engine, prompts: list[list[int]], chunk_sizes: list[int | None],
+
+def teacher_forced_logits(engine: Engine, prompts: list[list[int]], chunk_sizes: list[int | None],
                           first_block: int = 0) -> list[torch.Tensor]:
     """Feed every prompt through the engine in one mixed batch per step, request i advancing
     chunk_sizes[i] tokens a step (None = whole prompt at once). Returns per prompt the fp32

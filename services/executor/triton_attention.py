@@ -5,11 +5,16 @@ interpreter (slow; used to check correctness against the torch reference backend
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from services.executor.batch import StepBatch
-from services.executor.int8_kv import Int8PagedKV
 from services.executor import triton_kernels as kern
+from services.executor.int8_kv import Int8PagedKV
+from services.executor.ragged_batch import StepBatch
+
+if TYPE_CHECKING:
+    from services.executor.runner import KVCache
 
 
 def _pow2(n: int) -> bool:
@@ -34,23 +39,23 @@ class TritonAttention:
     def prepare(self, batch: StepBatch) -> None:
         """Per-step metadata (int32), shared by every layer's kernels."""
         if not _pow2(batch.block_size):
-            raise ValueError(f"the Triton backend needs a power-of-two block size")
+            raise ValueError("the Triton backend needs a power-of-two block size")
         dev = batch.token_ids.device
-        chunks = batch.chunks
-        nb_max = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros((len(chunks), nb_max), dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
-        req = torch.repeat_interleave(torch.arange(len(chunks)),
-                                      torch.tensor([c.q_len for c in chunks]))
+        runs = batch.runs
+        nb_max = max(len(r.block_table) for r in runs)
+        tables = torch.zeros((len(runs), nb_max), dtype=torch.int32)
+        for i, r in enumerate(runs):
+            tables[i, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+        req = torch.repeat_interleave(torch.arange(len(runs)),
+                                      torch.tensor([r.q_len for r in runs]))
         i32 = dict(dtype=torch.int32, device=dev)
         self.meta = {"tok_req": req.to(**i32), "tok_pos": batch.positions.to(torch.int32),
                      "tables": tables.to(dev), "slots": batch.slot_mapping.to(torch.int32),
-                     "req_ctx": torch.tensor([c.ctx_after for c in chunks], **i32),
-                     "req_slot": torch.tensor([max(c.staging_slot, 0) for c in chunks], **i32)}
+                     "req_ctx": torch.tensor([r.ctx_after for r in runs], **i32),
+                     "req_slot": torch.tensor([max(r.staging_slot, 0) for r in runs], **i32)}
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache, batch: StepBatch) -> torch.Tensor:
+                cache: KVCache, batch: StepBatch) -> torch.Tensor:
         """q [T, H, D], new k/v [T, Hkv, D] -> attention output [T, H*D]."""
         int8 = isinstance(cache, Int8PagedKV)
         if int8:

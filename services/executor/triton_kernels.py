@@ -6,6 +6,9 @@ imported they run in Triton's interpreter on CPU tensors instead, which is how C
 without a GPU. Cache layouts are those of kv_cache.py / int8_kv.py (per layer):
 K, V [Hkv, NB, BS, D]; key scale/offset [Hkv, NB, D]; value scale/offset [Hkv, NB, BS];
 INT8 staging [Hkv, S, BS, D]. BS and D must be powers of two.
+
+Kernel parameters carry no Python type hints on purpose: Triton reads them (`tl.constexpr`
+marks compile-time constants, and a hint such as `int` would force an i32 argument type).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def paged_attention(Q, O, TOK_REQ, TOK_POS, TABLES, REQ_CTX, REQ_SLOT,
+def paged_attention(Q, O, TOK_REQ, TOK_POS, TABLES, REQ_CTX, REQ_SLOT,  # noqa: E741
                     K, V, KS, KO, VS, VO, KST, VST, sm_scale, nb_total, n_slots, nb_max,
                     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BS: tl.constexpr, INT8: tl.constexpr):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 
+from services.common import sampling_pb
 from services.common.pb import common_pb2
+from services.common.sampling import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Plan
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, Slo
@@ -149,12 +151,10 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
         raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
 
 
-def _sampling(body) -> common_pb2.SamplingParams:
-    params = common_pb2.SamplingParams(temperature=body.temperature, top_p=body.top_p,
-                                       top_k=body.top_k)
-    if body.seed is not None:
-        params.seed = body.seed
-    return params
+def _sampling(body: CompletionRequest | ChatCompletionRequest) -> common_pb2.SamplingParams:
+    """The schema has checked the ranges already (a refusal there is a 400)."""
+    return sampling_pb.to_pb(SamplingParams(temperature=body.temperature, top_p=body.top_p,
+                                            top_k=body.top_k, seed=body.seed))
 
 
 def _header_number(headers: Mapping[str, str], name: str, cast=float):

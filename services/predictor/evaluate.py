@@ -17,6 +17,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -147,8 +148,7 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
             "retrieval": LengthPredictor(embedder, store, None, prior, k, -1.0).predict,
             "ours": LengthPredictor(embedder, store, mlp, prior, k, s0).predict,
         }
-        methods = {m: (lambda fn: lambda ps: fn(model, ps))(fn) if m != "prior" else fn
-                   for m, fn in methods.items()}
+        methods = {m: partial(fn, model) if m != "prior" else fn for m, fn in methods.items()}
         if proxy is not None:
             methods["proxy"] = proxy.predict
         n_single = min(args.latency_samples, len(test_p))

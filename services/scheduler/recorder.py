@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.convert import usage_pb
 from services.scheduler.core.request import FINISH_REASON_STATUS
 from services.scheduler.records import queue_of
-from services.scheduler.store import IterationWrite
+from services.scheduler.iteration_write import IterationWrite
 from services.scheduler.streams import final_event
 
 if TYPE_CHECKING:

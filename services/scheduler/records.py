@@ -4,14 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from services.common.sampling import SamplingParams
 from services.scheduler.core.request import Request, RequestStatus, Slo
-
-FINAL_STATUS = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
-    "error": RequestStatus.FINISHED_ERROR,
-}
 
 
 def new_record(req: Request, model: str) -> dict[str, str | int | float]:
@@ -21,7 +15,7 @@ def new_record(req: Request, model: str) -> dict[str, str | int | float]:
         "min_tokens": req.min_tokens, "stop": list(req.stop_token_ids),
         "eos": list(req.eos_token_ids), "ignore_eos": req.ignore_eos,
         "priority": req.priority, "slo": dataclasses.asdict(req.slo),
-        "sampling": req.sampling, "max_model_len": req.max_model_len, "model": model,
+        "sampling": req.sampling.to_dict(), "max_model_len": req.max_model_len, "model": model,
     }
     return {
         "params": json.dumps(params, separators=(",", ":")),
@@ -42,7 +36,7 @@ def request_from_record(rid: str, record: dict[str, str],
         arrival_time=float(record["arrival"]), min_tokens=p["min_tokens"],
         stop_token_ids=tuple(p["stop"]), eos_token_ids=tuple(p["eos"]),
         ignore_eos=p["ignore_eos"], priority=p["priority"], slo=Slo(**p["slo"]),
-        sampling=p["sampling"], predicted_len=predicted,
+        sampling=SamplingParams.from_dict(p["sampling"]), predicted_len=predicted,
         prediction_source=record.get("prediction_source", "prior"),
         output_token_ids=[t[0] for t in tokens], output_logprobs=[t[1] for t in tokens],
         token_times=[t[2] for t in tokens], first_scheduled_time=first_sched,

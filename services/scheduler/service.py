@@ -32,7 +32,8 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recorder import CompletedStep, StepRecorder, executor_fields, write_status
 from services.scheduler.records import new_record, recompute_copy, request_from_record
 from services.scheduler.step_trace import StepTrace
-from services.scheduler.store import IterationWrite, Store, StoreWriter
+from services.scheduler.iteration_write import IterationWrite
+from services.scheduler.store import Store, StoreWriter
 from services.scheduler.streams import RequestStream
 from services.scheduler.validation import ModelLimits
 

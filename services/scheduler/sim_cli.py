@@ -16,7 +16,7 @@ def _rates(text: str) -> list[float]:
         start, stop, step = (float(x) for x in text.split(":"))
         if step <= 0 or stop < start:
             raise argparse.ArgumentTypeError(f"bad rate range {text!r}")
-        n = int(round((stop - start) / step)) + 1
+        n = round((stop - start) / step) + 1
         return [round(start + i * step, 6) for i in range(n)]
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
@@ -100,10 +100,10 @@ def _run(args) -> int:
 
     from services.scheduler.sim.config import prefill_attention_coeff
     from services.scheduler.sim.run import simulate
-    from services.scheduler.sim.sweep import _profile, build_trace, policy_config
+    from services.scheduler.sim.sweep import build_trace, cached_profile, policy_config
 
     config = policy_config(args.policy, _base_config(args))
-    profile = _profile(config.profile)
+    profile = cached_profile(config.profile)
     items = build_trace(_trace_spec(args), args.rate, profile,
                         prefill_attention_coeff(config, profile))
     result = simulate(items, config, profile)
@@ -130,11 +130,11 @@ def _criteria(args, profile: dict):
 
 
 def _sweep(args) -> int:
-    from services.scheduler.sim.sweep import _profile, sweep
+    from services.scheduler.sim.sweep import cached_profile, sweep
     from services.workload.plots import plot_results
 
     base = _base_config(args)
-    criteria = _criteria(args, _profile(base.profile))
+    criteria = _criteria(args, cached_profile(base.profile))
     cdf_rate = args.cdf_rate if args.cdf_rate is not None else args.rates[len(args.rates) // 2]
     results = sweep(args.policies, args.rates, base, _trace_spec(args), criteria,
                     jobs=args.jobs, rel_tol=args.rel_tol, max_rounds=args.rounds,

@@ -213,5 +213,5 @@ class StoreWriter:
             for callback in write.callbacks:
                 try:
                     callback()
-                except Exception:  # noqa: BLE001 - one bad callback must not stop the writer
+                except Exception:  # one bad callback must not stop the writer
                     log.exception("store writer callback failed")

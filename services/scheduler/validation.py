@@ -4,9 +4,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from services.common import sampling_pb
 from services.common.grpc_server import invalid
 from services.common.pb import scheduler_pb2
-from services.scheduler.convert import sampling_to_dict, slo_from_pb
+from services.common.sampling import SamplingParams
+from services.scheduler.convert import slo_from_pb
 from services.scheduler.core.request import Request
 
 MAX_REQUEST_ID_LEN = 256
@@ -39,14 +41,11 @@ def _check_prompt(prompt: list[int], limits: ModelLimits) -> None:
                       f"[0, {limits.vocab_size})")
 
 
-def _check_sampling(pb: scheduler_pb2.GenerateRequest) -> None:
-    s = pb.sampling
-    if not s.temperature >= 0:
-        raise invalid(f"temperature must be >= 0, got {s.temperature}")
-    if not 0 <= s.top_p <= 1:
-        raise invalid(f"top_p must be in [0, 1], got {s.top_p}")
-    if s.top_k < 0:
-        raise invalid(f"top_k must be >= 0, got {s.top_k}")
+def _sampling(pb: scheduler_pb2.GenerateRequest) -> SamplingParams:
+    try:
+        return sampling_pb.from_pb(pb.sampling)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
 
 
 def _check_limits(pb: scheduler_pb2.GenerateRequest) -> None:
@@ -72,7 +71,7 @@ def request_from_pb(pb: scheduler_pb2.GenerateRequest, rid: str, now: float,
     prompt = list(pb.prompt_token_ids)
     _check_prompt(prompt, limits)
     _check_limits(pb)
-    _check_sampling(pb)
+    sampling = _sampling(pb)
     predicted, source = None, "prior"
     if pb.HasField("prediction") and pb.prediction.length > 0:
         predicted, source = pb.prediction.length, pb.prediction.source or "client"
@@ -82,5 +81,5 @@ def request_from_pb(pb: scheduler_pb2.GenerateRequest, rid: str, now: float,
         min_tokens=pb.min_tokens, stop_token_ids=tuple(pb.stop_token_ids),
         eos_token_ids=limits.eos_token_ids, ignore_eos=pb.ignore_eos,
         priority=pb.priority if pb.HasField("priority") else 0, slo=slo_from_pb(pb.slo),
-        sampling=sampling_to_dict(pb.sampling), predicted_len=predicted,
+        sampling=sampling, predicted_len=predicted,
         prediction_source=source, max_model_len=limits.max_model_len)

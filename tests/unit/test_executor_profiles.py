@@ -2,10 +2,10 @@
 the device, model and dtype, else none (the scheduler then uses its defaults)."""
 import json
 
+from services.common.pb import executor_pb2
 from services.executor.engine import BUNDLED_PROFILES, bundled_profile
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.executors import cost_model_for
-from services.common.pb import executor_pb2
 
 
 def test_bundled_cpu_profile_matches_only_its_device_model_and_dtype():

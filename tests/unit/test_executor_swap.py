@@ -124,7 +124,8 @@ class MiniScheduler:
             blocks = self._take(self.free_dev, -(-(length + 12) // self.bs))
             if blocks is not None:
                 rid = f"q{self.n}"
-                step.new_requests.append(NewRequest(rid, self.rng.choices(range(50, 5000), k=length)))
+                ids = self.rng.choices(range(50, 5000), k=length)
+                step.new_requests.append(NewRequest(rid, ids))
                 step.block_tables[rid] = (blocks, False)
                 self.reqs[rid] = {"len": length, "done": 0, "dev": blocks, "host": None}
                 self.logits[rid] = []
@@ -158,7 +159,8 @@ class MiniScheduler:
             r["dev"], r["host"] = dev, None
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2 ** 32 - 1), steps=st.integers(4, 14))
 def test_random_steps_never_corrupt_other_requests(tiny_dir, hf_model, seed, steps):
     engine = Engine(tiny_dir, num_device_blocks=24, num_host_blocks=12)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.common.arith import ceil_div
+
 if TYPE_CHECKING:
     from services.scheduler.core.request import Request
 
@@ -37,12 +39,12 @@ class BlockManager:
 
     # -- sizes ------------------------------------------------------------------------------
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
         """Device blocks `req` needs so that `num_computed_tokens + num_new_tokens` fit."""
         table = self._dev.get(req.request_id)
-        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        need = ceil_div(req.num_computed_tokens + num_new_tokens, self.block_size)
         return need - len(table) if table else need
 
     @property
@@ -77,7 +79,7 @@ class BlockManager:
         if rid in self._host:
             raise ValueError(f"request {rid} is swapped out; swap it in before allocating")
         table = self._dev.get(rid)         # num_new_blocks, inlined: this is the hot path
-        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        need = ceil_div(req.num_computed_tokens + num_new_tokens, self.block_size)
         if table:
             need -= len(table)
         if need <= 0:

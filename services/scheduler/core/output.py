@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.sampling import SamplingParams
+
 
 @dataclass
 class NewRequestData:
     """Sent once when a request first reaches an executor (or again after a recompute)."""
     request_id: str
     token_ids: list[int]          # every known token: prompt + output so far
-    sampling: dict
+    sampling: SamplingParams
     num_output_tokens: int        # how many of token_ids are output (seeded sampling offset)
 
 

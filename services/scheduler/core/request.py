@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.common.sampling import SamplingParams
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -72,7 +74,7 @@ class Request:
     ignore_eos: bool = False
     priority: int = 0
     slo: Slo = field(default_factory=Slo)
-    sampling: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     predicted_len: int | None = None
     prediction_source: str = "none"
     # true output length when known (simulator / benchmarks only): read by the `oracle` policy

@@ -77,7 +77,8 @@ class Simulation:
     def _make_executor(self, name: str) -> Executor:
         dev = self.config.num_device_blocks or self.profile.get("num_device_blocks")
         if not dev:
-            raise ValueError("the profile has no num_device_blocks: set SimConfig.num_device_blocks")
+            raise ValueError("the profile has no num_device_blocks: "
+                             "set SimConfig.num_device_blocks")
         host = self.config.num_host_blocks
         if host is None:
             host = self.profile.get("num_host_blocks", dev)
@@ -169,7 +170,7 @@ class Simulation:
         return ex.copy_free_at - self.now
 
     def _end_step(self, ex: Executor) -> None:
-        out, sampling, start, duration, swaps, kv_util = ex.step
+        out, sampling, start, duration, _swaps, kv_util = ex.step
         ex.busy, ex.step = False, None
         outcome = StepOutcome(out.step_id, {rid: (DUMMY_TOKEN, 0.0) for rid in sampling},
                               duration)

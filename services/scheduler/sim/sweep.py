@@ -47,7 +47,8 @@ def policy_config(entry: str, base: SimConfig) -> SimConfig:
 _PROFILES: dict[str, dict] = {}
 
 
-def _profile(name: str) -> dict:
+def cached_profile(name: str) -> dict:
+    """`load_profile`, once per process (the sweep's workers and the CLI share it)."""
     if name not in _PROFILES:
         _PROFILES[name] = load_profile(name)
     return _PROFILES[name]
@@ -73,7 +74,7 @@ def run_point(task: tuple) -> dict:
 
     entry, rate, base, spec, keep_cdf = task
     config = policy_config(entry, base)
-    profile = _profile(config.profile)
+    profile = cached_profile(config.profile)
     items = build_trace(spec, rate, profile, prefill_attention_coeff(config, profile))
     try:
         result = simulate(items, config, profile)
@@ -105,7 +106,7 @@ def sweep(policies: list[str], rates: list[float], base: SimConfig, spec: TraceS
     jobs = jobs or os.cpu_count() or 1
     for entry in policies:
         policy_config(entry, base)  # fail fast on a malformed entry
-    build_trace(spec, rates[0], _profile(base.profile))  # load data once, before forking
+    build_trace(spec, rates[0], cached_profile(base.profile))  # load data once, before forking
     tasks = [(p, r, base, spec, r == cdf_rate) for p in policies for r in rates]
     points = _run_tasks(tasks, jobs, "grid")
     cache = {(p["policy"], p["rate"]): p for p in points}

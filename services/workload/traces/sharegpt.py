@@ -4,8 +4,9 @@ The shipped JSON file is cut mid-way; `iter_conversations` decodes it one object
 from a streaming buffer and stops cleanly at the first incomplete object. Filtering
 (docs/workloads.md, "ShareGPT"): at least 2 turns, prompt = turn 0, reference output = turn 1,
 prompt and output of at least 4 tokens, prompt at most 1024 and prompt + output at most 2048
-tokens, with token counts from the serving model's tokenizer. The train/test split is a fixed hash of each
-conversation id and the seed, so the predictor and the simulator agree on it everywhere.
+tokens, with token counts from the serving model's tokenizer. The train/test split is a fixed
+hash of each conversation id and the seed, so the predictor and the simulator agree on it
+everywhere.
 """
 from __future__ import annotations
 

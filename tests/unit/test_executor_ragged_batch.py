@@ -1,16 +1,16 @@
-"""Packed batches: decodes and prefill chunks split into groups of similar context length."""
+"""Packed batches: decodes and prefill runs split into groups of similar context length."""
 from __future__ import annotations
 
 import torch
 
-from services.executor.batch import Chunk, build_batch, split_by_context
+from services.executor.ragged_batch import TokenRun, build_batch, split_by_context
 
 BS = 16
 
 
-def _decode(rid: str, ctx: int) -> Chunk:
+def _decode(rid: str, ctx: int) -> TokenRun:
     nb = -(-(ctx + 1) // BS)
-    return Chunk(rid, [7], ctx, list(range(nb)), sample=True)
+    return TokenRun(rid, [7], ctx, list(range(nb)), sample=True)
 
 
 def _padded(groups) -> int:
@@ -19,11 +19,11 @@ def _padded(groups) -> int:
 
 
 def test_long_outlier_gets_its_own_group():
-    chunks = [_decode(f"s{i}", 20 + i) for i in range(10)] + [_decode("long", 630)]
-    groups = split_by_context(chunks, BS, group_cost=128)
+    runs = [_decode(f"s{i}", 20 + i) for i in range(10)] + [_decode("long", 630)]
+    groups = split_by_context(runs, BS, group_cost=128)
     assert [len(g) for g in groups] == [10, 1]
     assert groups[1][0].request_id == "long"
-    assert _padded(groups) < _padded([chunks]) / 5
+    assert _padded(groups) < _padded([runs]) / 5
 
 
 def test_equal_contexts_and_expensive_groups_stay_together():
@@ -40,12 +40,12 @@ def test_split_is_optimal_against_brute_force():
 
     rng = random.Random(3)
     for _ in range(20):
-        chunks = [Chunk(f"c{i}", [1] * rng.choice([1, 5, 40]), rng.randint(0, 300), [0] * 30)
+        runs = [TokenRun(f"c{i}", [1] * rng.choice([1, 5, 40]), rng.randint(0, 300), [0] * 30)
                   for i in range(6)]
         cost = rng.choice([0, 64, 512])
-        got = split_by_context(chunks, BS, cost)
-        assert sorted(c.request_id for g in got for c in g) == sorted(c.request_id for c in chunks)
-        order = sorted(chunks, key=lambda c: (c.ctx_after, c.q_len))
+        got = split_by_context(runs, BS, cost)
+        assert sorted(c.request_id for g in got for c in g) == sorted(c.request_id for c in runs)
+        order = sorted(runs, key=lambda c: (c.ctx_after, c.q_len))
         best = min(_padded(parts) + cost * len(parts)
                    for k in range(len(order))
                    for cuts in itertools.combinations(range(1, len(order)), k)
@@ -54,21 +54,21 @@ def test_split_is_optimal_against_brute_force():
 
 
 def test_groups_cover_the_packed_rows_in_order():
-    chunks = [_decode("a", 500), Chunk("p", list(range(30)), 0, [8, 9]), _decode("b", 3),
-              _decode("c", 490), Chunk("q", list(range(4)), 200, list(range(20, 34)))]
-    batch = build_batch(chunks, BS, torch.device("cpu"))
+    runs = [_decode("a", 500), TokenRun("p", list(range(30)), 0, [8, 9]), _decode("b", 3),
+              _decode("c", 490), TokenRun("q", list(range(4)), 200, list(range(20, 34)))]
+    batch = build_batch(runs, BS, torch.device("cpu"))
     assert len(batch.groups) >= 3
     row = 0
     for g in batch.groups:
         assert g.row_start == row
-        assert all(c.q_len == 1 for c in g.chunks) or all(c.q_len > 1 for c in g.chunks)
-        row += sum(c.q_len for c in g.chunks)
+        assert all(c.q_len == 1 for c in g.runs) or all(c.q_len > 1 for c in g.runs)
+        row += sum(c.q_len for c in g.runs)
     assert row == batch.num_tokens == 1 + 30 + 1 + 1 + 4
-    # decodes before prefill chunks; every sampled row is the last token of its request
-    kinds = [c.q_len > 1 for c in batch.chunks]
+    # decodes before prefill runs; every sampled row is the last token of its request
+    kinds = [c.q_len > 1 for c in batch.runs]
     assert kinds == sorted(kinds)
     assert batch.sample_ids == ["b", "c", "a"]
-    one = build_batch(chunks, BS, torch.device("cpu"), group_cost=None)
+    one = build_batch(runs, BS, torch.device("cpu"), group_cost=None)
     assert len(one.groups) == 2
 
 
@@ -98,7 +98,8 @@ def test_engine_split_groups_match_one_group_and_bench_restores_setting(tmp_path
             base += nb
         out = [engine.step(step).sampled]
         for i in range(3):
-            out.append(engine.step(StepInput(i + 1, num_scheduled_tokens=dict.fromkeys(rids, 1))).sampled)
+            step = StepInput(i + 1, num_scheduled_tokens=dict.fromkeys(rids, 1))
+            out.append(engine.step(step).sampled)
         engine.step(StepInput(9, free_request_ids=rids))
         return [[o[rid][0] for rid in rids] for o in out]
 

@@ -19,8 +19,9 @@ import torch
 
 
 @dataclass
-class Chunk:
-    """One request's share of the forward pass."""
+class TokenRun:
+    """One request's share of the forward pass: the run of tokens it computes now (a prefill
+    chunk, or the one token of a decode)."""
     request_id: str
     token_ids: list[int]          # the tokens computed now
     ctx_before: int               # tokens already in the KV cache
@@ -40,7 +41,7 @@ class Chunk:
 @dataclass
 class Group:
     """A padded sub-batch of requests: decodes (Qmax = 1) or prefill chunks."""
-    chunks: list[Chunk]
+    runs: list[TokenRun]
     row_start: int                # first packed row of this group
     q_pos: torch.Tensor           # [B, Qmax] position of each query (padding: -1)
     q_rows: torch.Tensor          # [B, Qmax] packed row of each query (padding: row_start)
@@ -51,7 +52,7 @@ class Group:
 
     @property
     def size(self) -> int:
-        return len(self.chunks)
+        return len(self.runs)
 
     @property
     def q_max(self) -> int:
@@ -60,7 +61,7 @@ class Group:
 
 @dataclass
 class StepBatch:
-    chunks: list[Chunk]           # in packed order
+    runs: list[TokenRun]          # in packed order
     token_ids: torch.Tensor       # [T]
     positions: torch.Tensor       # [T]
     slot_mapping: torch.Tensor    # [T] flat cache slot (block * block_size + offset)
@@ -74,38 +75,39 @@ class StepBatch:
         return int(self.token_ids.shape[0])
 
 
-def _group(chunks: list[Chunk], row_start: int, block_size: int, device) -> Group:
-    q_max = max(c.q_len for c in chunks)
-    nb_max = max(-(-c.ctx_after // block_size) for c in chunks)
-    q_pos = torch.full((len(chunks), q_max), -1, dtype=torch.long)
-    q_rows = torch.full((len(chunks), q_max), row_start, dtype=torch.long)
-    tables = torch.zeros((len(chunks), nb_max), dtype=torch.long)
+def _group(runs: list[TokenRun], row_start: int, block_size: int, device) -> Group:
+    q_max = max(r.q_len for r in runs)
+    nb_max = max(-(-r.ctx_after // block_size) for r in runs)
+    q_pos = torch.full((len(runs), q_max), -1, dtype=torch.long)
+    q_rows = torch.full((len(runs), q_max), row_start, dtype=torch.long)
+    tables = torch.zeros((len(runs), nb_max), dtype=torch.long)
     row = row_start
-    for i, c in enumerate(chunks):
-        q_pos[i, :c.q_len] = torch.arange(c.ctx_before, c.ctx_after)
-        q_rows[i, :c.q_len] = torch.arange(row, row + c.q_len)
-        nb = -(-c.ctx_after // block_size)
-        tables[i, :nb] = torch.tensor(c.block_table[:nb], dtype=torch.long)
-        row += c.q_len
-    ctx_after = torch.tensor([c.ctx_after for c in chunks], dtype=torch.long)
-    return Group(chunks, row_start, q_pos.to(device), q_rows.to(device), (q_pos >= 0).to(device),
+    for i, r in enumerate(runs):
+        q_pos[i, :r.q_len] = torch.arange(r.ctx_before, r.ctx_after)
+        q_rows[i, :r.q_len] = torch.arange(row, row + r.q_len)
+        nb = -(-r.ctx_after // block_size)
+        tables[i, :nb] = torch.tensor(r.block_table[:nb], dtype=torch.long)
+        row += r.q_len
+    ctx_after = torch.tensor([r.ctx_after for r in runs], dtype=torch.long)
+    return Group(runs, row_start, q_pos.to(device), q_rows.to(device), (q_pos >= 0).to(device),
                  ctx_after.to(device), tables.to(device))
 
 
-def split_by_context(chunks: list[Chunk], block_size: int, group_cost: int) -> list[list[Chunk]]:
-    """Contiguous runs of `chunks` sorted by context length that minimise the padded work,
+def split_by_context(runs: list[TokenRun], block_size: int,
+                     group_cost: int) -> list[list[TokenRun]]:
+    """Contiguous slices of `runs` sorted by context length that minimise the padded work,
     sum over groups of (size * Qmax * Lk) + group_cost per group (exact dynamic programme over
     the distinct padded shapes, O(shapes^2) at worst, cut short once the last group alone
     costs more than the best split found; decodes have at most max_model_len / block_size)."""
-    if len(chunks) < 2:
-        return [chunks] if chunks else []
-    units: list[list] = []                  # [lk, q, chunks], ascending lk
-    for c in sorted(chunks, key=lambda c: (c.ctx_after, c.q_len)):
-        lk = -(-c.ctx_after // block_size) * block_size
-        if units and units[-1][0] == lk and units[-1][1] == c.q_len:
-            units[-1][2].append(c)
+    if len(runs) < 2:
+        return [runs] if runs else []
+    units: list[list] = []                  # [lk, q, runs], ascending lk
+    for r in sorted(runs, key=lambda r: (r.ctx_after, r.q_len)):
+        lk = -(-r.ctx_after // block_size) * block_size
+        if units and units[-1][0] == lk and units[-1][1] == r.q_len:
+            units[-1][2].append(r)
         else:
-            units.append([lk, c.q_len, [c]])
+            units.append([lk, r.q_len, [r]])
     best = [0.0] * (len(units) + 1)         # best[j]: cost of units[:j]
     cut = [0] * (len(units) + 1)
     for j in range(1, len(units) + 1):
@@ -123,36 +125,36 @@ def split_by_context(chunks: list[Chunk], block_size: int, group_cost: int) -> l
     groups, j = [], len(units)
     while j > 0:
         i = cut[j]
-        groups.append([c for unit in units[i:j] for c in unit[2]])
+        groups.append([r for unit in units[i:j] for r in unit[2]])
         j = i
     return groups[::-1]
 
 
-def build_batch(chunks: list[Chunk], block_size: int, device: torch.device,
+def build_batch(runs: list[TokenRun], block_size: int, device: torch.device,
                 group_cost: int | None = 128) -> StepBatch:
     """Order decodes first, then prefill chunks (each kind split into groups of similar
     context; `group_cost=None`: one group per kind), and precompute every index tensor."""
-    decodes = [c for c in chunks if c.q_len == 1]
-    prefills = [c for c in chunks if c.q_len > 1]
+    decodes = [r for r in runs if r.q_len == 1]
+    prefills = [r for r in runs if r.q_len > 1]
     if group_cost is None:
-        runs = [g for g in (decodes, prefills) if g]
+        parts = [g for g in (decodes, prefills) if g]
     else:
-        runs = (split_by_context(decodes, block_size, group_cost)
+        parts = (split_by_context(decodes, block_size, group_cost)
                 + split_by_context(prefills, block_size, group_cost))
-    ordered = [c for run in runs for c in run]
+    ordered = [r for part in parts for r in part]
     tokens, positions, slots, logits_rows, sample_ids = [], [], [], [], []
-    for c in ordered:
-        tokens.extend(c.token_ids)
-        for pos in range(c.ctx_before, c.ctx_after):
+    for r in ordered:
+        tokens.extend(r.token_ids)
+        for pos in range(r.ctx_before, r.ctx_after):
             positions.append(pos)
-            slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
-        if c.sample:
+            slots.append(r.block_table[pos // block_size] * block_size + pos % block_size)
+        if r.sample:
             logits_rows.append(len(tokens) - 1)
-            sample_ids.append(c.request_id)
+            sample_ids.append(r.request_id)
     groups, row = [], 0
-    for run in runs:
-        groups.append(_group(run, row, block_size, device))
-        row += sum(c.q_len for c in run)
+    for part in parts:
+        groups.append(_group(part, row, block_size, device))
+        row += sum(r.q_len for r in part)
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
