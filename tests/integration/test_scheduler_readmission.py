@@ -25,7 +25,7 @@ from services.scheduler.testing import (cached_tiny_model, gen_request, running_
                                         start_tiny_executor)
 
 PREDICTED = 2
-MAX_TOKENS = 160
+MAX_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")

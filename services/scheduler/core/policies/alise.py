@@ -18,68 +18,85 @@
 """
 from __future__ import annotations
 
-from services.scheduler.core.policies.base import register_policy
-from services.scheduler.core.policies.levels import bucket
-from services.scheduler.core.policies.preemptive import PreemptivePolicy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
+from services.scheduler.core.policies.base import KnobError, register_policy
+from services.scheduler.core.policies.common import whole_prompt_budget
+from services.scheduler.core.policies.levels import bucket
+from services.scheduler.core.policies.preemptive import PreemptiveKnobs, PreemptivePolicy
+
+if TYPE_CHECKING:
+    from services.scheduler.core.request import Request
+    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+
+Rank = Literal["remaining", "normalized"]
 RANKS = ("remaining", "normalized")
 
 
-@register_policy("alise")
-class AlisePolicy(PreemptivePolicy):
-    KNOBS = {
-        **PreemptivePolicy.KNOBS,
-        "aging_threshold_s": 5.0,
-        "queue_base_s": None,         # None: 16 decode iterations (16 * beta of the cost model)
-        "queue_ratio": 2.0,
-        "default_predicted_len": 256,  # prior when a request carries no prediction
-        "rank": "remaining",          # remaining | normalized (x predicted length, see above)
-        "rank_ref_len": 16,           # normalized: the length whose key equals its time left
-    }
+@dataclass(frozen=True)
+class SrtfKnobs(PreemptiveKnobs):
+    """ALISE's levels by predicted remaining time (shared by `alise` and `hybrid`)."""
+    aging_threshold_s: float | None = 5.0
+    queue_base_s: float | None = None    # None: 16 decode iterations (16 * beta of the cost model)
+    queue_ratio: float = 2.0
+    default_predicted_len: int = 256     # prior when a request carries no prediction
+    rank: Rank = "remaining"             # remaining | normalized (x predicted length, see above)
+    rank_ref_len: float = 16             # normalized: the length whose key equals its time left
 
-    def validate(self) -> None:
-        super().validate()
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.queue_ratio <= 1:
-            raise ValueError(f"{self.name}: queue_ratio must be > 1")
+            raise KnobError("queue_ratio must be > 1")
         if self.default_predicted_len < 1:
-            raise ValueError(f"{self.name}: default_predicted_len must be >= 1")
+            raise KnobError("default_predicted_len must be >= 1")
         if self.rank not in RANKS:
-            raise ValueError(f"{self.name}: rank must be one of {RANKS}, got {self.rank!r}")
+            raise KnobError(f"rank must be one of {RANKS}, got {self.rank!r}")
         if self.rank_ref_len <= 0:
-            raise ValueError(f"{self.name}: rank_ref_len must be > 0")
+            raise KnobError("rank_ref_len must be > 0")
 
-    def bind(self, sched) -> None:
+
+class SrtfPolicy(PreemptivePolicy):
+    """Speculative shortest-remaining-time-first levels with demotion by doubling; the step
+    budget is left to the subclass (`alise`: whole prompts, `hybrid`: Sarathi's tau)."""
+    knobs_type = SrtfKnobs
+    knobs: SrtfKnobs
+    base: float                      # bound of level 0, seconds (set by `bind`)
+    pred: dict[str, int]             # current predicted output length per request
+    demotions: dict[str, int]        # times each request outgrew its prediction
+
+    def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
-        self.base = self.queue_base_s or 16 * sched.cost_model.beta
-        self.pred: dict[str, int] = {}
-        self.demotions: dict[str, int] = {}
+        self.base = self.knobs.queue_base_s or 16 * sched.cost_model.beta
+        self.pred = {}
+        self.demotions = {}
 
     # -- predictions ------------------------------------------------------------------------
-    def initial_prediction(self, req) -> int:
-        return req.predicted_len or self.default_predicted_len
+    def initial_prediction(self, req: Request) -> int:
+        return req.predicted_len or self.knobs.default_predicted_len
 
-    def predicted_len(self, req) -> int:
+    def predicted_len(self, req: Request) -> int:
         return self.pred.get(req.request_id) or self.initial_prediction(req)
 
-    def _level(self, req) -> int:
-        rid = req.request_id
+    def _level(self, req: Request) -> int:
+        rid, k = req.request_id, self.knobs
         pred = self.pred[rid]
         r = self.sched.cost_model.remaining_time(req, pred)
         self.rem[rid] = r
-        key = r * pred / self.rank_ref_len if self.rank == "normalized" else r
-        return bucket(key, self.base, self.queue_ratio, self.num_queues) - self.boost.get(rid, 0)
+        key = r * pred / k.rank_ref_len if k.rank == "normalized" else r
+        return bucket(key, self.base, k.queue_ratio, k.num_queues) - self.boost.get(rid, 0)
 
     # -- hooks ------------------------------------------------------------------------------
-    def entry_level(self, req, now: float) -> int:
+    def entry_level(self, req: Request, now: float) -> int:
         self.pred[req.request_id] = self.initial_prediction(req)
         self._outgrow(req)       # re-admitted with output beyond its prediction
         return self._level(req)
 
-    def after_run(self, req, result, now: float) -> None:
+    def after_run(self, req: Request, result: AppliedStep, now: float) -> None:
         self._outgrow(req)
         self._put(req, self._level(req))
 
-    def _outgrow(self, req) -> None:
+    def _outgrow(self, req: Request) -> None:
         """Demotion: double the prediction until it exceeds the output so far."""
         rid = req.request_id
         pred = self.pred[rid]
@@ -89,6 +106,20 @@ class AlisePolicy(PreemptivePolicy):
             self.pred[rid] = pred
             self.demotions[rid] = self.demotions.get(rid, 0) + 1
 
-    def on_finish(self, req, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         super().on_finish(req, now)
         self.pred.pop(req.request_id, None)
+
+
+@dataclass(frozen=True)
+class AliseKnobs(SrtfKnobs):
+    max_num_batched_tokens: int | None = None   # None: max(2048, max_model_len)
+
+
+@register_policy("alise")
+class AlisePolicy(SrtfPolicy):
+    knobs_type = AliseKnobs
+    knobs: AliseKnobs
+
+    def step_budget(self, sched: Scheduler) -> int:
+        return whole_prompt_budget(self.name, self.knobs.max_num_batched_tokens, sched)

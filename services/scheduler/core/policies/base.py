@@ -1,86 +1,130 @@
-"""Policy interface and registry (DESIGN.md section 4).
+"""Policy interface, knobs and registry.
 
-A policy is a plug-in with named knobs (class attribute KNOBS: name -> default). It decides one
-step at a time: `schedule(state, now) -> SchedulerOutput` where `state` is the Scheduler (its
-queues `waiting`/`running`/`swapped`, `block_manager`, `cost_model`, `new_batch()`), and learns
-from each applied step in `update(result, now)`. Hooks `on_add`, `on_move`, `on_finish` let a
-policy keep incremental indexes (heaps, level queues) instead of re-sorting every step.
+A policy is a plug-in with named knobs: a frozen dataclass (`knobs_type`), one field per knob
+with its default, checked in `__post_init__`. It is bound to one Scheduler (`bind`), then
+decides one step at a time: `schedule(now) -> SchedulerOutput`, reading the scheduler's queues
+`waiting`/`running`/`swapped`, `block_manager`, `cost_model` and building the step with
+`sched.new_batch()`; it learns from each applied step in `update(result, now)`. Hooks `on_add`,
+`on_move`, `on_finish` let a policy keep incremental indexes (heaps, level queues) instead of
+re-sorting every step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
-_REGISTRY: dict[str, type["Policy"]] = {}
+if TYPE_CHECKING:
+    from services.scheduler.core.output import SchedulerOutput
+    from services.scheduler.core.request import Request, RequestStatus
+    from services.scheduler.core.scheduler import AppliedStep, Scheduler
 
+KnobValue = bool | int | float | str | None
+PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES = ("recompute", "swap")
+_POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "token_budget", "tile_size")
+
+
+class KnobError(ValueError):
+    """A knob value out of range; the policy adds its name in front of the message."""
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Knob values of a policy. Subclasses declare the knobs as fields with their defaults
+    (a subclass changes a default by declaring the field again) and check them in
+    `__post_init__`, calling the parent's check first."""
+
+    def __post_init__(self) -> None:
+        values = self.as_dict()
+        mode = values.get("preemption_mode")
+        if mode is not None and mode not in PREEMPTION_MODES:
+            raise KnobError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {mode!r}")
+        for key in _POSITIVE_INTS:
+            value = values.get(key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise KnobError(f"{key} must be a positive int, got {value!r}")
+        wm = values.get("watermark")
+        if wm is not None and not (isinstance(wm, (int, float)) and 0 <= wm < 1):
+            raise KnobError(f"watermark must be in [0, 1), got {wm!r}")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def as_dict(self) -> dict[str, KnobValue]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def watermark_fraction(self) -> float:
+        """Share of the device blocks kept free when admitting new work (`watermark` knob)."""
+        return 0.0
 
 
 class Policy:
-    name = "base"
-    KNOBS: dict[str, Any] = {}
+    name: ClassVar[str] = "base"
+    knobs_type: ClassVar[type[Knobs]] = Knobs
+    knobs: Knobs
+    watermark_blocks: int = 0       # device blocks kept free at admission (set by `bind`)
+    _sched: Scheduler | None = None
 
-    def __init__(self, **knobs: Any):
-        unknown = sorted(set(knobs) - set(self.KNOBS))
+    def __init__(self, **knobs: object) -> None:
+        valid = self.knobs_type.names()
+        unknown = sorted(set(knobs) - set(valid))
         if unknown:
             raise ValueError(f"unknown knob(s) {unknown} for policy {self.name!r}; "
-                             f"valid knobs: {sorted(self.KNOBS)}")
-        self.knobs = {**self.KNOBS, **knobs}
-        for key, value in self.knobs.items():
-            setattr(self, key, value)
-        self.sched = None
-        self.validate()
+                             f"valid knobs: {sorted(valid)}")
+        try:
+            self.knobs = self.knobs_type(**knobs)
+        except KnobError as exc:
+            raise KnobError(f"{self.name}: {exc}") from None
 
-    # -- knobs ------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Check knob values; raise ValueError naming the knob."""
-        mode = self.knobs.get("preemption_mode")
-        if mode is not None and mode not in PREEMPTION_MODES:
-            raise ValueError(f"{self.name}: preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {mode!r}")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "token_budget", "tile_size"):
-            value = self.knobs.get(key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{self.name}: {key} must be a positive int, got {value!r}")
-        wm = self.knobs.get("watermark")
-        if wm is not None and not 0 <= wm < 1:
-            raise ValueError(f"{self.name}: watermark must be in [0, 1), got {wm!r}")
+    @property
+    def sched(self) -> Scheduler:
+        """The Scheduler this policy was bound to."""
+        if self._sched is None:
+            raise RuntimeError(f"policy {self.name!r} is not bound to a scheduler")
+        return self._sched
 
-    def bind(self, sched) -> None:
+    def bind(self, sched: Scheduler) -> None:
         """Called once by the Scheduler; derive budgets that depend on the executor here."""
-        self.sched = sched
-        wm = self.knobs.get("watermark") or 0.0
+        self._sched = sched
+        wm = self.knobs.watermark_fraction()
         self.watermark_blocks = int(wm * sched.block_manager.num_device_blocks)
 
     # -- decisions --------------------------------------------------------------------------
-    def schedule(self, state, now: float):
+    def schedule(self, now: float) -> SchedulerOutput:
         raise NotImplementedError
 
-    def update(self, result, now: float) -> None:
+    def update(self, result: AppliedStep, now: float) -> None:
         pass
 
-    def on_add(self, req, now: float) -> None:
+    def on_add(self, req: Request, now: float) -> None:
         pass
 
-    def on_move(self, req, status) -> None:
+    def on_move(self, req: Request, status: RequestStatus) -> None:
         pass
 
-    def on_finish(self, req, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         pass
 
-    def initial_prediction(self, req) -> int:
+    def initial_prediction(self, req: Request) -> int:
         """Output length this policy assumes when `req` arrives (its prior without one)."""
         return req.predicted_len or req.max_tokens
 
-    def predicted_len(self, req) -> int:
+    def predicted_len(self, req: Request) -> int:
         """Output length this policy believes in now (for remaining-time estimates)."""
         return self.initial_prediction(req)
 
-    def describe(self) -> dict:
-        return {"name": self.name, "knobs": dict(self.knobs)}
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "knobs": self.knobs.as_dict()}
 
 
-def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
-    def deco(cls: type[Policy]) -> type[Policy]:
+_REGISTRY: dict[str, type[Policy]] = {}
+P = TypeVar("P", bound=Policy)
+
+
+def register_policy(name: str) -> Callable[[type[P]], type[P]]:
+    def deco(cls: type[P]) -> type[P]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"policy {name!r} registered twice")
         cls.name = name
@@ -93,12 +137,16 @@ def _load_builtin() -> None:
     import services.scheduler.core.policies  # noqa: F401  (registers the built-in policies)
 
 
-def make_policy(name: str, **knobs: Any) -> Policy:
+def _policy_class(name: str) -> type[Policy]:
     _load_builtin()
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; available: {available_policies()}")
-    return cls(**knobs)
+    return cls
+
+
+def make_policy(name: str, **knobs: object) -> Policy:
+    return _policy_class(name)(**knobs)
 
 
 def available_policies() -> list[str]:
@@ -106,9 +154,6 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def policy_knobs(name: str) -> dict[str, Any]:
+def policy_knobs(name: str) -> dict[str, KnobValue]:
     """Knob names and defaults of a policy."""
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; available: {available_policies()}")
-    return dict(_REGISTRY[name].KNOBS)
+    return _policy_class(name).knobs_type().as_dict()

@@ -1,12 +1,34 @@
 """Small building blocks shared by several policies."""
 from __future__ import annotations
 
-from services.scheduler.core.request import RequestStatus
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from services.scheduler.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from services.scheduler.core.batch import Batch
+    from services.scheduler.core.policies.base import PreemptionMode
+    from services.scheduler.core.scheduler import Scheduler
 
 RUNNING = RequestStatus.RUNNING
+Queue = OrderedDict[str, Request]
 
 
-def schedule_or_preempt(b, req, n: int, victims, mode: str) -> bool:
+def whole_prompt_budget(policy: str, max_num_batched_tokens: int | None,
+                        sched: Scheduler) -> int:
+    """Token limit of a step that takes whole prompts: the knob, else max(2048, model length);
+    it must hold the longest prompt."""
+    budget = max_num_batched_tokens or max(2048, sched.max_model_len)
+    if budget < sched.max_model_len:
+        raise ValueError(f"{policy}: max_num_batched_tokens={budget} is below "
+                         f"max_model_len={sched.max_model_len}; whole prompts would not fit")
+    return budget
+
+
+def schedule_or_preempt(b: Batch, req: Request, n: int, victims: Iterator[Request],
+                        mode: PreemptionMode) -> bool:
     """Give `req` n tokens; while its KV does not fit, preempt the next victim from the
     iterator `victims` (lowest priority first; meeting `req` itself means nothing of lower
     priority is left). Returns False when `req` had to yield (preempted if resident)."""
@@ -23,23 +45,20 @@ def schedule_or_preempt(b, req, n: int, victims, mode: str) -> bool:
     return True
 
 
-def newest_first(running) -> "iter":
+def newest_first(running: Queue) -> Iterator[Request]:
     """Running requests, most recently admitted first (vLLM's preemption order)."""
     return iter(list(reversed(running.values())))
 
 
-def admit_fcfs(b, waiting, max_seqs: int, reserve_blocks: int, whole: bool = True,
-               max_chunk: int | None = None) -> int:
-    """Admit waiting requests in order while they fit (head-of-line blocking: stop at the
-    first that does not). Whole prompts unless `whole` is False (then chunk to the budget)."""
+def admit_fcfs(b: Batch, sched: Scheduler, max_seqs: int, reserve_blocks: int) -> int:
+    """Admit waiting requests in arrival order with their whole prompt while they fit
+    (head-of-line blocking: stop at the first that does not)."""
     admitted = 0
-    for req in list(waiting.values()):
-        if len(b.sched.running) >= max_seqs or b.num_seqs >= max_seqs:
+    for req in list(sched.waiting.values()):
+        if len(sched.running) >= max_seqs or b.num_seqs >= max_seqs:
             break
-        need = req.num_uncomputed_tokens
-        left = b.tokens_left
-        n = need if whole else min(need, left, max_chunk or need)
-        if n < 1 or n > left:
+        n = req.num_uncomputed_tokens
+        if n < 1 or n > b.tokens_left:
             break
         if not b.schedule(req, n, reserve_blocks):
             break

@@ -8,50 +8,67 @@ swapping), with optional starvation-avoiding promotion via `aging_threshold_s`.
 """
 from __future__ import annotations
 
-from services.scheduler.core.policies.base import register_policy
-from services.scheduler.core.policies.preemptive import PreemptivePolicy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.scheduler.core.policies.base import KnobError, register_policy
+from services.scheduler.core.policies.common import whole_prompt_budget
+from services.scheduler.core.policies.preemptive import PreemptiveKnobs, PreemptivePolicy
+
+if TYPE_CHECKING:
+    from services.scheduler.core.request import Request
+    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+
+
+@dataclass(frozen=True)
+class FastServeKnobs(PreemptiveKnobs):
+    max_num_batched_tokens: int | None = None   # None: max(2048, max_model_len)
+    num_queues: int = 5
+    base_quantum_s: float | None = None   # None: one lone decode iteration (c0 + c_decode)
+    quantum_ratio: float = 2.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.quantum_ratio <= 1:
+            raise KnobError("quantum_ratio must be > 1")
 
 
 @register_policy("fastserve")
 class FastServePolicy(PreemptivePolicy):
-    KNOBS = {
-        **PreemptivePolicy.KNOBS,
-        "num_queues": 5,
-        "base_quantum_s": None,   # None: one lone decode iteration (c0 + c_decode)
-        "quantum_ratio": 2.0,
-    }
+    knobs_type = FastServeKnobs
+    knobs: FastServeKnobs
+    base: float                 # quantum of level 0, seconds (set by `bind`)
+    used: dict[str, float]      # execution time attained in the current level
 
-    def validate(self) -> None:
-        super().validate()
-        if self.quantum_ratio <= 1:
-            raise ValueError(f"{self.name}: quantum_ratio must be > 1")
+    def step_budget(self, sched: Scheduler) -> int:
+        return whole_prompt_budget(self.name, self.knobs.max_num_batched_tokens, sched)
 
-    def bind(self, sched) -> None:
+    def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
-        self.base = self.base_quantum_s or sched.cost_model.iteration_time(0, 1, 0)
-        self.used: dict[str, float] = {}
+        self.base = self.knobs.base_quantum_s or sched.cost_model.iteration_time(0, 1, 0)
+        self.used = {}
 
     def quantum(self, level: int) -> float:
-        return self.base * self.quantum_ratio ** level
+        return self.base * self.knobs.quantum_ratio ** level
 
-    def entry_level(self, req, now: float) -> int:
+    def entry_level(self, req: Request, now: float) -> int:
         t_prefill = self.sched.cost_model.prefill_time(req.num_uncomputed_tokens)
-        level = 0
-        while level < self.num_queues - 1 and self.quantum(level) < t_prefill:
+        level, last = 0, self.knobs.num_queues - 1
+        while level < last and self.quantum(level) < t_prefill:
             level += 1
         self.used[req.request_id] = 0.0
         return level
 
-    def after_run(self, req, result, now: float) -> None:
+    def after_run(self, req: Request, result: AppliedStep, now: float) -> None:
         rid = req.request_id
         elapsed = result.outcome.elapsed_s or self.sched.cost_model.output_time(result.output)
         used = self.used.get(rid, 0.0) + elapsed
         level = self.q.level_of[rid]
-        if used >= self.quantum(level) and level < self.num_queues - 1:
+        if used >= self.quantum(level) and level < self.knobs.num_queues - 1:
             self._put(req, level + 1)
             used = 0.0
         self.used[rid] = used
 
-    def on_finish(self, req, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         super().on_finish(req, now)
         self.used.pop(req.request_id, None)

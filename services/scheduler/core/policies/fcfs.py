@@ -7,50 +7,72 @@ recompute by default). Swapped requests come back, in order, before any new admi
 """
 from __future__ import annotations
 
-from services.scheduler.core.policies.base import Policy, register_policy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.scheduler.core.policies.base import Knobs, Policy, PreemptionMode, register_policy
 from services.scheduler.core.policies.common import (
-    RUNNING, admit_fcfs, newest_first, schedule_or_preempt)
+    RUNNING,
+    admit_fcfs,
+    newest_first,
+    schedule_or_preempt,
+    whole_prompt_budget,
+)
+
+if TYPE_CHECKING:
+    from services.scheduler.core.batch import Batch
+    from services.scheduler.core.output import SchedulerOutput
+    from services.scheduler.core.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class FcfsKnobs(Knobs):
+    max_num_seqs: int = 256                     # batch size limit
+    max_num_batched_tokens: int | None = None   # tokens per step; None: max(2048, max_model_len)
+    watermark: float = 0.01                     # share of device blocks kept free at admission
+    preemption_mode: PreemptionMode = "recompute"   # or "swap"
+
+    def watermark_fraction(self) -> float:
+        return self.watermark or 0.0
 
 
 @register_policy("fcfs")
 class FcfsPolicy(Policy):
-    KNOBS = {
-        "max_num_seqs": 256,               # batch size limit
-        "max_num_batched_tokens": None,    # token limit per step; None: max(2048, max_model_len)
-        "watermark": 0.01,                 # fraction of device blocks kept free at admission
-        "preemption_mode": "recompute",    # or "swap"
-    }
+    knobs_type = FcfsKnobs
+    knobs: FcfsKnobs
+    budget: int         # tokens per step (set by `bind`)
+    seqs: int           # requests per step
 
-    def bind(self, sched) -> None:
+    def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
-        self.budget = self.max_num_batched_tokens or max(2048, sched.max_model_len)
-        if self.budget < sched.max_model_len:
-            raise ValueError(f"fcfs: max_num_batched_tokens={self.budget} is below "
-                             f"max_model_len={sched.max_model_len}; whole prompts would not fit")
-        self.seqs = min(self.max_num_seqs, self.budget)
+        self.budget = whole_prompt_budget("fcfs", self.knobs.max_num_batched_tokens, sched)
+        self.seqs = min(self.knobs.max_num_seqs, self.budget)
 
-    def schedule(self, s, now):
+    def schedule(self, now: float) -> SchedulerOutput:
+        s = self.sched
         b = s.new_batch(now, self.budget)
         if not s.swapped:
-            admit_fcfs(b, s.waiting, self.seqs, self.watermark_blocks)
+            admit_fcfs(b, s, self.seqs, self.watermark_blocks)
             if b.scheduled:
                 return b.finish()
-        self.decode_running(s, b)
+        self.decode_running(b)
         if not b.preempted:
-            self.swap_back(s, b)
+            self.swap_back(b)
         return b.finish()
 
-    def decode_running(self, s, b) -> None:
-        victims = newest_first(s.running)
-        for req in list(s.running.values()):
+    def decode_running(self, b: Batch) -> None:
+        running = self.sched.running
+        victims = newest_first(running)
+        for req in list(running.values()):
             if req.status is not RUNNING or req.request_id in b.scheduled:
                 continue
             if b.num_seqs >= self.seqs or b.tokens_left < 1:
                 break
             n = min(req.num_uncomputed_tokens, b.tokens_left)
-            schedule_or_preempt(b, req, n, victims, self.preemption_mode)
+            schedule_or_preempt(b, req, n, victims, self.knobs.preemption_mode)
 
-    def swap_back(self, s, b) -> None:
+    def swap_back(self, b: Batch) -> None:
+        s = self.sched
         for req in list(s.swapped.values()):
             if len(s.running) >= self.seqs or b.tokens_left < 1:
                 break

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterator
 from itertools import chain
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.scheduler.core.request import Request
 
 
 class LevelQueues:
     """Levels 0 (highest priority) .. n-1; FIFO inside a level (dict insertion order)."""
 
-    def __init__(self, num_levels: int):
+    def __init__(self, num_levels: int) -> None:
         if num_levels < 1:
             raise ValueError(f"number of queues must be >= 1, got {num_levels}")
-        self.levels: list[dict] = [{} for _ in range(num_levels)]
+        self.levels: list[dict[str, Request]] = [{} for _ in range(num_levels)]
         self.level_of: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -25,7 +30,7 @@ class LevelQueues:
     def __contains__(self, rid: str) -> bool:
         return rid in self.level_of
 
-    def put(self, req, level: int) -> None:
+    def put(self, req: Request, level: int) -> None:
         """Insert, or move when the level changed (moving sends it to the back of the level)."""
         rid = req.request_id
         level = min(max(level, 0), len(self.levels) - 1)
@@ -37,7 +42,7 @@ class LevelQueues:
         self.levels[level][rid] = req
         self.level_of[rid] = level
 
-    def move(self, rid: str, level: int):
+    def move(self, rid: str, level: int) -> Request:
         """Move a queued request to another valid level (to its back); returns the request."""
         req = self.levels[self.level_of[rid]].pop(rid)
         self.levels[level][rid] = req
@@ -49,12 +54,12 @@ class LevelQueues:
         if old is not None:
             del self.levels[old][rid]
 
-    def in_order(self):
+    def in_order(self) -> Iterator[Request]:
         """Requests from the highest priority level down (safe to mutate while iterating:
         each level is copied when the walk reaches it)."""
         return chain.from_iterable(list(level.values()) for level in self.levels if level)
 
-    def lowest_first(self):
+    def lowest_first(self) -> Iterator[Request]:
         return chain.from_iterable(reversed(list(level.values()))
                                    for level in reversed(self.levels) if level)
 
@@ -69,7 +74,7 @@ def bucket(value: float, base: float, ratio: float, num_levels: int) -> int:
 class AgingClock:
     """Counts the full `threshold`s a request keeps waiting (not scheduled)."""
 
-    def __init__(self, threshold: float | None):
+    def __init__(self, threshold: float | None) -> None:
         self.threshold = threshold
         self.since: dict[str, float] = {}
         self._heap: list[tuple[float, int, str, float]] = []   # (due, seq, request, start)
@@ -96,7 +101,11 @@ class AgingClock:
         however long the gap (a request that arrived long ago catches up in one call).
         With `limit`, at most that many requests fire (the earliest due); the rest stay due
         and fire in a later call with every period counted."""
-        fired, heap, k, since = {}, self._heap, self.threshold, self.since
+        fired: dict[str, int] = {}
+        heap, since = self._heap, self.since
+        k = self.threshold
+        if k is None:       # never due: nothing is pushed without a threshold
+            return fired
         if limit is None:
             limit = len(heap)
         while heap and heap[0][0] <= now and len(fired) < limit:

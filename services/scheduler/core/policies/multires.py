@@ -13,12 +13,21 @@ a prompt is only taken when all of it fits.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
 from services.scheduler.core.request import RequestStatus
 
+if TYPE_CHECKING:
+    from services.scheduler.core.batch import Batch
+    from services.scheduler.core.block_manager import BlockManager
+    from services.scheduler.core.request import Request
+
+Veto = Callable[["Request"], bool]
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 
 
-def demand(bm, req, a_c: int, a_m: int, reserve: int,
+def demand(bm: BlockManager, req: Request, a_c: int, a_m: int, reserve: int,
            whole: bool = False) -> tuple[int, int] | None:
     """(tokens, device blocks) `req` would take now, or None when it cannot fit (with `whole`,
     when its whole remaining work does not fit)."""
@@ -42,30 +51,27 @@ def demand(bm, req, a_c: int, a_m: int, reserve: int,
     return n, blocks
 
 
-def select_nearest(b, candidates, reserve_new: int, allowed=None, max_seqs: int = 1 << 30,
-                   whole: bool = False) -> list:
+def select_nearest(b: Batch, candidates: Sequence[Request], reserve_new: int,
+                   allowed: Veto | None = None, max_seqs: int = 1 << 30,
+                   whole: bool = False) -> list[Request]:
     """Schedule candidates into batch `b` nearest-demand first; returns the ones not taken.
     `allowed(req)` may veto a candidate at pick time (exclusive request allocation); `whole`
     takes prompts unchunked (only when all of it fits)."""
     bm, bs = b.bm, b.bm.block_size
-    dec0, dec1, general, rest = [], [], [], []
-    for req in candidates:
-        if req.status is RUNNING and req.num_uncomputed_tokens == 1:
-            (dec0 if bm.num_new_blocks(req, 1) == 0 else dec1).append(req)
-        else:
-            general.append(req)
-    dec0.reverse()
-    dec1.reverse()                       # pop() takes the most urgent first
+    dec0, dec1, general = _split_decodes(bm, candidates)
+    rest: list[Request] = []
     while b.tokens_left >= 1 and b.num_seqs < max_seqs:
         a_c, a_m = b.tokens_left, bm.num_free_device_blocks
-        best, best_d, best_n = None, None, 0
+        best: list[Request] | Request | None = None      # a decode group or a request
+        best_d: int | None = None
+        best_n = 0
         if dec0:
             best, best_d, best_n = dec0, (a_c - 1) ** 2 + (a_m * bs) ** 2, 1
         if dec1 and a_m >= 1:
             d = (a_c - 1) ** 2 + ((a_m - 1) * bs) ** 2
             if best_d is None or d < best_d:
                 best, best_d, best_n = dec1, d, 1
-        keep = []
+        keep: list[Request] = []
         for req in general:
             if allowed is not None and not allowed(req):
                 rest.append(req)
@@ -96,12 +102,31 @@ def select_nearest(b, candidates, reserve_new: int, allowed=None, max_seqs: int 
     return rest + general + dec0[::-1] + dec1[::-1]
 
 
-def select_in_order(b, candidates, reserve_new: int, allowed=None, max_seqs: int = 1 << 30,
-                    whole: bool = False) -> list:
+def _split_decodes(bm: BlockManager, candidates: Sequence[Request]
+                   ) -> tuple[list[Request], list[Request], list[Request]]:
+    """(decodes that need no new block, decodes that need one, the others); the decode
+    lists are reversed, so pop() takes the most urgent first."""
+    dec0: list[Request] = []
+    dec1: list[Request] = []
+    general: list[Request] = []
+    for req in candidates:
+        if req.status is RUNNING and req.num_uncomputed_tokens == 1:
+            (dec0 if bm.num_new_blocks(req, 1) == 0 else dec1).append(req)
+        else:
+            general.append(req)
+    dec0.reverse()
+    dec1.reverse()
+    return dec0, dec1, general
+
+
+def select_in_order(b: Batch, candidates: Sequence[Request], reserve_new: int,
+                    allowed: Veto | None = None, max_seqs: int = 1 << 30,
+                    whole: bool = False) -> list[Request]:
     """Schedule candidates into batch `b` in the given order, each chunked to what is left of
     the budget and KV (skipping those that do not fit); returns the ones not taken. Same
     arguments as `select_nearest`: the ablation of nearest-demand selection."""
-    bm, rest = b.bm, []
+    bm = b.bm
+    rest: list[Request] = []
     for i, req in enumerate(candidates):
         if b.tokens_left < 1 or b.num_seqs >= max_seqs:
             return rest + list(candidates[i:])

@@ -6,13 +6,18 @@ EOS, `max_tokens` is its exact length (the simulator replays traces that way); o
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.scheduler.core.policies.alise import AlisePolicy
 from services.scheduler.core.policies.base import register_policy
+
+if TYPE_CHECKING:
+    from services.scheduler.core.request import Request
 
 
 @register_policy("oracle")
 class OraclePolicy(AlisePolicy):
-    def initial_prediction(self, req) -> int:
+    def initial_prediction(self, req: Request) -> int:
         if req.true_len is not None:
             return max(1, req.true_len)
         return req.max_tokens

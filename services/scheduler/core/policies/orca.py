@@ -7,47 +7,65 @@ out of memory and nothing is ever preempted.
 """
 from __future__ import annotations
 
-from services.scheduler.core.policies.base import Policy, register_policy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.scheduler.core.policies.base import KnobError, Knobs, Policy, register_policy
+
+if TYPE_CHECKING:
+    from services.scheduler.core.batch import Batch
+    from services.scheduler.core.output import SchedulerOutput
+    from services.scheduler.core.request import Request
+    from services.scheduler.core.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class OrcaKnobs(Knobs):
+    max_batch_size: int = 32
+    max_num_batched_tokens: int | None = None   # None: max(2048, max_model_len)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise KnobError("max_batch_size must be a positive int")
 
 
 @register_policy("orca")
 class OrcaPolicy(Policy):
-    KNOBS = {
-        "max_batch_size": 32,
-        "max_num_batched_tokens": None,   # None: max(2048, max_model_len)
-    }
+    knobs_type = OrcaKnobs
+    knobs: OrcaKnobs
+    # set by `bind`
+    budget: int                 # tokens per step
+    reserved: int               # blocks promised to admitted requests (their max length)
+    promise: dict[str, int]     # those blocks per request
 
-    def validate(self) -> None:
-        super().validate()
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ValueError(f"orca: max_batch_size must be a positive int")
-
-    def bind(self, sched) -> None:
+    def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
-        self.budget = self.max_num_batched_tokens or max(2048, sched.max_model_len)
+        self.budget = self.knobs.max_num_batched_tokens or max(2048, sched.max_model_len)
         if self.budget < sched.max_model_len:
             raise ValueError(f"orca: max_num_batched_tokens={self.budget} < max_model_len")
-        self.reserved = 0           # blocks promised to admitted requests (their max length)
-        self.promise: dict[str, int] = {}
+        self.reserved = 0
+        self.promise = {}
 
-    def on_finish(self, req, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         self.reserved -= self.promise.pop(req.request_id, 0)
 
-    def schedule(self, s, now):
-        b = s.new_batch(now, self.budget)
-        for req in list(s.running.values()):
+    def schedule(self, now: float) -> SchedulerOutput:
+        b = self.sched.new_batch(now, self.budget)
+        for req in list(self.sched.running.values()):
             n = req.num_uncomputed_tokens
             if n > b.tokens_left:
                 break
             if not b.schedule(req, n):
                 raise AssertionError(f"orca: reserved KV for {req.request_id} was not available")
-        self._admit(s, b)
+        self._admit(b)
         return b.finish()
 
-    def _admit(self, s, b) -> None:
+    def _admit(self, b: Batch) -> None:
+        s = self.sched
         bm = s.block_manager
         for req in list(s.waiting.values()):
-            if len(s.running) >= self.max_batch_size:
+            if len(s.running) >= self.knobs.max_batch_size:
                 break
             n = req.num_uncomputed_tokens
             need = bm.blocks_for_tokens(req.max_total_tokens())

@@ -6,16 +6,22 @@ them, then decode the batch until every member is done.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.scheduler.core.policies.base import register_policy
 from services.scheduler.core.policies.orca import OrcaPolicy
+
+if TYPE_CHECKING:
+    from services.scheduler.core.output import SchedulerOutput
 
 
 @register_policy("request")
 class RequestLevelPolicy(OrcaPolicy):
-    def schedule(self, s, now):
+    def schedule(self, now: float) -> SchedulerOutput:
+        s = self.sched
         b = s.new_batch(now, self.budget)
         if not s.running:
-            self._admit(s, b)
+            self._admit(b)
             return b.finish()
         for req in list(s.running.values()):
             n = req.num_uncomputed_tokens

@@ -23,102 +23,135 @@ Table 4 ablations (each technique alone):
 """
 from __future__ import annotations
 
-from services.scheduler.core.policies.base import Policy, register_policy
-from services.scheduler.core.policies.common import (
-    RUNNING, newest_first, schedule_or_preempt)
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.scheduler.core.policies.base import (
+    KnobError,
+    Knobs,
+    Policy,
+    PreemptionMode,
+    register_policy,
+)
+from services.scheduler.core.policies.common import RUNNING, newest_first, schedule_or_preempt
+
+if TYPE_CHECKING:
+    from services.scheduler.core.batch import Batch
+    from services.scheduler.core.cost_model import CostModel
+    from services.scheduler.core.output import SchedulerOutput
+    from services.scheduler.core.request import Request
+    from services.scheduler.core.scheduler import Scheduler
 
 DEFAULT_TOKEN_BUDGET = 512   # Sarathi-Serve's 'strict' setting
 
 
-def sarathi_budget(policy, sched) -> int:
+def sarathi_budget(token_budget: int | None, tbt_slo_s: float | None, tile_size: int,
+                   cost_model: CostModel) -> int:
     """token_budget knob, else from the TBT target via the cost model, else 512."""
-    if policy.token_budget:
-        return policy.token_budget
-    if policy.tbt_slo_s:
-        return sched.cost_model.token_budget(policy.tbt_slo_s, policy.tile_size)
+    if token_budget:
+        return token_budget
+    if tbt_slo_s:
+        return cost_model.token_budget(tbt_slo_s, tile_size)
     return DEFAULT_TOKEN_BUDGET
+
+
+@dataclass(frozen=True)
+class SarathiKnobs(Knobs):
+    token_budget: int | None = None     # tau; None: derived from tbt_slo_s, else 512
+    tbt_slo_s: float | None = None      # TBT target used to derive tau with the cost model
+    tile_size: int = 128                # tau is rounded down to a multiple of this
+    max_num_seqs: int = 256
+    watermark: float = 0.01
+    preemption_mode: PreemptionMode = "recompute"
+    chunked_prefill: bool = True        # False: whole prompts ("hybrid-batching-only")
+    hybrid_batching: bool = True        # False: prefill-only or decode-only steps
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, value in (("chunked_prefill", self.chunked_prefill),
+                           ("hybrid_batching", self.hybrid_batching)):
+            if not isinstance(value, bool):
+                raise KnobError(f"{key} must be true or false, got {value!r}")
+        if not self.chunked_prefill and not self.hybrid_batching:
+            raise KnobError("chunked_prefill=false with hybrid_batching=false leaves "
+                            "neither Sarathi-Serve technique; use the `fcfs` policy (vLLM: "
+                            "whole-prompt prefill-only steps, else decode-only steps)")
+
+    def watermark_fraction(self) -> float:
+        return self.watermark or 0.0
 
 
 @register_policy("sarathi")
 class SarathiPolicy(Policy):
-    KNOBS = {
-        "token_budget": None,          # tau; None: derived from tbt_slo_s, else 512
-        "tbt_slo_s": None,             # TBT target used to derive tau with the cost model
-        "tile_size": 128,              # tau is rounded down to a multiple of this
-        "max_num_seqs": 256,
-        "watermark": 0.01,
-        "preemption_mode": "recompute",
-        "chunked_prefill": True,       # False: whole prompts ("hybrid-batching-only")
-        "hybrid_batching": True,       # False: prefill-only or decode-only steps
-    }
+    knobs_type = SarathiKnobs
+    knobs: SarathiKnobs
+    # set by `bind`
+    budget: int                 # tau, tokens per step
+    seqs: int                   # requests per step
+    last_was_prefill: bool      # kind of the previous step (hybrid_batching=False)
 
-    def validate(self) -> None:
-        super().validate()
-        for key in ("chunked_prefill", "hybrid_batching"):
-            if not isinstance(self.knobs[key], bool):
-                raise ValueError(f"sarathi: {key} must be true or false, got {self.knobs[key]!r}")
-        if not self.chunked_prefill and not self.hybrid_batching:
-            raise ValueError("sarathi: chunked_prefill=false with hybrid_batching=false leaves "
-                             "neither Sarathi-Serve technique; use the `fcfs` policy (vLLM: "
-                             "whole-prompt prefill-only steps, else decode-only steps)")
-
-    def bind(self, sched) -> None:
+    def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
-        self.budget = sarathi_budget(self, sched)
-        self.seqs = min(self.max_num_seqs, self.budget)
-        self.last_was_prefill = False   # kind of the previous step (hybrid_batching=False)
+        k = self.knobs
+        self.budget = sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, sched.cost_model)
+        self.seqs = min(k.max_num_seqs, self.budget)
+        self.last_was_prefill = False
 
-    def schedule(self, s, now):
-        b = s.new_batch(now, self.budget)
-        victims = newest_first(s.running)
-        if self.hybrid_batching:
-            self._decodes(s, b, victims)
-            self._ongoing_prefills(s, b, victims)
+    def schedule(self, now: float) -> SchedulerOutput:
+        b = self.sched.new_batch(now, self.budget)
+        victims = newest_first(self.sched.running)
+        if self.knobs.hybrid_batching:
+            self._decodes(b, victims)
+            self._ongoing_prefills(b, victims)
             if not b.preempted:
-                self._swap_back(s, b)
-                self._admit(s, b)
+                self._swap_back(b)
+                self._admit(b)
             return b.finish()
+        turns: tuple[Callable[[Batch, Iterator[Request]], None], ...]
         turns = (self._prefill_step, self._decode_step)
         if self.last_was_prefill:
             turns = turns[::-1]
         for turn in turns:
-            turn(s, b, victims)
+            turn(b, victims)
             if b.scheduled:
                 self.last_was_prefill = turn == self._prefill_step
                 break
         return b.finish()
 
     # -- step kinds (hybrid_batching=False) -------------------------------------------------
-    def _prefill_step(self, s, b, victims) -> None:
-        self._ongoing_prefills(s, b, victims)
+    def _prefill_step(self, b: Batch, victims: Iterator[Request]) -> None:
+        self._ongoing_prefills(b, victims)
         if not b.preempted:
-            self._swap_back(s, b, prefills=True)
-            self._admit(s, b)
+            self._swap_back(b, prefills=True)
+            self._admit(b)
 
-    def _decode_step(self, s, b, victims) -> None:
-        self._decodes(s, b, victims)
+    def _decode_step(self, b: Batch, victims: Iterator[Request]) -> None:
+        self._decodes(b, victims)
         if not b.preempted:
-            self._swap_back(s, b, prefills=False)
+            self._swap_back(b, prefills=False)
 
     # -- pieces -----------------------------------------------------------------------------
-    def _decodes(self, s, b, victims) -> None:
-        for req in list(s.running.values()):
+    def _decodes(self, b: Batch, victims: Iterator[Request]) -> None:
+        for req in list(self.sched.running.values()):
             if req.num_uncomputed_tokens == 1:
                 if b.num_seqs >= self.seqs or b.tokens_left < 1:
                     break
-                schedule_or_preempt(b, req, 1, victims, self.preemption_mode)
+                schedule_or_preempt(b, req, 1, victims, self.knobs.preemption_mode)
 
-    def _ongoing_prefills(self, s, b, victims) -> None:
-        for req in list(s.running.values()):
-            if req.status is RUNNING and req.num_uncomputed_tokens > 1 and req.request_id not in b.scheduled:
+    def _ongoing_prefills(self, b: Batch, victims: Iterator[Request]) -> None:
+        for req in list(self.sched.running.values()):
+            if (req.status is RUNNING and req.num_uncomputed_tokens > 1
+                    and req.request_id not in b.scheduled):
                 n = self._chunk(b, req)
                 if n < 1 or b.num_seqs >= self.seqs:
                     break
-                if schedule_or_preempt(b, req, n, victims, self.preemption_mode):
+                if schedule_or_preempt(b, req, n, victims, self.knobs.preemption_mode):
                     self._cover(b)
 
-    def _admit(self, s, b) -> None:
+    def _admit(self, b: Batch) -> None:
         """New requests in arrival order while they fit (stop at the first that does not)."""
+        s = self.sched
         for req in list(s.waiting.values()):
             if len(s.running) >= self.seqs or b.num_seqs >= self.seqs:
                 break
@@ -127,29 +160,29 @@ class SarathiPolicy(Policy):
                 break
             self._cover(b)
 
-    def _chunk(self, b, req) -> int:
+    def _chunk(self, b: Batch, req: Request) -> int:
         """Tokens to give `req` now: the next chunk that fits the leftover budget, or with
         chunked_prefill=False its whole remaining prompt, which may exceed the leftover budget
         only as the step's first prefill (0: it waits)."""
         need = req.num_uncomputed_tokens
-        if self.chunked_prefill or need == 1:
+        if self.knobs.chunked_prefill or need == 1:
             return min(need, b.tokens_left)
         if need <= b.tokens_left or not any(n > 1 for n in b.scheduled.values()):
             return need
         return 0
 
     @staticmethod
-    def _cover(b) -> None:
+    def _cover(b: Batch) -> None:
         """A whole prompt past tau raises this step's budget to what it holds, so the output
         reports the budget it was really packed against (and nothing else joins)."""
         if b.token_budget is not None and b.num_tokens > b.token_budget:
             b.token_budget = b.num_tokens
 
-    def _swap_back(self, s, b, prefills: bool | None = None) -> None:
+    def _swap_back(self, b: Batch, prefills: bool | None = None) -> None:
         """Swapped requests back in order while their KV fits; `prefills` True/False limits
         it to partial prompts / decodes (for prefill-only and decode-only steps)."""
-        bm = s.block_manager
-        for req in list(s.swapped.values()):
+        bm = self.sched.block_manager
+        for req in list(self.sched.swapped.values()):
             if prefills is not None and (req.num_uncomputed_tokens > 1) != prefills:
                 continue
             n = self._chunk(b, req)

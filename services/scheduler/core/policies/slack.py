@@ -12,7 +12,8 @@ its place, as in vLLM); `due` then holds that key.
 
 The SLO is the TTFT objective before the first token and the TBT objective after it.
 JCT (deadline) requests get a per-iteration allowed wait instead:
-    T_e,total = N_ck * T_max + S_g * (T_max + P_max * P),   base = (SLO_JCT - T_e,total) / (N_ck + S_g)
+    T_e,total = N_ck * T_max + S_g * (T_max + P_max * P)
+    base = (SLO_JCT - T_e,total) / (N_ck + S_g)
 and each iteration's over- or under-use of its allowed wait is carried to the next one.
 """
 from __future__ import annotations
@@ -20,18 +21,24 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 from services.scheduler.core.request import RequestStatus
 
+if TYPE_CHECKING:
+    from services.scheduler.core.policies.accelgen import AccelGenPolicy
+    from services.scheduler.core.request import Request
+
 RUNNING = RequestStatus.RUNNING
+Entry = tuple[float, int, str]      # (due, version, request id)
 
 
 class SlackQueue:
-    def __init__(self, policy):
+    def __init__(self, policy: AccelGenPolicy) -> None:
         self.p = policy
-        self.by_arrival = not getattr(policy, "slack_ordering", True)
-        self.heap: list[tuple[float, int, str]] = []       # waiting and swapped requests
-        self.resident: list[tuple[float, int, str]] = []   # requests with KV on the device
+        self.by_arrival = not policy.knobs.slack_ordering
+        self.heap: list[Entry] = []         # waiting and swapped requests
+        self.resident: list[Entry] = []     # requests with KV on the device
         self.ver: dict[str, int] = {}
         self.due: dict[str, float] = {}
         self.enter: dict[str, float] = {}
@@ -40,36 +47,37 @@ class SlackQueue:
         self._seq = itertools.count()
 
     # -- objectives -------------------------------------------------------------------------
-    def slo(self, req) -> float:
+    def slo(self, req: Request) -> float:
         """The per-iteration objective that applies to the request's next token."""
         if req.request_id in self.jct_base:
             return self.jct_base[req.request_id] + self.p.t_max()
         if req.output_token_ids:
-            return req.slo.tbt_s or self.p.default_tbt_s
-        return req.slo.ttft_s or self.p.default_ttft_s
+            return req.slo.tbt_s or self.p.knobs.default_tbt_s
+        return req.slo.ttft_s or self.p.knobs.default_ttft_s
 
-    def _exec(self, req) -> float:
+    def _exec(self, req: Request) -> float:
         n = req.num_uncomputed_tokens
         chunks = 1 if n <= 1 else math.ceil(n / self.p.avg_chunk())
         return chunks * self.p.t_max()
 
-    def _init_jct(self, req) -> None:
+    def _init_jct(self, req: Request) -> None:
         if req.slo.deadline_s is None:
             return
         t_max = self.p.t_max()
         n_ck = math.ceil(req.num_prompt_tokens / self.p.avg_chunk())
         s_g = self.p.predicted_len(req)
-        total = n_ck * t_max + s_g * (t_max + self.p.preempt_max_s * self.p.preempt_prob)
+        k = self.p.knobs
+        total = n_ck * t_max + s_g * (t_max + k.preempt_max_s * k.preempt_prob)
         self.jct_base[req.request_id] = (req.slo.deadline_s - total) / (n_ck + s_g)
         self.carry[req.request_id] = 0.0
 
     # -- queue ------------------------------------------------------------------------------
-    def add(self, req, now: float) -> None:
+    def add(self, req: Request, now: float) -> None:
         self._init_jct(req)
         self.enter[req.request_id] = now
         self.push(req)
 
-    def push(self, req, due: float | None = None) -> None:
+    def push(self, req: Request, due: float | None = None) -> None:
         rid = req.request_id
         if due is None and self.by_arrival:
             due = req.arrival_time
@@ -84,31 +92,31 @@ class SlackQueue:
         heap = self.resident if req.status is RUNNING else self.heap
         heapq.heappush(heap, (due, seq, rid))
 
-    def moved(self, req) -> None:
+    def moved(self, req: Request) -> None:
         """Keep a queued request in the heap matching its residency."""
         rid = req.request_id
         if rid in self.ver:
             self.push(req, self.due[rid])
 
-    def reenter(self, req, now: float) -> None:
+    def reenter(self, req: Request, now: float) -> None:
         """The request (re)joins the queue at `now`: returned from an iteration or preempted."""
         self.enter[req.request_id] = now
         self.push(req)
 
-    def ran(self, req, now: float) -> None:
+    def ran(self, req: Request, now: float) -> None:
         """Book the wait of a scheduled JCT request against its allowance (carry-over)."""
         rid = req.request_id
         if rid in self.jct_base:
             waited = now - self.enter[rid]
             self.carry[rid] = self.jct_base[rid] + self.carry[rid] - waited
 
-    def _top(self, heap):
+    def _top(self, heap: list[Entry]) -> Entry | None:
         ver = self.ver
         while heap and ver.get(heap[0][2]) != heap[0][1]:
             heapq.heappop(heap)
         return heap[0] if heap else None
 
-    def peek(self, residents_only: bool = False):
+    def peek(self, residents_only: bool = False) -> Entry | None:
         """(due, seq, rid) of the most urgent valid entry, or None."""
         top_r = self._top(self.resident)
         if residents_only:
@@ -122,7 +130,7 @@ class SlackQueue:
         top = self.peek(residents_only)
         return None if top is None else top[0]
 
-    def pop(self, residents_only: bool = False):
+    def pop(self, residents_only: bool = False) -> tuple[float, str] | None:
         """(due, rid) of the most urgent valid entry (optionally resident ones only), or None."""
         top = self.peek(residents_only)
         if top is None:
@@ -133,7 +141,7 @@ class SlackQueue:
 
     def pop_through(self, limit: float, residents_only: bool, max_n: int) -> list[str]:
         """Pop, most urgent first, up to `max_n` valid entries whose due is <= `limit`."""
-        out = []
+        out: list[str] = []
         while len(out) < max_n:
             top = self.peek(residents_only)
             if top is None or top[0] > limit:
