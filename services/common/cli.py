@@ -33,7 +33,7 @@ def _policy_knobs() -> int:
     """Every registered policy's knobs and defaults, as the JSON `ALISE_POLICY_CONFIG` takes."""
     import json
 
-    from services.scheduler.core.policies import available_policies, policy_knobs
+    from services.scheduler.core.policies.base import available_policies, policy_knobs
 
     for name in available_policies():
         print(f"{name} {json.dumps(policy_knobs(name))}")
@@ -57,7 +57,7 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     health = subparsers.add_parser("health", help="check a service's health (exit 0 = healthy)")
     health.add_argument("kind", choices=["grpc", "http"])
     health.add_argument("target", help="host:port (grpc) or URL (http)")

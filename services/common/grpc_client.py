@@ -28,14 +28,20 @@ import json
 import logging
 import socket
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+ChannelOptions = list[tuple[str, int | str]]
+
+CHANNEL_OPTIONS: ChannelOptions = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30_000),
@@ -119,7 +125,7 @@ def make_target(addresses: Sequence[str]) -> str:
 
 def service_config(idempotent_services: Sequence[str] = (), max_attempts: int = 3) -> str:
     """Round-robin balancing, plus retries on UNAVAILABLE for the named (idempotent) services."""
-    config: dict = {"loadBalancingConfig": [{"round_robin": {}}]}
+    config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
     if idempotent_services:
         config["methodConfig"] = [{
             "name": [{"service": s} for s in idempotent_services],
@@ -138,40 +144,51 @@ def _method_prefixes(services: Sequence[str]) -> tuple[str, ...]:
     return tuple(f"/{s}/" for s in services)
 
 
-def _needs_default(details, prefixes: tuple[str, ...]) -> bool:
-    method = details.method
+def _needs_default(details: grpc.ClientCallDetails | grpc.aio.ClientCallDetails,
+                   prefixes: tuple[str, ...]) -> bool:
+    method: str | bytes = details.method
     if isinstance(method, bytes):
         method = method.decode()
     return details.timeout is None and method.startswith(prefixes)
 
 
-class _AioDefaultTimeout(grpc.aio.UnaryUnaryClientInterceptor):
+# grpc is untyped for mypy here (pyproject override), so its classes are Any: subclassing one
+# needs the ignores below.
+class _AioDefaultTimeout(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Gives unary calls to the named services `timeout_s` when they set no deadline."""
 
     def __init__(self, services: Sequence[str], timeout_s: float) -> None:
         self.prefixes = _method_prefixes(services)
         self.timeout_s = timeout_s
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def intercept_unary_unary(
+            self,
+            continuation: Callable[[grpc.aio.ClientCallDetails, _Req],
+                                   Awaitable[grpc.aio.UnaryUnaryCall[_Req, _Resp]]],
+            client_call_details: grpc.aio.ClientCallDetails,
+            request: _Req) -> grpc.aio.UnaryUnaryCall[_Req, _Resp]:
         if _needs_default(client_call_details, self.prefixes):
             client_call_details = client_call_details._replace(timeout=self.timeout_s)
         return await continuation(client_call_details, request)
 
 
-class _CallDetails(namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
-                                               "wait_for_ready", "compression")),
-                   grpc.ClientCallDetails):
+class _CallDetails(
+        namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                    "wait_for_ready", "compression")),
+        grpc.ClientCallDetails):  # type: ignore[misc]
     pass
 
 
-class _SyncDefaultTimeout(grpc.UnaryUnaryClientInterceptor):
+class _SyncDefaultTimeout(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """The blocking-channel twin of `_AioDefaultTimeout`."""
 
     def __init__(self, services: Sequence[str], timeout_s: float) -> None:
         self.prefixes = _method_prefixes(services)
         self.timeout_s = timeout_s
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):
+    def intercept_unary_unary(
+            self, continuation: Callable[[grpc.ClientCallDetails, _Req], grpc.Future],
+            client_call_details: grpc.ClientCallDetails, request: _Req) -> grpc.Future:
         if _needs_default(client_call_details, self.prefixes):
             d = client_call_details
             client_call_details = _CallDetails(
@@ -181,7 +198,7 @@ class _SyncDefaultTimeout(grpc.UnaryUnaryClientInterceptor):
 
 
 def _target_and_options(addresses: Sequence[str] | str,
-                        idempotent_services: Sequence[str]) -> tuple[str, list]:
+                        idempotent_services: Sequence[str]) -> tuple[str, ChannelOptions]:
     if isinstance(addresses, str):
         addresses = [addresses]
     config = service_config(idempotent_services)
@@ -224,14 +241,15 @@ async def check_health(channel: grpc.aio.Channel, service: str = "",
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.aio.AioRpcError:
         return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def check_health_sync(address: str, service: str = "", timeout: float = 2.0) -> bool:
+    """The blocking twin of `check_health`, on a channel of its own to `address`."""
     with sync_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:
             return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,10 +61,14 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
 
 _PASSTHROUGH = (grpc.aio.AbortError, asyncio.CancelledError)
 
+# A servicer method as grpc calls it: (request, or iterator of requests; context).
+_StreamHandler = Callable[[object, grpc.aio.ServicerContext], AsyncIterator[object]]
 
-def _mapped_stream(inner, method: str):
+
+def _mapped_stream(inner: _StreamHandler, method: str) -> _StreamHandler:
     """A streaming handler (unary_stream or stream_stream) whose exceptions become statuses."""
-    async def handler(request_or_iterator, context):
+    async def handler(request_or_iterator: object,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
         try:
             async for item in inner(request_or_iterator, context):
                 yield item
@@ -75,8 +80,13 @@ def _mapped_stream(inner, method: str):
     return handler
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    async def intercept_service(self, continuation, handler_call_details):
+# grpc is untyped for mypy here (pyproject override): its classes are Any.
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    async def intercept_service(
+            self,
+            continuation: Callable[[grpc.HandlerCallDetails],
+                                   Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -84,13 +94,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             inner = handler.unary_unary
 
-            async def unary_unary(request, context):
+            async def unary_unary(request: object, context: grpc.aio.ServicerContext) -> object:
                 try:
                     return await inner(request, context)
                 except _PASSTHROUGH:
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here
                     await _abort(context, method, exc)
+                return None   # not reached: abort() raises
 
             return handler._replace(unary_unary=unary_unary)
         if handler.unary_stream:
@@ -125,7 +136,8 @@ SERVER_OPTIONS = [
 
 
 async def start_server(
-    registrations: Iterable[tuple[Callable, object, str]],
+    # Any: each add_XServicer_to_server takes its own servicer type.
+    registrations: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], object, str]],
     address: str,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> GrpcServer:
@@ -136,7 +148,7 @@ async def start_server(
     """
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors],
                              options=SERVER_OPTIONS)
-    names = []
+    names: list[str] = []
     for add, servicer, name in registrations:
         add(servicer, server)
         names.append(name)

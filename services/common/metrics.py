@@ -1,12 +1,21 @@
 """Prometheus helpers shared by the services (prometheus-client underneath).
 
-Names follow vLLM's where one exists, under the `alise:` prefix (e.g. `alise:time_to_first_token_seconds`).
+Names follow vLLM's where one exists, under the `alise:` prefix
+(e.g. `alise:time_to_first_token_seconds`).
 """
 from __future__ import annotations
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
-                               start_http_server)
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for HTTP handlers)
+from collections.abc import Sequence
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for HTTP handlers)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
 PREFIX = "alise:"
 
@@ -28,7 +37,7 @@ class Metrics:
     def gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(PREFIX + name, doc, labels, registry=self.registry)
 
-    def histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS,
+    def histogram(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS,
                   labels: tuple[str, ...] = ()) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 

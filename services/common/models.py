@@ -19,10 +19,15 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -37,6 +42,12 @@ class ModelSource:
     name: str                 # id clients and collections use
     hf_dir: Path | None       # a ready Hugging Face directory, or
     gguf_path: Path | None    # a GGUF file to materialize
+
+    def gguf_file(self) -> Path:
+        """The GGUF file of a source with no Hugging Face directory."""
+        if self.gguf_path is None:   # resolve() always sets one of the two
+            raise ValueError(f"model {self.name!r} has no GGUF file")
+        return self.gguf_path
 
 
 def _package_dir(package: str) -> Path:
@@ -67,8 +78,9 @@ def _cache_dir(source: ModelSource, data_dir: Path) -> Path:
     """Keyed by the GGUF file's content, not its path: every checkout or virtual environment
     holding the same file shares one dequantized copy, and a file replaced in place gets a
     new one instead of the stale cache."""
-    st = source.gguf_path.stat()
-    digest = _content_digest(str(source.gguf_path), st.st_size, st.st_mtime_ns)
+    gguf = source.gguf_file()
+    st = gguf.stat()
+    digest = _content_digest(str(gguf), st.st_size, st.st_mtime_ns)
     return Path(data_dir) / "models" / f"{source.name}-{digest}"
 
 
@@ -86,7 +98,7 @@ def _content_digest(path: str, size: int, mtime_ns: int) -> str:
 
 
 @contextmanager
-def _locked(path: Path):
+def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -96,7 +108,7 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _write_atomically(target: Path, write) -> None:
+def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         write(tmp)
@@ -115,14 +127,15 @@ def tokenizer_dir(model: str, data_dir: Path) -> Path:
     cache = _cache_dir(source, data_dir)
     if (cache / "tokenizer_config.json").exists() or (cache / "model.safetensors").exists():
         return cache
+    gguf = source.gguf_file()
     with _locked(cache):
         if not (cache / "tokenizer_config.json").exists():
             from transformers import AutoConfig, AutoTokenizer
 
             def write(tmp: Path) -> None:
-                kwargs = dict(gguf_file=source.gguf_path.name)
-                AutoTokenizer.from_pretrained(source.gguf_path.parent, **kwargs).save_pretrained(tmp)
-                AutoConfig.from_pretrained(source.gguf_path.parent, **kwargs).save_pretrained(tmp)
+                kwargs = dict(gguf_file=gguf.name)
+                AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
+                AutoConfig.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
 
             _write_atomically(cache, write)
     return cache
@@ -136,15 +149,16 @@ def weights_dir(model: str, data_dir: Path) -> Path:
     cache = _cache_dir(source, data_dir)
     if (cache / "model.safetensors").exists():
         return cache
+    gguf = source.gguf_file()
     with _locked(cache):
         if not (cache / "model.safetensors").exists():
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             def write(tmp: Path) -> None:
-                kwargs = dict(gguf_file=source.gguf_path.name)
+                kwargs = dict(gguf_file=gguf.name)
                 model_ = AutoModelForCausalLM.from_pretrained(
-                    source.gguf_path.parent, dtype=torch.float32, **kwargs)
+                    gguf.parent, dtype=torch.float32, **kwargs)
                 # transformers refuses save_pretrained on a GGUF-loaded model: write the
                 # dequantized tensors and a config without the quantization entry ourselves.
                 from safetensors.torch import save_model
@@ -154,14 +168,14 @@ def weights_dir(model: str, data_dir: Path) -> Path:
                 if hasattr(config, "quantization_config"):
                     delattr(config, "quantization_config")
                 config.save_pretrained(tmp)
-                AutoTokenizer.from_pretrained(source.gguf_path.parent, **kwargs).save_pretrained(tmp)
+                AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
 
             _write_atomically(cache, write)
     return cache
 
 
 @lru_cache(maxsize=4)
-def load_tokenizer(model: str, data_dir: Path):
+def load_tokenizer(model: str, data_dir: Path) -> PreTrainedTokenizerBase:
     """The model's tokenizer (with its chat template), cached per process."""
     from transformers import AutoTokenizer
 

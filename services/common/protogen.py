@@ -24,8 +24,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> list[Path]:
     """Compile every proto into out_dir; returns the written files."""
+    import grpc_tools  # type: ignore[import-untyped]  # ships no stubs
     from grpc_tools import protoc
-    import grpc_tools
 
     out_dir.mkdir(parents=True, exist_ok=True)
     include = Path(grpc_tools.__file__).parent / "_proto"

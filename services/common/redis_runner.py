@@ -32,7 +32,8 @@ def redis_server_binary() -> Path:
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class EmbeddedRedis:
@@ -42,13 +43,13 @@ class EmbeddedRedis:
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port(self.host)
@@ -61,21 +62,22 @@ class EmbeddedRedis:
             "--daemonize", "no", "--protected-mode", "yes",
             "--logfile", str(self.data_dir / "redis.log"),
         ]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self._wait_ready(timeout)
-        log.info("embedded redis started", extra={"url": self.url, "pid": self.process.pid})
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = process
+        self._wait_ready(process, timeout)
+        log.info("embedded redis started", extra={"url": self.url, "pid": process.pid})
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, process: subprocess.Popen[bytes], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         try:
             while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    err = self.process.stderr.read().decode(errors="replace") if \
-                        self.process.stderr else ""
-                    raise RuntimeError(f"redis-server exited early ({self.process.returncode}): "
+                if process.poll() is not None:
+                    err = process.stderr.read().decode(errors="replace") if \
+                        process.stderr else ""
+                    raise RuntimeError(f"redis-server exited early ({process.returncode}): "
                                        f"{err or (self.data_dir / 'redis.log')}")
                 try:
                     if client.ping():
@@ -109,10 +111,10 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

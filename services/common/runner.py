@@ -3,12 +3,21 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 
-def run_until_signal(start: Callable[[], Awaitable[Any]],
-                     describe: Callable[[Any], str]) -> int:
+class Stoppable(Protocol):
+    """A started service's handle."""
+
+    async def stop(self) -> None: ...
+
+
+_H = TypeVar("_H", bound=Stoppable)
+_T = TypeVar("_T")
+
+
+def run_until_signal(start: Callable[[], Awaitable[_H]], describe: Callable[[_H], str]) -> int:
     """`start()` returns a handle with `async stop()`; `describe(handle)` is printed once up."""
 
     async def main() -> None:
@@ -25,7 +34,7 @@ def run_until_signal(start: Callable[[], Awaitable[Any]],
     return 0
 
 
-def run_coroutine(coro: Awaitable[Any], event_loop: str = "uvloop") -> Any:
+def run_coroutine(coro: Coroutine[Any, Any, _T], event_loop: str = "uvloop") -> _T:
     """asyncio.run on uvloop (faster callbacks and sockets: the scheduler's per-iteration
     overhead is mostly event-loop work) or on the standard loop."""
     if event_loop == "uvloop":

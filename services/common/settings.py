@@ -199,7 +199,8 @@ def settings_table() -> list[tuple[str, str, str]]:
     rows: dict[str, tuple[str, str, str]] = {}
     for cls in ALL_SETTINGS:
         for name, field in cls.model_fields.items():
-            default = field.default_factory() if field.default_factory else field.default
-            shown = str(default).replace(str(Path.home()), "~") if isinstance(default, Path) else repr(default)
+            default = field.get_default(call_default_factory=True)
+            shown = (str(default).replace(str(Path.home()), "~") if isinstance(default, Path)
+                     else repr(default))
             rows[name] = (f"ALISE_{name.upper()}", shown, field.description or "")
     return sorted(rows.values())

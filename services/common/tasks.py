@@ -8,9 +8,12 @@ cancel is repeated until the task has ended.
 from __future__ import annotations
 
 import asyncio
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 
-async def cancel_and_wait(task: asyncio.Task | None, retry_s: float = 0.5) -> None:
+async def cancel_and_wait(task: asyncio.Task[_T] | None, retry_s: float = 0.5) -> None:
     """Cancel `task` (again every `retry_s` while it runs) and wait for its end."""
     if task is None:
         return

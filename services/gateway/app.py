@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -26,6 +28,9 @@ from services.gateway.prompts import PromptBuilder
 from services.gateway.routes import router
 from services.gateway.upstream import Upstream
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 PLAYGROUND = Path(__file__).with_name("playground.html")
 
 
@@ -33,7 +38,7 @@ PLAYGROUND = Path(__file__).with_name("playground.html")
 class GatewayState:
     settings: GatewaySettings
     metrics: GatewayMetrics
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     upstream: Upstream
     prompts: PromptBuilder
     model_id: str
@@ -47,7 +52,7 @@ class GatewayState:
         return self.upstream.max_model_len or self.config_max_len
 
 
-def model_max_length(settings: GatewaySettings, tokenizer) -> int:
+def model_max_length(settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase) -> int:
     """The model's context length from its config (tokenizers often say 'unlimited')."""
     from transformers import AutoConfig
 
@@ -80,7 +85,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     metrics = GatewayMetrics()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway = await _load_state(settings, metrics)
         try:
             yield

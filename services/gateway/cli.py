@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    import uvicorn
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -28,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
 DRAIN_S = 5.0
 
 
-def _draining_server_class():
+def _draining_server_class() -> type[uvicorn.Server]:
     import asyncio
 
     import uvicorn
@@ -37,7 +43,7 @@ def _draining_server_class():
         """On SIGINT/SIGTERM: stop accepting, let open streams run for DRAIN_S, then end the
         rest with a clear error event (aborted upstream) before uvicorn closes connections."""
 
-        def handle_exit(self, sig, frame) -> None:
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             state = getattr(self.config.app.state, "gateway", None)
             if state is not None and not self.should_exit:
                 asyncio.get_event_loop().call_later(DRAIN_S, state.shutting_down.set)
@@ -46,7 +52,7 @@ def _draining_server_class():
     return DrainingServer
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = subparsers.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     group.set_defaults(_parser=group)
     inner = group.add_subparsers(dest="gateway_command", metavar="COMMAND")

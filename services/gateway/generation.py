@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -21,6 +22,11 @@ from services.common.pb import common_pb2, scheduler_pb2
 from services.gateway.errors import APIError, from_grpc
 from services.gateway.textgen import IncrementalDetokenizer, StopMatcher
 from services.gateway.upstream import Upstream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from services.gateway.upstream import GenerateCall
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +68,15 @@ class Piece:
 
 
 class Generation:
-    def __init__(self, plan: Plan, upstream: Upstream, tokenizer) -> None:
+    def __init__(self, plan: Plan, upstream: Upstream,
+                 tokenizer: PreTrainedTokenizerBase) -> None:
         self.plan = plan
         self.upstream = upstream
         self.detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids)
         self.stops = StopMatcher(plan.stops)
         self.prediction: common_pb2.Prediction | None = None        # the predictor's answer
         self.used_prediction: common_pb2.Prediction | None = None   # what the scheduler used
-        self.call = None
+        self.call: GenerateCall | None = None
         self.finish_reason: str | None = None
         self.eos_finish = False
         self.completion_tokens = 0
@@ -164,7 +171,7 @@ class Generation:
         return "".join(self.text_parts)
 
 
-def _consume(task: asyncio.Future) -> None:
+def _consume(task: asyncio.Future[grpc.aio.Metadata]) -> None:
     if not task.cancelled():
         task.exception()   # retrieved: a failed call reports through call.code() instead
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/"}
@@ -23,11 +27,11 @@ def new_request_id() -> str:
 class RequestIdMiddleware:
     """Takes a valid client `X-Request-Id` or makes one; echoes it; counts the request."""
 
-    def __init__(self, app, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = _header(scope, b"x-request-id")
@@ -36,7 +40,7 @@ class RequestIdMiddleware:
         start = time.perf_counter()
         status = [0]
 
-        async def send_with_id(message) -> None:
+        async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message["headers"] = [*message.get("headers", []),
@@ -54,17 +58,18 @@ class RequestIdMiddleware:
 class BodyLimitMiddleware:
     """Refuses bodies over `max_bytes` with 413, declared (Content-Length) or streamed."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         declared = _header(scope, b"content-length")
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(send)
-        chunks, size, done = [], 0, False
+        chunks: list[bytes] = []
+        size, done = 0, False
         while not done:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -77,7 +82,7 @@ class BodyLimitMiddleware:
         body = b"".join(chunks)
         replayed = False
 
-        async def replay():
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -86,18 +91,18 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, send: Send) -> None:
         error = APIError(413, f"request body larger than {self.max_bytes} bytes",
                          code="body_too_large")
         response = error.response()
         await response({"type": "http"}, _no_receive, send)
 
 
-async def _no_receive():  # pragma: no cover - JSONResponse never reads
+async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never reads
     return {"type": "http.disconnect"}
 
 
-def _header(scope, name: bytes) -> str | None:
+def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
             return value.decode("latin-1")

@@ -5,20 +5,28 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 from services.common import sampling_pb
 from services.common.pb import common_pb2
 from services.common.sampling import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Plan
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, Slo
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, Slo, TextPart
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SLO_HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tbt_ms": "x-slo-tbt-ms",
                "deadline_ms": "x-slo-deadline-ms"}
 
+_Request = CompletionRequest | ChatCompletionRequest
+_N = TypeVar("_N", int, float)
+
 
 class PromptBuilder:
-    def __init__(self, tokenizer, model_id: str, max_len: Callable[[], int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_id: str,
+                 max_len: Callable[[], int]) -> None:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_len = max_len   # current maximum model length (the scheduler may report later)
@@ -53,7 +61,7 @@ class PromptBuilder:
             ids = await asyncio.to_thread(self._encode, text)
         return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt")
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict[str, str]]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages", code="no_chat_template")
@@ -73,7 +81,8 @@ class PromptBuilder:
                               f"(0..{self.vocab_size - 1})", param="prompt")
         return ids
 
-    def _plan(self, body, headers, request_id, text, ids, max_tokens, param) -> Plan:
+    def _plan(self, body: _Request, headers: Mapping[str, str], request_id: str, text: str,
+              ids: list[int], max_tokens: int | None, param: str) -> Plan:
         if not ids:
             raise bad_request("the prompt is empty", param=param, code="empty_prompt")
         max_tokens = self._check_length(len(ids), max_tokens, param)
@@ -101,7 +110,7 @@ class PromptBuilder:
         return max_tokens
 
 
-def _message_text(content, index: int) -> str:
+def _message_text(content: str | list[TextPart | dict[str, object]] | None, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -113,7 +122,7 @@ def _message_text(content, index: int) -> str:
     return "".join(texts)
 
 
-def _single_prompt(prompt) -> str:
+def _single_prompt(prompt: str | list[str]) -> str:
     if isinstance(prompt, str):
         return prompt
     if len(prompt) != 1:
@@ -121,7 +130,7 @@ def _single_prompt(prompt) -> str:
     return prompt[0]
 
 
-def _refuse_common(body) -> None:
+def _refuse_common(body: _Request) -> None:
     if body.n != 1:
         raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
 
@@ -157,7 +166,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest) -> common_pb2.Sam
                                             top_k=body.top_k, seed=body.seed))
 
 
-def _header_number(headers: Mapping[str, str], name: str, cast=float):
+def _header_number(headers: Mapping[str, str], name: str, cast: Callable[[str], _N]) -> _N | None:
     raw = headers.get(name)
     if raw is None:
         return None
@@ -167,7 +176,7 @@ def _header_number(headers: Mapping[str, str], name: str, cast=float):
         raise bad_request(f"header {name}: not a number: {raw!r}", param=name) from None
 
 
-def _priority(body, headers: Mapping[str, str]) -> int | None:
+def _priority(body: _Request, headers: Mapping[str, str]) -> int | None:
     if body.priority is not None:
         return body.priority
     value = _header_number(headers, "x-priority", int)
@@ -176,11 +185,11 @@ def _priority(body, headers: Mapping[str, str]) -> int | None:
     return value
 
 
-def _slo(body, headers: Mapping[str, str]) -> common_pb2.Slo | None:
+def _slo(body: _Request, headers: Mapping[str, str]) -> common_pb2.Slo | None:
     values = {k: v for k, v in (body.slo.model_dump() if body.slo else {}).items()
               if v is not None}
     for key, header in SLO_HEADERS.items():
-        if key not in values and (value := _header_number(headers, header)) is not None:
+        if key not in values and (value := _header_number(headers, header, float)) is not None:
             values[key] = value
     if not values:
         return None

@@ -11,6 +11,7 @@ import time
 
 from google.protobuf.json_format import MessageToDict
 
+from services.common.pb import common_pb2
 from services.gateway.generation import Generation
 
 DONE = b"data: [DONE]\n\n"
@@ -21,14 +22,14 @@ def sse(payload: dict) -> bytes:
                                   ensure_ascii=False).encode() + b"\n\n"
 
 
-def prediction_dict(prediction) -> dict | None:
+def prediction_dict(prediction: common_pb2.Prediction | None) -> dict | None:
     if prediction is None:
         return None
     return {"length": prediction.length, "source": prediction.source,
             "similarity": round(prediction.similarity, 4), "neighbors": prediction.neighbors}
 
 
-def prediction_header(prediction) -> str:
+def prediction_header(prediction: common_pb2.Prediction | None) -> str:
     """`length=123; source=retrieval` (or `none`), for the X-ALISE-Prediction header."""
     if prediction is None:
         return "none"

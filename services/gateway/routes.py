@@ -9,16 +9,29 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation
+from services.gateway.generation import Generation, Piece, Plan
 from services.gateway.render import DONE, ChunkMaker, full_response, prediction_header, sse
-from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                      ModelCard, ModelList)
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
+    from services.gateway.app import GatewayState
+
+_T = TypeVar("_T")
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
 
@@ -40,7 +53,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], respon
 
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
-    gw = request.app.state.gateway
+    gw: GatewayState = request.app.state.gateway
     return ModelList(data=[ModelCard(id=gw.model_id, created=gw.started,
                                       max_model_len=gw.max_model_len())])
 
@@ -61,21 +74,22 @@ EXTENSION_HEADERS = {"parameters": [
 
 
 @router.post("/completions", openapi_extra=EXTENSION_HEADERS)
-async def completions(body: CompletionRequest, request: Request):
-    gw = request.app.state.gateway
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    gw: GatewayState = request.app.state.gateway
     plan = await gw.prompts.completion(body, request.headers, request.state.request_id)
     return await _respond(request, plan, body, chat=False)
 
 
 @router.post("/chat/completions", openapi_extra=EXTENSION_HEADERS)
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    gw = request.app.state.gateway
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    gw: GatewayState = request.app.state.gateway
     plan = await gw.prompts.chat(body, request.headers, request.state.request_id)
     return await _respond(request, plan, body, chat=True)
 
 
-async def _respond(request: Request, plan, body, chat: bool):
-    gw = request.app.state.gateway
+async def _respond(request: Request, plan: Plan, body: CompletionRequest | ChatCompletionRequest,
+                   chat: bool) -> Response:
+    gw: GatewayState = request.app.state.gateway
     arrival = time.perf_counter()
     gen = Generation(plan, gw.upstream, gw.tokenizer)
     gw.metrics.prompt_tokens.observe(len(plan.prompt_ids))
@@ -108,7 +122,8 @@ async def _collect(gen: Generation) -> None:
         pass
 
 
-async def _stream(gen: Generation, maker: ChunkMaker, gw, arrival: float) -> AsyncIterator[bytes]:
+async def _stream(gen: Generation, maker: ChunkMaker, gw: GatewayState,
+                  arrival: float) -> AsyncIterator[bytes]:
     deadline = arrival + gw.settings.request_timeout_s
     first_sent = False
     try:
@@ -133,7 +148,8 @@ async def _stream(gen: Generation, maker: ChunkMaker, gw, arrival: float) -> Asy
         _close(gw, gen)
 
 
-async def _until_shutdown(pieces: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
+async def _until_shutdown(pieces: AsyncIterator[Piece],
+                          stop: asyncio.Event) -> AsyncIterator[Piece]:
     """The pieces, until the server's drain period ends: then a 503 error event."""
     stopping = asyncio.ensure_future(stop.wait())
     nxt = None
@@ -154,7 +170,7 @@ async def _until_shutdown(pieces: AsyncIterator, stop: asyncio.Event) -> AsyncIt
             nxt.cancel()
 
 
-def _close(gw, gen: Generation) -> None:
+def _close(gw: GatewayState, gen: Generation) -> None:
     if gen.closed:
         return
     gen.closed = True
@@ -165,7 +181,7 @@ def _close(gw, gen: Generation) -> None:
     gw.metrics.active_streams.dec()
 
 
-def _record(gw, gen: Generation, arrival: float) -> None:
+def _record(gw: GatewayState, gen: Generation, arrival: float) -> None:
     gw.metrics.e2e.observe(time.perf_counter() - arrival)
     gw.metrics.generation_tokens.observe(gen.completion_tokens)
     gw.metrics.finished.labels(gen.finish_reason or "abort").inc()
@@ -176,7 +192,7 @@ def _loop_deadline(perf_deadline: float) -> float:
     return loop.time() + max(0.0, perf_deadline - time.perf_counter())
 
 
-async def _until_disconnect(request: Request, coro, timeout_s: float):
+async def _until_disconnect(request: Request, coro: Awaitable[_T], timeout_s: float) -> _T:
     """Run `coro` unless the client disconnects first (499) or it takes too long (504)."""
     work = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -203,12 +219,13 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content, headers: dict[str, str], on_close) -> None:
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str],
+                 on_close: Callable[[], None]) -> None:
         super().__init__(content, headers={**headers, "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

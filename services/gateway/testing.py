@@ -3,12 +3,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from services.common.redis_runner import EmbeddedRedis
+    from services.executor.server import ExecutorHandle
+    from services.launcher.supervisor import Supervisor
+    from services.launcher.topology import ServiceSpec
+    from services.scheduler.server import SchedulerHandle
+
+_T = TypeVar("_T")
 
 
 @contextmanager
@@ -52,8 +62,8 @@ class ProcessStack:
         self.with_executor = with_executor
         self.extra_env = env or {}
         self.health_timeout_s = health_timeout_s
-        self.supervisor = None
-        self.redis = None
+        self.supervisor: Supervisor | None = None
+        self.redis: EmbeddedRedis | None = None
         self.url = ""
         self.model_id = ""
         self.scheduler_address = ""
@@ -65,7 +75,7 @@ class ProcessStack:
 
         return str(make_tiny_model(self.run_dir / "tiny-model"))
 
-    def _specs(self, model: str):
+    def _specs(self, model: str) -> list[ServiceSpec]:
         from services.launcher.topology import ServiceSpec
 
         ex_port, sch_port, gw_port = free_port(), free_port(), free_port()
@@ -87,7 +97,7 @@ class ProcessStack:
             ("http", self.url + "/v1/models"), ("scheduler",)))
         return specs
 
-    def __enter__(self) -> "ProcessStack":
+    def __enter__(self) -> ProcessStack:
         from services.common.models import served_model_id
         from services.common.redis_runner import EmbeddedRedis
         from services.launcher.supervisor import Supervisor, base_env
@@ -111,7 +121,7 @@ class ProcessStack:
     def gateway_pid(self) -> int:
         return self.supervisor.pids()["gateway"]
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.supervisor is not None:
             self.supervisor.stop_all(timeout=10)
         if self.redis is not None:
@@ -129,7 +139,7 @@ class BackgroundLoop:
                                        daemon=True)
         self.thread.start()
 
-    def run(self, coro, timeout: float | None = 300.0):
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = 300.0) -> _T:
         import asyncio
 
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -139,9 +149,25 @@ class BackgroundLoop:
         self.thread.join(10)
 
 
+class Backend(TypedDict):
+    """What `inprocess_backend` yields."""
+
+    loop: BackgroundLoop
+    scheduler: SchedulerHandle
+    executor: ExecutorHandle | None
+    address: str             # the scheduler's
+
+
+class Stack(Backend):
+    """What `inprocess_stack` yields."""
+
+    url: str                 # the gateway's base URL
+
+
 @contextmanager
 def inprocess_backend(run_dir: Path, model_dir: str | Path | None, redis_url: str,
-                      executor_kw: dict | None = None, **scheduler_kw) -> Iterator[dict]:
+                      executor_kw: dict[str, object] | None = None,
+                      **scheduler_kw: object) -> Iterator[Backend]:
     """A real executor (serving `model_dir` on CPU; None = no executor, requests stay queued)
     and scheduler on loopback, run in a background loop. Yields {"loop", "scheduler",
     "executor", "address"}."""
@@ -176,8 +202,10 @@ def inprocess_backend(run_dir: Path, model_dir: str | Path | None, redis_url: st
 
 
 @contextmanager
-def inprocess_stack(run_dir: Path, model_dir: str | Path, executor_kw: dict | None = None,
-                    scheduler_kw: dict | None = None, **gateway_kw) -> Iterator[dict]:
+def inprocess_stack(run_dir: Path, model_dir: str | Path,
+                    executor_kw: dict[str, object] | None = None,
+                    scheduler_kw: dict[str, object] | None = None,
+                    **gateway_kw: object) -> Iterator[Stack]:
     """Embedded Redis + `inprocess_backend` + a gateway with no predictor reachable (requests
     go on with the policy's prior). Yields {"url", "loop", "scheduler", "executor", "address"}."""
     from services.common.redis_runner import EmbeddedRedis

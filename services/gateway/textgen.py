@@ -9,14 +9,18 @@ text before the match is emitted exactly once.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_CONTEXT = 6   # prompt tokens the first decode window starts with
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (),
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self._decoder = self._pick_decoder(tokenizer)
@@ -29,7 +33,7 @@ class IncrementalDetokenizer:
         return self._decoder(ids, skip_special_tokens=self.skip_special)
 
     @staticmethod
-    def _pick_decoder(tokenizer):
+    def _pick_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str]:
         """The Rust tokenizer's decode when it means the same (fast tokenizers without
         space clean-up): ~7x cheaper per token than the Python wrapper."""
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -10,13 +10,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
 from services.common.grpc_client import aio_channel, check_health
-from services.common.pb import (common_pb2, predictor_pb2, predictor_pb2_grpc, scheduler_pb2,
-                                scheduler_pb2_grpc)
+from services.common.pb import (
+    common_pb2,
+    predictor_pb2,
+    predictor_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.common.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    # The Generate stream: an async iterator of TokenEvents, with .cancel().
+    GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall[scheduler_pb2.GenerateRequest,
+                                                       scheduler_pb2.TokenEvent]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +45,7 @@ class Upstream:
                                              idempotent_services=["alise.v1.Predictor"])
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
         self.predictor = predictor_pb2_grpc.PredictorStub(self.predictor_channel)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._health: dict[str, tuple[float, bool]] = {}
         self.max_model_len: int = 0   # from the scheduler's Stats, 0 = unknown yet
 
@@ -43,7 +55,7 @@ class Upstream:
         await self.scheduler_channel.close()
         await self.predictor_channel.close()
 
-    def _background(self, coro) -> asyncio.Task:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -57,7 +69,7 @@ class Upstream:
     async def predictor_up(self) -> bool:
         return await self._up("predictor", self.predictor_channel)
 
-    async def _up(self, name: str, channel) -> bool:
+    async def _up(self, name: str, channel: grpc.aio.Channel) -> bool:
         """Health check, cached for HEALTH_CACHE_S so /health polling stays cheap."""
         checked_at, up = self._health.get(name, (0.0, False))
         if time.monotonic() - checked_at < HEALTH_CACHE_S:
@@ -77,11 +89,11 @@ class Upstream:
             self.max_model_len = reply.max_model_len
         return reply
 
-    def generate(self, request: scheduler_pb2.GenerateRequest):
+    def generate(self, request: scheduler_pb2.GenerateRequest) -> GenerateCall:
         """Start a Generate stream (an async iterator of TokenEvent with .cancel())."""
         return self.scheduler.Generate(request, timeout=self.settings.request_timeout_s)
 
-    def abort(self, request_id: str) -> asyncio.Task:
+    def abort(self, request_id: str) -> asyncio.Task[None]:
         return self._background(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = subparsers.add_parser(
         "serve", help="start the whole stack (Redis, predictor, executors, scheduler, gateway)")
     serve.add_argument("--executors", type=int, default=0,

@@ -41,7 +41,7 @@ def healthy(spec: ServiceSpec, timeout: float = 2.0) -> bool:
 class Child:
     spec: ServiceSpec
     log_path: Path
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     restarts: int = 0
     next_start: float = 0.0

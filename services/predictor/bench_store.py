@@ -6,6 +6,7 @@ exact (brute-force) neighbours of local mode. Prints one JSON object.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.store_base import Record, point_id
+from services.predictor.store_base import LengthStore, Record, point_id
 
 
 def _vectors(n: int, dim: int, cache: Path | None) -> tuple[np.ndarray, str]:
@@ -34,7 +35,7 @@ def _vectors(n: int, dim: int, cache: Path | None) -> tuple[np.ndarray, str]:
     return v / np.linalg.norm(v, axis=1, keepdims=True), kind
 
 
-def _time_store(store, vectors: np.ndarray, queries: np.ndarray, k: int) -> dict:
+def _time_store(store: LengthStore, vectors: np.ndarray, queries: np.ndarray, k: int) -> dict:
     t0 = time.perf_counter()
     store.upsert("bench", [Record(point_id("bench", str(i)), v, float(i))
                            for i, v in enumerate(vectors)])
@@ -77,7 +78,7 @@ def run(n: int, k: int, n_queries: int, cache: Path | None) -> dict:
     return out
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     from services.common.settings import PredictorSettings
 
     cache = args.vectors or next(

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.settings import PredictorSettings
 
 
-def _settings():
+def _settings() -> PredictorSettings:
     from services.common.settings import PredictorSettings
 
     return PredictorSettings()
@@ -74,7 +78,7 @@ def _bench_store(args: argparse.Namespace) -> int:
     return main(args)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = subparsers.add_parser("predictor", help="output-length predictor service")
     sub = group.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND")
     group.set_defaults(_parser=group)

@@ -15,9 +15,14 @@ import importlib.util
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -112,7 +117,7 @@ class Embedder:
         return f"{self.path.name}-{digest}-{mode}-{self.max_seq_length}{q8}"
 
 
-def quantize_linear_int8(model) -> None:
+def quantize_linear_int8(model: nn.Module) -> None:
     """Dynamic INT8 quantization of every Linear layer, in place (CPU inference only): int8
     weights, activations quantized per batch. About 2x faster encoding on CPU; embeddings stay
     at cosine ~0.99 of the float ones (docs/predictor.md)."""
@@ -144,7 +149,8 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def embed(self, prompts: list[str], progress=None) -> np.ndarray:
+    def embed(self, prompts: list[str],
+              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """[N, D]: cached rows reused, missing ones embedded in chunks and saved."""
         texts = self.embedder.prepare(prompts)
         hashes = [text_hash(t) for t in texts]

@@ -7,6 +7,7 @@ other file. `predict` returns lengths in tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,7 +70,7 @@ class MlpRegressor:
         torch.save({"config": asdict(self.cfg), "state_dict": self.net.state_dict()}, path)
 
     @classmethod
-    def load(cls, path: Path) -> "MlpRegressor":
+    def load(cls, path: Path) -> MlpRegressor:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         cfg = MlpConfig(**ckpt["config"])
         net = build(cfg)
@@ -79,7 +80,8 @@ class MlpRegressor:
 
 def train(emb: np.ndarray, feat: np.ndarray, lengths: np.ndarray, cfg: MlpConfig | None = None,
           epochs: int = 60, lr: float = 1e-3, weight_decay: float = 1e-4, batch: int = 256,
-          val_fraction: float = 0.1, seed: int = 0, log=print) -> MlpRegressor:
+          val_fraction: float = 0.1, seed: int = 0,
+          log: Callable[[str], None] | None = print) -> MlpRegressor:
     """Fit on (embeddings [N, D], length feature [N], lengths [N]); keep the best val epoch."""
     cfg = cfg or MlpConfig(dim=emb.shape[1])
     y = np.log1p(lengths.astype(np.float32))

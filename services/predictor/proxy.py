@@ -12,22 +12,28 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+    from services.common.settings import PredictorSettings
+
 log = logging.getLogger(__name__)
 
 
-def proxy_dir(settings, model: str) -> Path:
+def proxy_dir(settings: PredictorSettings, model: str) -> Path:
     return Path(settings.data_dir) / "predictor" / f"proxy-{model}"
 
 
 class ProxyPredictor:
     """Fine-tuned encoder + linear head -> lengths."""
 
-    def __init__(self, encoder, head: nn.Linear, y_mean: float, y_std: float,
+    def __init__(self, encoder: SentenceTransformer, head: nn.Linear, y_mean: float, y_std: float,
                  normalize: bool = True) -> None:
         self.encoder, self.head = encoder.eval(), head.eval()
         self.y_mean, self.y_std, self.normalize = y_mean, y_std, normalize
@@ -51,7 +57,7 @@ class ProxyPredictor:
                     "y_std": self.y_std, "normalize": self.normalize}, path / "head.pt")
 
     @classmethod
-    def load(cls, path: Path, max_seq_length: int | None = None) -> "ProxyPredictor":
+    def load(cls, path: Path, max_seq_length: int | None = None) -> ProxyPredictor:
         from sentence_transformers import SentenceTransformer
 
         encoder = SentenceTransformer(str(path), device="cpu", local_files_only=True)
@@ -63,7 +69,7 @@ class ProxyPredictor:
         return cls(encoder, head, ckpt["y_mean"], ckpt["y_std"], ckpt["normalize"])
 
 
-def train_proxy(settings, limit: int = 2000, epochs: int = 1, batch: int = 16,
+def train_proxy(settings: PredictorSettings, limit: int = 2000, epochs: int = 1, batch: int = 16,
                 train_tokens: int = 128, lr: float = 3e-5, seed: int = 0) -> dict:
     """Fine-tune the configured embedder + head on `limit` train prompts; save; report."""
     from sentence_transformers import SentenceTransformer

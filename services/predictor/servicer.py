@@ -10,9 +10,11 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sized
+from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from services.common.grpc_server import invalid
 from services.common.metrics import Metrics
@@ -22,6 +24,7 @@ from services.predictor.core import LengthPredictor, Observation
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "alise.v1.Predictor"
+_M = TypeVar("_M", bound=Message)
 
 
 class PredictorMetrics(Metrics):
@@ -45,8 +48,9 @@ class Malformed:
         self.error = error
 
 
-def tolerant(message_cls):
-    def parse(data: bytes):
+def tolerant(message_cls: type[_M]) -> Callable[[bytes], _M | Malformed]:
+    """A request deserializer that hands over undecodable bytes as `Malformed`."""
+    def parse(data: bytes) -> _M | Malformed:
         try:
             return message_cls.FromString(data)
         except DecodeError as exc:
@@ -54,7 +58,7 @@ def tolerant(message_cls):
     return parse
 
 
-def add_to_server(servicer: "PredictorServicer", server: grpc.aio.Server) -> None:
+def add_to_server(servicer: PredictorServicer, server: grpc.aio.Server) -> None:
     """Like the generated add_PredictorServicer_to_server, but malformed bytes reach the
     servicer (as `Malformed`) so they get INVALID_ARGUMENT instead of INTERNAL."""
     handlers = {
@@ -75,7 +79,7 @@ class ObserveQueue:
     def __init__(self, predictor: LengthPredictor, metrics: PredictorMetrics,
                  remember: int = 100_000, chunk: int = 8) -> None:
         self.predictor, self.metrics, self.chunk = predictor, metrics, chunk
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[str, list[Observation]]] = asyncio.Queue()
         self.seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.remember = remember
         self.task = asyncio.create_task(self._run())
@@ -119,6 +123,9 @@ class ObserveQueue:
         await cancel_and_wait(self.task)
 
 
+_Request = predictor_pb2.PredictRequest | predictor_pb2.ObserveRequest | Malformed
+
+
 class PredictorServicer:
     def __init__(self, predictor: LengthPredictor, models: list[str], metrics: PredictorMetrics,
                  observer: ObserveQueue, max_prompt_chars: int, max_batch: int) -> None:
@@ -126,7 +133,7 @@ class PredictorServicer:
         self.observer = observer
         self.max_prompt_chars, self.max_batch = max_prompt_chars, max_batch
 
-    def _check_common(self, request, items, what: str) -> None:
+    def _check_common(self, request: _Request, items: Sized, what: str) -> None:
         if isinstance(request, Malformed):
             raise invalid(f"malformed request: {request.error}")
         if request.model not in self.models:
@@ -143,7 +150,8 @@ class PredictorServicer:
             raise invalid(f"{where}: prompt of {len(prompt)} characters exceeds "
                           f"{self.max_prompt_chars}")
 
-    async def Predict(self, request, context) -> predictor_pb2.PredictResponse:
+    async def Predict(self, request: predictor_pb2.PredictRequest | Malformed,
+                      context: grpc.aio.ServicerContext) -> predictor_pb2.PredictResponse:
         prompts = [] if isinstance(request, Malformed) else list(request.prompts)
         self._check_common(request, prompts, "prompts")
         for i, prompt in enumerate(prompts):
@@ -157,7 +165,8 @@ class PredictorServicer:
             common_pb2.Prediction(length=p.length, source=p.source, similarity=p.similarity,
                                   neighbors=p.neighbors) for p in preds])
 
-    async def Observe(self, request, context) -> predictor_pb2.ObserveResponse:
+    async def Observe(self, request: predictor_pb2.ObserveRequest | Malformed,
+                      context: grpc.aio.ServicerContext) -> predictor_pb2.ObserveResponse:
         items = [] if isinstance(request, Malformed) else list(request.observations)
         self._check_common(request, items, "observations")
         for i, o in enumerate(items):

@@ -6,11 +6,17 @@ and mean relative error of Algorithm 1 for each (k, s0), and the pair with the b
 """
 from __future__ import annotations
 
+import argparse
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from services.predictor.core import decide
 from services.predictor.metrics_eval import accuracy
 from services.predictor.store_base import Neighbor
+
+if TYPE_CHECKING:
+    from services.common.settings import PredictorSettings
 
 KS = (1, 2, 4, 8, 16, 32)
 THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
@@ -27,7 +33,7 @@ def exact_topk(queries: np.ndarray, base: np.ndarray, lengths: np.ndarray,
     return out
 
 
-def sweep(settings, args) -> dict:
+def sweep(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     from services.predictor.build import embedding_cache, make_embedder, train_samples
     from services.predictor.mlp import length_feature, train
 

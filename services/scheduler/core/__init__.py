@@ -1,1 +1,1 @@
-"""Pure scheduling core: no torch, grpc, redis or asyncio (DESIGN.md section 4)."""
+"""Pure scheduling core: no torch, grpc, redis, asyncio or numpy (see docs/scheduling.md)."""

@@ -1,6 +1,6 @@
 """Request state: the only per-request record the scheduling core keeps.
 
-Progress is two numbers (DESIGN.md section 4): `num_computed_tokens` (tokens whose KV exists)
+Progress is two numbers (docs/scheduling.md): `num_computed_tokens` (tokens whose KV exists)
 and `num_tokens` (prompt + output so far). A request is a prefill while more than one token is
 uncomputed and a decode when exactly one is; there is no phase flag.
 
