@@ -177,7 +177,7 @@ def test_accelgen_without_dynamic_chunking_runs_a_long_prompt_in_one_step():
 
 @pytest.mark.parametrize("knob", ["dynamic_chunking", "slack_ordering", "multires"])
 def test_accelgen_ablation_knobs_are_booleans(knob):
-    assert make_policy("accelgen", **{knob: False}).knobs[knob] is False
+    assert make_policy("accelgen", **{knob: False}).knobs.as_dict()[knob] is False
     with pytest.raises(ValueError, match=knob):
         make_policy("accelgen", **{knob: "off"})
 

@@ -113,7 +113,7 @@ def test_aging_per_step_bounds_promotions_per_step():
     assert min(before.values()) > 0
     promoted = []
     for _ in range(3):
-        s.policy._age(s, 1.5)
+        s.policy._age(1.5)
         after = s.policy.q.level_of
         promoted.append(sum(1 for rid in before if after[rid] == before[rid] - 1))
     assert promoted == [3, 6, 7]

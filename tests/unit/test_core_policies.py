@@ -87,7 +87,7 @@ def _aging_run(threshold):
 def test_aging_bounds_the_wait_of_a_long_job():
     aged, s = _aging_run(0.05)
     starved, _ = _aging_run(None)
-    levels = s.policy.num_queues
+    levels = s.policy.knobs.num_queues
     wait_aged = aged.first_scheduled_time - aged.arrival_time
     # one promotion per K from the bottom queue, plus the short jobs already queued in level 0
     assert wait_aged <= (levels - 1) * 0.05 + 0.15
@@ -320,8 +320,8 @@ def test_rank_is_validated_and_hybrid_defaults_to_normalized():
         make_policy("alise", rank="shortest")
     with pytest.raises(ValueError, match="rank_ref_len"):
         make_policy("hybrid", rank_ref_len=0)
-    assert make_policy("hybrid").rank == "normalized"
-    assert make_policy("alise").rank == "remaining"
+    assert make_policy("hybrid").knobs.rank == "normalized"
+    assert make_policy("alise").knobs.rank == "remaining"
 
 
 def _step(s, now, elapsed=0.01):
@@ -375,7 +375,7 @@ def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapp
         assert set(out.num_scheduled_tokens) == {"big"}
         now += 0.01
     big_level = s.policy.q.level_of["big"]
-    assert big_level == s.policy.num_queues - 1
+    assert big_level == s.policy.knobs.num_queues - 1
     small = req("small", 4, 3, t=now)
     s.admit(small)
     assert s.policy.q.level_of["small"] == 0 < big_level

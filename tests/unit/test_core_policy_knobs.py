@@ -1,0 +1,69 @@
+"""Policy knobs: typed dataclasses with their defaults, checked at construction."""
+import dataclasses
+import json
+
+import pytest
+
+from services.scheduler.core.policies import available_policies, make_policy, policy_knobs
+from services.scheduler.core.policies.alise import AliseKnobs, SrtfKnobs
+from services.scheduler.core.policies.base import Knobs
+from services.scheduler.core.policies.hybrid import HybridKnobs
+from tests.unit.test_core_util import make_sched
+
+
+@pytest.mark.parametrize("name", available_policies())
+def test_every_policy_has_frozen_knobs_with_json_defaults(name):
+    policy = make_policy(name)
+    assert isinstance(policy.knobs, Knobs)
+    assert policy.describe() == {"name": name, "knobs": policy_knobs(name)}
+    assert json.loads(json.dumps(policy_knobs(name))) == policy_knobs(name)
+    field = next(iter(policy_knobs(name)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(policy.knobs, field, None)
+
+
+def test_subclass_knobs_redeclare_defaults_and_drop_nothing_silently():
+    alise, hybrid = policy_knobs("alise"), policy_knobs("hybrid")
+    assert (alise["num_queues"], hybrid["num_queues"]) == (8, 16)
+    assert (alise["rank"], hybrid["rank"]) == ("remaining", "normalized")
+    assert alise["aging_threshold_s"] == hybrid["aging_threshold_s"] == 5.0
+    assert policy_knobs("fastserve")["aging_threshold_s"] is None
+    assert "max_num_batched_tokens" in alise and "max_num_batched_tokens" not in hybrid
+    with pytest.raises(ValueError, match="valid knobs"):
+        make_policy("hybrid", max_num_batched_tokens=4096)
+    assert issubclass(HybridKnobs, SrtfKnobs) and issubclass(AliseKnobs, SrtfKnobs)
+
+
+def test_knob_values_as_json_gives_them():
+    p = make_policy("alise", aging_threshold_s=2, queue_ratio=3, gpu_job_limit=None)
+    assert p.knobs.aging_threshold_s == 2 and p.knobs.queue_ratio == 3
+    assert p.describe()["knobs"]["gpu_job_limit"] is None
+    s = make_sched("alise", aging_threshold_s=2, memory_mode="recompute")
+    assert s.policy.knobs.memory_mode == "recompute" and s.policy.aging.threshold == 2
+
+
+@pytest.mark.parametrize("name, knobs, message", [
+    ("alise", {"queue_ratio": 1}, "alise: queue_ratio must be > 1"),
+    ("oracle", {"memory_mode": "drop"}, "oracle: memory_mode must be one of"),
+    ("fastserve", {"quantum_ratio": 0.5}, "fastserve: quantum_ratio must be > 1"),
+    ("hybrid", {"preempt_level_gap": 0}, "hybrid: preempt_level_gap must be >= 1 or None"),
+    ("sarathi", {"tile_size": 0}, "sarathi: tile_size must be a positive int"),
+    ("fcfs", {"watermark": 1.0}, r"fcfs: watermark must be in \[0, 1\)"),
+    ("orca", {"max_batch_size": 0}, "orca: max_batch_size must be a positive int"),
+    ("accelgen", {"budget_rule": "x"}, "accelgen: budget_rule must be 'profile' or 'eq6'"),
+])
+def test_bad_knob_values_name_the_policy_and_the_knob(name, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        make_policy(name, **knobs)
+
+
+def test_unknown_knob_lists_the_valid_ones():
+    with pytest.raises(ValueError) as err:
+        make_policy("orca", watermark=0.1)
+    assert str(err.value) == ("unknown knob(s) ['watermark'] for policy 'orca'; "
+                              "valid knobs: ['max_batch_size', 'max_num_batched_tokens']")
+
+
+def test_an_unbound_policy_says_so():
+    with pytest.raises(RuntimeError, match="not bound"):
+        make_policy("fcfs").schedule(0.0)
