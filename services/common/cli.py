@@ -33,7 +33,7 @@ def _policy_knobs() -> int:
     """Every registered policy's knobs and defaults, as the JSON `ALISE_POLICY_CONFIG` takes."""
     import json
 
-    from services.scheduler.core.policies.base import available_policies, policy_knobs
+    from services.scheduler.core.policies import available_policies, policy_knobs
 
     for name in available_policies():
         print(f"{name} {json.dumps(policy_knobs(name))}")

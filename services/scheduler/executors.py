@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.policies.base import make_policy
+from services.scheduler.core.policies import make_policy
 from services.scheduler.core.scheduler import Scheduler
 
 if TYPE_CHECKING:

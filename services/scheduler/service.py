@@ -23,7 +23,7 @@ from services.common.grpc_server import ServiceError
 from services.common.tasks import cancel_and_wait
 from services.scheduler.admission import Admission
 from services.scheduler.convert import prediction_pb
-from services.scheduler.core.policies.base import make_policy
+from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, RequestStatus
 from services.scheduler.entry import Entries, Entry
 from services.scheduler.executors import make_scheduler

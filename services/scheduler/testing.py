@@ -20,7 +20,7 @@ from services.common.pb import common_pb2, scheduler_pb2
 from services.common.settings import SchedulerSettings
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.output import StepOutcome
-from services.scheduler.core.policies.base import make_policy
+from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
 

@@ -17,7 +17,7 @@ import pytest
 from services.common.grpc_client import aio_channel
 from services.common.pb import common_pb2, scheduler_pb2_grpc
 from services.common.settings import SchedulerSettings
-from services.scheduler.core.policies.base import make_policy
+from services.scheduler.core.policies import make_policy
 from services.scheduler.executors import make_scheduler
 from services.scheduler.records import recompute_copy
 from services.scheduler.server import start_scheduler

@@ -10,7 +10,7 @@ from services.common.grpc_client import aio_channel
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_runner import free_port
 from services.common.settings import SchedulerSettings
-from services.scheduler.core.policies.base import available_policies
+from services.scheduler.core.policies import available_policies
 from services.scheduler.server import start_scheduler
 from services.scheduler.testing import (cached_tiny_model, core_request, gen_request, generate, reference_run,
                                         running_scheduler, start_tiny_executor, status_of,

@@ -39,7 +39,7 @@ class AppliedStep:
 class Scheduler:
     def __init__(self, policy: Policy | str, block_manager: BlockManager,
                  cost_model: CostModel, max_model_len: int) -> None:
-        from services.scheduler.core.policies.base import make_policy
+        from services.scheduler.core.policies import make_policy
 
         if isinstance(policy, str):
             policy = make_policy(policy)

@@ -133,27 +133,7 @@ def register_policy(name: str) -> Callable[[type[P]], type[P]]:
     return deco
 
 
-def _load_builtin() -> None:
-    import services.scheduler.core.policies  # noqa: F401  (registers the built-in policies)
-
-
-def _policy_class(name: str) -> type[Policy]:
-    _load_builtin()
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown policy {name!r}; available: {available_policies()}")
-    return cls
-
-
-def make_policy(name: str, **knobs: object) -> Policy:
-    return _policy_class(name)(**knobs)
-
-
-def available_policies() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def policy_knobs(name: str) -> dict[str, KnobValue]:
-    """Knob names and defaults of a policy."""
-    return _policy_class(name).knobs_type().as_dict()
+def registered_policies() -> dict[str, type[Policy]]:
+    """Every policy class registered so far, by name (importing the `policies` package
+    registers the built-in ones)."""
+    return dict(_REGISTRY)
