@@ -11,6 +11,7 @@ Also: our decode step at batch 32 with 512 tokens of context, the time of the mo
 layers alone for those 32 tokens (a lower bound for that step), and a decode step of 48
 requests with contexts spread over 20-600 tokens, attention split by context vs one group.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,15 @@ def run_hf_static(model, tok, prompts, lens, batch: int) -> float:
     tok.padding_side = "left"
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        enc = tok.pad({"input_ids": prompts[i:i + batch]}, return_tensors="pt")
+        enc = tok.pad({"input_ids": prompts[i : i + batch]}, return_tensors="pt")
         with torch.inference_mode():
-            model.generate(**enc, max_new_tokens=max(lens[i:i + batch]), do_sample=False,
-                           eos_token_id=None, pad_token_id=tok.pad_token_id)
+            model.generate(
+                **enc,
+                max_new_tokens=max(lens[i : i + batch]),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tok.pad_token_id,
+            )
     return time.perf_counter() - start
 
 
@@ -64,11 +70,15 @@ def run_hf_cb(model, prompts, lens, kv_memory_gb: float, budget: int) -> float:
     page = 256
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     page_bytes = page * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
-    cb = ContinuousBatchingConfig(page_size=page, max_batch_tokens=budget,
-                                  num_blocks=max(8, int(kv_memory_gb * 2 ** 30 // page_bytes)))
+    cb = ContinuousBatchingConfig(
+        page_size=page,
+        max_batch_tokens=budget,
+        num_blocks=max(8, int(kv_memory_gb * 2**30 // page_bytes)),
+    )
     config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(lens))
-    manager = model.init_continuous_batching(generation_config=config,
-                                             continuous_batching_config=cb)
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=cb
+    )
     start = time.perf_counter()
     manager.start()
     for i, (p, n) in enumerate(zip(prompts, lens)):
@@ -110,9 +120,14 @@ def mixed_context_decode_ms(engine, batch: int = 48, reps: int = 5, seed: int = 
             t = StepTimer(engine).time_decodes(contexts, variants, reps)
     finally:
         engine.attention_group_cost = keep
-    return {"batch": batch, "context_tokens": sum(contexts), "max_context": max(contexts),
-            "split_ms": 1e3 * t["split"], "one_group_ms": 1e3 * t["one_group"],
-            "speedup": t["one_group"] / t["split"]}
+    return {
+        "batch": batch,
+        "context_tokens": sum(contexts),
+        "max_context": max(contexts),
+        "split_ms": 1e3 * t["split"],
+        "one_group_ms": 1e3 * t["one_group"],
+        "speedup": t["one_group"] / t["split"],
+    }
 
 
 def linear_only_ms(engine, tokens: int = 32, reps: int = 5) -> float:
@@ -122,8 +137,12 @@ def linear_only_ms(engine, tokens: int = 32, reps: int = 5) -> float:
     import torch
     import torch.nn.functional as F
 
-    weights = [w for layer in engine.runner.layers for f in dataclasses.fields(layer)
-               if (w := getattr(layer, f.name)) is not None and w.dim() == 2]
+    weights = [
+        w
+        for layer in engine.runner.layers
+        for f in dataclasses.fields(layer)
+        if (w := getattr(layer, f.name)) is not None and w.dim() == 2
+    ]
     weights.append(engine.runner.lm_head)
     inputs = [torch.randn(tokens, w.shape[1], dtype=w.dtype) for w in weights]
     times = []
@@ -153,26 +172,42 @@ def _run(args: argparse.Namespace) -> int:
     settings = ExecutorSettings()
     model_dir = weights_dir(settings.model, settings.data_dir)
     prompts, lens = _workload(args.num_prompts, args.max_prompt, args.max_output)
-    engine = Engine(model_dir, device="cpu", dtype="fp32", kv_dtype=args.kv_dtype,
-                    kv_memory_gb=args.kv_memory_gb, num_host_blocks=1)
+    engine = Engine(
+        model_dir,
+        device="cpu",
+        dtype="fp32",
+        kv_dtype=args.kv_dtype,
+        kv_memory_gb=args.kv_memory_gb,
+        num_host_blocks=1,
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     tokens = sum(lens)
-    result = {"num_prompts": len(prompts), "requested_tokens": tokens,
-              "prompt_tokens": sum(map(len, prompts)), "threads": torch.get_num_threads(),
-              "kv_dtype": args.kv_dtype, "token_budget": args.token_budget,
-              "max_batch": args.max_batch}
+    result = {
+        "num_prompts": len(prompts),
+        "requested_tokens": tokens,
+        "prompt_tokens": sum(map(len, prompts)),
+        "threads": torch.get_num_threads(),
+        "kv_dtype": args.kv_dtype,
+        "token_budget": args.token_budget,
+        "max_batch": args.max_batch,
+    }
     t_ours = run_ours(engine, prompts, lens, args.token_budget, args.max_batch)
     _progress(f"ours: {t_ours:.1f} s")
     t_static = run_hf_static(hf, tok, prompts, lens, args.hf_batch)
     _progress(f"hf static: {t_static:.1f} s")
     t_cb = run_hf_cb(hf, prompts, lens, args.kv_memory_gb, args.token_budget)
     _progress(f"hf cb: {t_cb:.1f} s")
-    result.update(ours_tok_s=tokens / t_ours, hf_static_tok_s=tokens / t_static,
-                  hf_cb_tok_s=tokens / t_cb, ratio_vs_hf_static=t_static / t_ours,
-                  ratio_vs_hf_cb=t_cb / t_ours, decode_step_ms_b32=decode_step_ms(engine),
-                  linear_only_ms_b32=linear_only_ms(engine),
-                  mixed_context_decode=mixed_context_decode_ms(engine))
+    result.update(
+        ours_tok_s=tokens / t_ours,
+        hf_static_tok_s=tokens / t_static,
+        hf_cb_tok_s=tokens / t_cb,
+        ratio_vs_hf_static=t_static / t_ours,
+        ratio_vs_hf_cb=t_cb / t_ours,
+        decode_step_ms_b32=decode_step_ms(engine),
+        linear_only_ms_b32=linear_only_ms(engine),
+        mixed_context_decode=mixed_context_decode_ms(engine),
+    )
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

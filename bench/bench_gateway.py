@@ -16,6 +16,7 @@
 Every service runs as its own process (`alise executor|scheduler|gateway serve`), as in
 production; the gateway's memory is read from /proc.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,15 @@ def _percentile(values: list[float], q: float) -> float:
 
 async def _one_stream(client, model: str, prompt: str, tokens: int) -> list[tuple[float, float]]:
     """(client arrival time, scheduler token time) per text chunk of one request."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True,
-            "ignore_eos": True, "return_token_times": True, "temperature": 0}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_times": True,
+        "temperature": 0,
+    }
     points = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -66,8 +74,12 @@ async def _grpc_stream(stub, i: int, prompt_ids: list[int], tokens: int):
     from services.common.pb import common_pb2, scheduler_pb2
 
     request = scheduler_pb2.GenerateRequest(
-        request_id=f"bench-grpc-{time.time_ns()}-{i}", prompt_token_ids=prompt_ids,
-        max_tokens=tokens, ignore_eos=True, sampling=common_pb2.SamplingParams(temperature=0))
+        request_id=f"bench-grpc-{time.time_ns()}-{i}",
+        prompt_token_ids=prompt_ids,
+        max_tokens=tokens,
+        ignore_eos=True,
+        sampling=common_pb2.SamplingParams(temperature=0),
+    )
     points = []
     async for event in stub.Generate(request, timeout=600):
         if not event.finished:
@@ -81,8 +93,9 @@ async def _http_round(url: str, model: str, streams: int, tokens: int):
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
         await _one_stream(client, model, "warm up", 4)
-        prompts = [f"Request {i}: tell me a long story about the number {i}." for i in
-                   range(streams)]
+        prompts = [
+            f"Request {i}: tell me a long story about the number {i}." for i in range(streams)
+        ]
         return await asyncio.gather(*[_one_stream(client, model, p, tokens) for p in prompts])
 
 
@@ -93,8 +106,9 @@ async def _grpc_round(address: str, prompt_ids: list[int], streams: int, tokens:
     async with aio_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         await _grpc_stream(stub, -1, prompt_ids, 4)
-        return await asyncio.gather(*[_grpc_stream(stub, i, prompt_ids, tokens)
-                                      for i in range(streams)])
+        return await asyncio.gather(
+            *[_grpc_stream(stub, i, prompt_ids, tokens) for i in range(streams)]
+        )
 
 
 def _gaps(results) -> tuple[list[float], list[float]]:
@@ -102,8 +116,7 @@ def _gaps(results) -> tuple[list[float], list[float]]:
     added, hops = [], []
     for points in results:
         hops += [(c - s) * 1000 for c, s in points]
-        added += [((c1 - c0) - (s1 - s0)) * 1000
-                  for (c0, s0), (c1, s1) in pairwise(points)]
+        added += [((c1 - c0) - (s1 - s0)) * 1000 for (c0, s0), (c1, s1) in pairwise(points)]
     return added, hops
 
 
@@ -113,8 +126,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_overhead(url: str, model: str, scheduler: str, gateway_pid: int, streams: int,
-                     tokens: int, rounds: int) -> dict:
+def measure_overhead(
+    url: str, model: str, scheduler: str, gateway_pid: int, streams: int, tokens: int, rounds: int
+) -> dict:
     """ABBA rounds of gRPC-direct and through-the-gateway runs on the same stack."""
     prompt_ids = list(range(100, 116))
     http, grpc_, gateway_cpu = [], [], 0.0
@@ -130,17 +144,24 @@ def measure_overhead(url: str, model: str, scheduler: str, gateway_pid: int, str
     added, hops = _gaps(http)
     g_added, g_hops = _gaps(grpc_)
     q = _percentile
-    return {"added_p50_ms": q(added, 0.5), "added_p99_ms": q(added, 0.99),
-            "added_mean_ms": statistics.fmean(added),
-            "hop_latency_p50_ms": q(hops, 0.5), "hop_latency_p99_ms": q(hops, 0.99),
-            "grpc_direct_added_p50_ms": q(g_added, 0.5),
-            "grpc_direct_added_p99_ms": q(g_added, 0.99),
-            "grpc_direct_hop_p50_ms": q(g_hops, 0.5), "grpc_direct_hop_p99_ms": q(g_hops, 0.99),
-            "gateway_hop_added_p50_ms": q(hops, 0.5) - q(g_hops, 0.5),
-            "gateway_hop_added_p99_ms": q(hops, 0.99) - q(g_hops, 0.99),
-            "gateway_cpu_us_per_token": gateway_cpu / max(1, sum(map(len, http))) * 1e6,
-            "gaps_measured": len(added), "streams": streams, "tokens_per_stream": tokens,
-            "rounds": rounds}
+    return {
+        "added_p50_ms": q(added, 0.5),
+        "added_p99_ms": q(added, 0.99),
+        "added_mean_ms": statistics.fmean(added),
+        "hop_latency_p50_ms": q(hops, 0.5),
+        "hop_latency_p99_ms": q(hops, 0.99),
+        "grpc_direct_added_p50_ms": q(g_added, 0.5),
+        "grpc_direct_added_p99_ms": q(g_added, 0.99),
+        "grpc_direct_hop_p50_ms": q(g_hops, 0.5),
+        "grpc_direct_hop_p99_ms": q(g_hops, 0.99),
+        "gateway_hop_added_p50_ms": q(hops, 0.5) - q(g_hops, 0.5),
+        "gateway_hop_added_p99_ms": q(hops, 0.99) - q(g_hops, 0.99),
+        "gateway_cpu_us_per_token": gateway_cpu / max(1, sum(map(len, http))) * 1e6,
+        "gaps_measured": len(added),
+        "streams": streams,
+        "tokens_per_stream": tokens,
+        "rounds": rounds,
+    }
 
 
 def rss_bytes(pid: int) -> int:
@@ -152,28 +173,38 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no RssAnon for pid {pid}")
 
 
-async def _hold_stream(client, model: str, i: int, held: list[int],
-                       release: asyncio.Event) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": f"question {i}"}],
-            "max_tokens": 8, "stream": True}
+async def _hold_stream(client, model: str, i: int, held: list[int], release: asyncio.Event) -> None:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return
         async for line in response.aiter_lines():
-            if line.startswith("data: "):       # the role chunk: the stream is open
+            if line.startswith("data: "):  # the role chunk: the stream is open
                 break
         held[0] += 1
         await release.wait()
 
 
-async def _open_wave(client, model: str, first: int, n: int, held: list[int],
-                     release: asyncio.Event, timeout_s: float) -> list[asyncio.Task]:
+async def _open_wave(
+    client,
+    model: str,
+    first: int,
+    n: int,
+    held: list[int],
+    release: asyncio.Event,
+    timeout_s: float,
+) -> list[asyncio.Task]:
     target = held[0] + n
-    tasks = [asyncio.create_task(_hold_stream(client, model, first + i, held, release))
-             for i in range(n)]
+    tasks = [
+        asyncio.create_task(_hold_stream(client, model, first + i, held, release)) for i in range(n)
+    ]
     deadline = time.perf_counter() + timeout_s
-    while held[0] < target and time.perf_counter() < deadline and \
-            not all(t.done() for t in tasks):
+    while held[0] < target and time.perf_counter() < deadline and not all(t.done() for t in tasks):
         await asyncio.sleep(0.2)
     await asyncio.sleep(1.0)
     return tasks
@@ -199,11 +230,14 @@ async def measure_idle(url: str, model: str, pid: int, n: int, timeout_s: float)
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     grown = held_end - held_mid
-    return {"max_streams": held_end, "streams_asked": n,
-            "bytes_per_stream": int((end - mid) / grown) if grown > 0 else None,
-            "open_s": round(open_s, 2),
-            "gateway_anon_rss_mid_mb": round(mid / 2**20, 1),
-            "gateway_anon_rss_end_mb": round(end / 2**20, 1)}
+    return {
+        "max_streams": held_end,
+        "streams_asked": n,
+        "bytes_per_stream": int((end - mid) / grown) if grown > 0 else None,
+        "open_s": round(open_s, 2),
+        "gateway_anon_rss_mid_mb": round(mid / 2**20, 1),
+        "gateway_anon_rss_end_mb": round(end / 2**20, 1),
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -212,29 +246,51 @@ def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="alise-bench-gw-") as tmp:
         out: dict = {}
         with ProcessStack(Path(tmp), args.model, with_executor=True) as stack:
-            out.update(measure_overhead(stack.url, stack.model_id, stack.scheduler_address,
-                                        stack.gateway_pid, args.streams, args.tokens,
-                                        args.rounds))
+            out.update(
+                measure_overhead(
+                    stack.url,
+                    stack.model_id,
+                    stack.scheduler_address,
+                    stack.gateway_pid,
+                    args.streams,
+                    args.tokens,
+                    args.rounds,
+                )
+            )
         with ProcessStack(Path(tmp) / "idle", args.model, with_executor=False) as stack:
-            out.update(asyncio.run(measure_idle(stack.url, stack.model_id, stack.gateway_pid,
-                                                args.idle, args.idle_timeout)))
+            out.update(
+                asyncio.run(
+                    measure_idle(
+                        stack.url, stack.model_id, stack.gateway_pid, args.idle, args.idle_timeout
+                    )
+                )
+            )
     out["model"] = args.model
     emit_json(out, args.json)
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("gateway", help="gateway per-token overhead and idle stream "
-                                              "capacity")
+    p = subparsers.add_parser("gateway", help="gateway per-token overhead and idle stream capacity")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams (overhead)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream (overhead)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="ABBA rounds of gRPC-direct vs gateway runs (overhead)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="ABBA rounds of gRPC-direct vs gateway runs (overhead)",
+    )
     p.add_argument("--idle", type=int, default=1000, help="idle streams to open")
-    p.add_argument("--idle-timeout", type=float, default=180.0,
-                   help="seconds to wait for the idle streams to open")
-    p.add_argument("--model", default="tiny",
-                   help="`tiny` (random weights, SmolLM2 tokenizer) or a model setting")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=180.0,
+        help="seconds to wait for the idle streams to open",
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="`tiny` (random weights, SmolLM2 tokenizer) or a model setting",
+    )
     p.set_defaults(func=_run)
-

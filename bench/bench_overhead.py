@@ -9,6 +9,7 @@ hand-off, token streaming). Reported per policy: p50 and p99 in milliseconds, pl
 spent in the loop's own code (`loop_code_*`) and, for scale, the round trip of an empty Step.
 Each policy runs `--repeats` times, interleaved with the others; the percentiles pool all runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,21 +40,35 @@ def _client(address: str, n: int, prompt_len: int, max_tokens: int, tag: str) ->
         async with aio_channel(address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             prompts = [[(i * 97 + j) % 4000 + 3 for j in range(prompt_len)] for i in range(n)]
-            results = await asyncio.gather(*[
-                generate(stub, gen_request(f"{tag}-{i}", p, max_tokens), timeout=600)
-                for i, p in enumerate(prompts)])
+            results = await asyncio.gather(
+                *[
+                    generate(stub, gen_request(f"{tag}-{i}", p, max_tokens), timeout=600)
+                    for i, p in enumerate(prompts)
+                ]
+            )
         assert all(r[-1].usage.completion_tokens == max_tokens for r in results)
 
     asyncio.run(main())
 
 
 def _start_executor(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ, ALISE_MODEL=str(model_dir), ALISE_EXECUTOR_PORT=str(port),
-               ALISE_DEVICE="cpu", ALISE_NUM_THREADS="1", ALISE_KV_MEMORY_GB="0.05",
-               ALISE_SWAP_MEMORY_GB="0.01",
-               ALISE_LOG_LEVEL="WARNING", HF_HUB_OFFLINE="1")
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "executor", "serve"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+    env = dict(
+        os.environ,
+        ALISE_MODEL=str(model_dir),
+        ALISE_EXECUTOR_PORT=str(port),
+        ALISE_DEVICE="cpu",
+        ALISE_NUM_THREADS="1",
+        ALISE_KV_MEMORY_GB="0.05",
+        ALISE_SWAP_MEMORY_GB="0.01",
+        ALISE_LOG_LEVEL="WARNING",
+        HF_HUB_OFFLINE="1",
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "executor", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log_path, "wb"),
+    )
 
 
 async def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -70,22 +85,34 @@ async def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 1
     raise TimeoutError(f"executor at {address} did not come up")
 
 
-async def _measure(policy: str, redis_url: str, executor: str, args,
-                   run: int = 0) -> tuple[list[float], list[float]]:
+async def _measure(
+    policy: str, redis_url: str, executor: str, args, run: int = 0
+) -> tuple[list[float], list[float]]:
     """One run of one policy: (overhead ms, loop-code ms) per iteration with all requests."""
     import multiprocessing
 
     from services.scheduler.testing import running_scheduler
 
-    async with running_scheduler(redis_url, [executor], policy=policy,
-                                 redis_namespace=f"bench-{policy}-{run}",
-                                 log_level="WARNING") as handle:
+    async with running_scheduler(
+        redis_url,
+        [executor],
+        policy=policy,
+        redis_namespace=f"bench-{policy}-{run}",
+        log_level="WARNING",
+    ) as handle:
         loop = handle.service.loops[executor]
         while not loop.up:
             await asyncio.sleep(0.05)
         child = multiprocessing.get_context("spawn").Process(
-            target=_client, args=(handle.address, args.requests, args.prompt_len,
-                                  args.max_tokens, f"{policy}-{run}"))
+            target=_client,
+            args=(
+                handle.address,
+                args.requests,
+                args.prompt_len,
+                args.max_tokens,
+                f"{policy}-{run}",
+            ),
+        )
         child.start()
         while child.is_alive():
             await asyncio.sleep(0.05)
@@ -98,11 +125,14 @@ async def _measure(policy: str, redis_url: str, executor: str, args,
 
 
 def _stats(samples: list[float], compute: list[float]) -> dict:
-    return {"p50_ms": round(_percentile(samples, 0.5), 3),
-            "p99_ms": round(_percentile(samples, 0.99), 3),
-            "mean_ms": round(statistics.fmean(samples), 3), "iterations": len(samples),
-            "loop_code_p50_ms": round(_percentile(compute, 0.5), 3),
-            "loop_code_p99_ms": round(_percentile(compute, 0.99), 3)}
+    return {
+        "p50_ms": round(_percentile(samples, 0.5), 3),
+        "p99_ms": round(_percentile(samples, 0.99), 3),
+        "mean_ms": round(statistics.fmean(samples), 3),
+        "iterations": len(samples),
+        "loop_code_p50_ms": round(_percentile(compute, 0.5), 3),
+        "loop_code_p99_ms": round(_percentile(compute, 0.99), 3),
+    }
 
 
 async def _rpc_floor_ms(address: str, n: int = 200) -> float:
@@ -135,7 +165,7 @@ async def _run_all(args) -> dict:
         names = args.policies.split(",")
         pooled = {p: ([], []) for p in names}
         with EmbeddedRedis(work / "redis") as redis:
-            for run in range(args.repeats):     # interleaved: drift hits every policy alike
+            for run in range(args.repeats):  # interleaved: drift hits every policy alike
                 for p in names:
                     samples, compute = await _measure(p, redis.url, address, args, run)
                     pooled[p][0].extend(samples)
@@ -144,11 +174,17 @@ async def _run_all(args) -> dict:
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"policies": policies, "repeats": args.repeats, "requests": args.requests,
-            "prompt_len": args.prompt_len,
-            "max_tokens": args.max_tokens, "empty_step_rpc_p50_ms": floor,
-            "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-            "executor": "cpu (1 torch thread), tiny random llama (2 layers)"}
+    return {
+        "policies": policies,
+        "repeats": args.repeats,
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "empty_step_rpc_p50_ms": floor,
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "executor": "cpu (1 torch thread), tiny random llama (2 layers)",
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -157,10 +193,11 @@ def _run(args: argparse.Namespace) -> int:
     loops = args.event_loops.split(",")
     runs = {loop: run_coroutine(_run_all(args), loop) for loop in loops}
     result = dict(runs[loops[0]])
-    if len(loops) > 1:        # side by side, each with its own executor and Redis
-        result["event_loops"] = {loop: {"policies": r["policies"],
-                                        "empty_step_rpc_p50_ms": r["empty_step_rpc_p50_ms"]}
-                                 for loop, r in runs.items()}
+    if len(loops) > 1:  # side by side, each with its own executor and Redis
+        result["event_loops"] = {
+            loop: {"policies": r["policies"], "empty_step_rpc_p50_ms": r["empty_step_rpc_p50_ms"]}
+            for loop, r in runs.items()
+        }
     result["event_loop"] = loops[0]
     emit_json(result, args.json)
     return 0
@@ -173,10 +210,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=64, help="concurrent running requests")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs per policy, interleaved; percentiles pool every run's iterations "
-                        "(this shared machine drifts by ±0.3 ms between runs)")
-    p.add_argument("--event-loops", default="uvloop",
-                   help="comma-separated: uvloop (what the services run) and/or asyncio; "
-                        "the first one's figures are the headline")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per policy, interleaved; percentiles pool every run's iterations "
+        "(this shared machine drifts by ±0.3 ms between runs)",
+    )
+    p.add_argument(
+        "--event-loops",
+        default="uvloop",
+        help="comma-separated: uvloop (what the services run) and/or asyncio; "
+        "the first one's figures are the headline",
+    )
     p.set_defaults(func=_run)

@@ -15,6 +15,7 @@ min_p50_ms/min_p99_ms take each step's least-disturbed CPU time over the N runs 
 step costs when no other process competes for the core's caches).
 Target: p99 <= 2 ms for every policy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,15 @@ class _Workload:
 
         rng = self.rng
         self.count += 1
-        return Request(f"r{self.count}", [7] * rng.randint(32, 512), 512, now,
-                       ignore_eos=True, predicted_len=rng.randint(16, 1024),
-                       slo=Slo(ttft_s=rng.choice([None, 1.0, 5.0]),
-                               tbt_s=rng.choice([None, None, 0.1, 0.2])))
+        return Request(
+            f"r{self.count}",
+            [7] * rng.randint(32, 512),
+            512,
+            now,
+            ignore_eos=True,
+            predicted_len=rng.randint(16, 1024),
+            slo=Slo(ttft_s=rng.choice([None, 1.0, 5.0]), tbt_s=rng.choice([None, None, 0.1, 0.2])),
+        )
 
 
 def _step(sched, cost, now: float) -> tuple[float, float, float]:
@@ -61,8 +67,11 @@ def _step(sched, cost, now: float) -> tuple[float, float, float]:
     out = sched.schedule(now)
     t1, c1 = time.perf_counter(), time.thread_time()
     reqs = sched.requests
-    sampled = {rid: (11, -0.1) for rid, n in out.num_scheduled_tokens.items()
-               if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens}
+    sampled = {
+        rid: (11, -0.1)
+        for rid, n in out.num_scheduled_tokens.items()
+        if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens
+    }
     now += max(cost.output_time(out), 1e-4)
     t2 = time.perf_counter()
     if not out.is_empty:
@@ -84,7 +93,7 @@ def _build(policy: str, running: int, seed: int, profile: str):
     work, now = _Workload(seed), 0.0
     for _ in range(running):
         sched.admit(work.request(now))
-    for _ in range(5000):          # until every running request is decoding
+    for _ in range(5000):  # until every running request is decoding
         if all(r.num_uncomputed_tokens == 1 for r in sched.running.values()) and not sched.waiting:
             break
         _, _, now = _step(sched, cost, now)
@@ -102,13 +111,14 @@ def _measure(policy: str, running: int, waiting: int, steps: int, seed: int, pro
         while len(sched.waiting) + len(sched.swapped) < waiting:
             sched.admit(work.request(now))
         s_t, u_t, now = _step(sched, cost, now)
-        if i >= 10:                # warm-up steps are not counted
+        if i >= 10:  # warm-up steps are not counted
             rows.append((s_t[1], s_t[0], u_t, (sched.num_finished, len(sched.running))))
     return rows, sched
 
 
-def bench_policy(policy: str, running: int, waiting: int, steps: int, seed: int,
-                 profile: str, repeats: int = 1) -> dict:
+def bench_policy(
+    policy: str, running: int, waiting: int, steps: int, seed: int, profile: str, repeats: int = 1
+) -> dict:
     runs = [_measure(policy, running, waiting, steps, seed, profile) for _ in range(repeats)]
     if any([r[3] for r in rows] != [r[3] for r in runs[0][0]] for rows, _ in runs):
         raise RuntimeError(f"{policy}: repeated runs diverged; the workload must be deterministic")
@@ -116,12 +126,16 @@ def bench_policy(policy: str, running: int, waiting: int, steps: int, seed: int,
     wall = [r[1] for rows, _ in runs for r in rows]
     update_s = [r[2] for rows, _ in runs for r in rows]
     sched = runs[-1][1]
-    out = {"p50_ms": 1e3 * _percentile(cpu, 0.5), "p99_ms": 1e3 * _percentile(cpu, 0.99),
-           "wall_p50_ms": 1e3 * _percentile(wall, 0.5),
-           "wall_p99_ms": 1e3 * _percentile(wall, 0.99),
-           "update_p50_ms": 1e3 * _percentile(update_s, 0.5),
-           "running": len(sched.running), "waiting": len(sched.waiting) + len(sched.swapped)}
-    if repeats > 1:                # the same step, run `repeats` times: its least-disturbed time
+    out = {
+        "p50_ms": 1e3 * _percentile(cpu, 0.5),
+        "p99_ms": 1e3 * _percentile(cpu, 0.99),
+        "wall_p50_ms": 1e3 * _percentile(wall, 0.5),
+        "wall_p99_ms": 1e3 * _percentile(wall, 0.99),
+        "update_p50_ms": 1e3 * _percentile(update_s, 0.5),
+        "running": len(sched.running),
+        "waiting": len(sched.waiting) + len(sched.swapped),
+    }
+    if repeats > 1:  # the same step, run `repeats` times: its least-disturbed time
         least = [min(r[0] for r in step) for step in zip(*(rows for rows, _ in runs))]
         out["min_p50_ms"] = 1e3 * _percentile(least, 0.5)
         out["min_p99_ms"] = 1e3 * _percentile(least, 0.99)
@@ -132,12 +146,20 @@ def _run(args: argparse.Namespace) -> int:
     from services.scheduler.core.policies import available_policies
 
     names = args.policies.split(",") if args.policies else available_policies()
-    result = {"policies": {}, "config": {"running": args.running, "waiting": args.waiting,
-                                         "steps": args.steps, "profile": args.profile,
-                                         "repeats": args.repeats}}
+    result = {
+        "policies": {},
+        "config": {
+            "running": args.running,
+            "waiting": args.waiting,
+            "steps": args.steps,
+            "profile": args.profile,
+            "repeats": args.repeats,
+        },
+    }
     for name in names:
-        result["policies"][name] = bench_policy(name, args.running, args.waiting, args.steps,
-                                                args.seed, args.profile, args.repeats)
+        result["policies"][name] = bench_policy(
+            name, args.running, args.waiting, args.steps, args.seed, args.profile, args.repeats
+        )
         print(name, json.dumps(result["policies"][name]), flush=True)
     emit_json(result, args.json)
     return 0
@@ -152,7 +174,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="", help="comma-separated (default: all)")
     p.add_argument("--profile", default="a100-80g/llama-2-7b", help="roofline cost profile")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run each policy's deterministic workload N times: p50/p99 pool all "
-                        "calls; min_p50_ms/min_p99_ms use each step's least-disturbed time")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each policy's deterministic workload N times: p50/p99 pool all "
+        "calls; min_p50_ms/min_p99_ms use each step's least-disturbed time",
+    )
     p.set_defaults(func=_run)

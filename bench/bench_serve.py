@@ -2,6 +2,7 @@
 conventions), and `alise bench sweep --live`: the same across policies and rates, each
 policy on a freshly started stack, with the simulator sweep's results.json schema and plots.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,17 @@ from services.workload.report import emit_json
 LIVE_POLICIES = ("fcfs", "sarathi", "alise", "accelgen", "hybrid")
 
 
-def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: float,
-               slo: str | None, seed: int, max_prompt: int, max_output: int):
+def live_trace(
+    workload: str,
+    n: int,
+    rate: float,
+    arrival: str,
+    burstiness: float,
+    slo: str | None,
+    seed: int,
+    max_prompt: int,
+    max_output: int,
+):
     """The trace with prompts <= max_prompt tokens and outputs capped at max_output."""
     from dataclasses import replace
 
@@ -35,10 +45,15 @@ def live_trace(workload: str, n: int, rate: float, arrival: str, burstiness: flo
     # Re-draw arrivals for exactly these n requests so the rate is the one asked for.
     from services.workload.traces.arrivals import make_arrivals
 
-    times = make_arrivals(n, arrival, rate, burstiness, seed) if arrival != "trace" \
+    times = (
+        make_arrivals(n, arrival, rate, burstiness, seed)
+        if arrival != "trace"
         else [i.arrival_s - first for i in items]
-    return [replace(i, arrival_s=t, output_len=min(i.output_len, max_output))
-            for i, t in zip(items, times)]
+    )
+    return [
+        replace(i, arrival_s=t, output_len=min(i.output_len, max_output))
+        for i, t in zip(items, times)
+    ]
 
 
 def request_details(results) -> list[dict]:
@@ -53,17 +68,25 @@ def request_details(results) -> list[dict]:
     for item in results:
         r = item.record
         gaps = metrics.tbts(r)
-        rows.append({
-            "request_id": r.request_id, "arrival_s": round(r.arrival_s, 4),
-            "prompt_len": r.prompt_len, "output_len": r.output_len,
-            "ttft_s": rounded(metrics.ttft(r)), "e2e_s": rounded(metrics.e2e(r)),
-            "normalized_latency": rounded(metrics.normalized_latency(r)),
-            "max_tbt_s": rounded(max(gaps)) if gaps else None, "error": item.error})
+        rows.append(
+            {
+                "request_id": r.request_id,
+                "arrival_s": round(r.arrival_s, 4),
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                "ttft_s": rounded(metrics.ttft(r)),
+                "e2e_s": rounded(metrics.e2e(r)),
+                "normalized_latency": rounded(metrics.normalized_latency(r)),
+                "max_tbt_s": rounded(max(gaps)) if gaps else None,
+                "error": item.error,
+            }
+        )
     return rows
 
 
-def run_point(url: str, items, ignore_eos: bool, max_concurrency: int | None,
-              detailed: bool = False) -> dict:
+def run_point(
+    url: str, items, ignore_eos: bool, max_concurrency: int | None, detailed: bool = False
+) -> dict:
     from tqdm import tqdm
 
     from bench.live import run_trace, served_model
@@ -80,10 +103,20 @@ def run_point(url: str, items, ignore_eos: bool, max_concurrency: int | None,
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
-    items = live_trace(args.dataset, args.num_prompts, args.request_rate, args.arrival,
-                       args.burstiness, args.slo, args.seed, args.max_prompt, args.max_tokens)
-    summary = run_point(args.url, items, not args.no_ignore_eos, args.max_concurrency,
-                        args.save_detailed)
+    items = live_trace(
+        args.dataset,
+        args.num_prompts,
+        args.request_rate,
+        args.arrival,
+        args.burstiness,
+        args.slo,
+        args.seed,
+        args.max_prompt,
+        args.max_tokens,
+    )
+    summary = run_point(
+        args.url, items, not args.no_ignore_eos, args.max_concurrency, args.save_detailed
+    )
     summary.update(rate=args.request_rate, dataset=args.dataset)
     emit_json(summary, args.json)
     return 0 if summary["num_errors"] == 0 else 1
@@ -92,21 +125,29 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 class LiveStack:
     """`alise serve --policy P` on free ports, for one policy of a live sweep."""
 
-    def __init__(self, policy: str, log_dir: Path, policy_config: str = "{}",
-                 step_trace: bool = False) -> None:
+    def __init__(
+        self, policy: str, log_dir: Path, policy_config: str = "{}", step_trace: bool = False
+    ) -> None:
         from services.common.redis_runner import free_port
 
         self.port = free_port()
         self.policy = policy
         self.log = open(log_dir / f"serve-{policy}.log", "w")  # noqa: SIM115 - closed by stop()
-        env = {**os.environ, "ALISE_GATEWAY_PORT": str(self.port),
-               "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"), "PYTHONUNBUFFERED": "1",
-               "ALISE_POLICY_CONFIG": policy_config}
+        env = {
+            **os.environ,
+            "ALISE_GATEWAY_PORT": str(self.port),
+            "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"),
+            "PYTHONUNBUFFERED": "1",
+            "ALISE_POLICY_CONFIG": policy_config,
+        }
         if step_trace:
             env["ALISE_STEP_TRACE"] = str(log_dir / f"run-{policy}" / "steps.jsonl")
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve",
-                                      "--policy", policy], env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", "--policy", policy],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.log_path = log_dir / f"serve-{policy}.log"
 
     @property
@@ -162,19 +203,45 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
         try:
             stack.wait_ready()
             for rate in [float(r) for r in args.rates.split(",")]:
-                items = live_trace(args.dataset, args.num_prompts, rate, args.arrival,
-                                   args.burstiness, args.slo, args.seed, args.max_prompt,
-                                   args.max_tokens)
-                summary = run_point(stack.url, items, True, args.max_concurrency,
-                                    args.save_detailed)
+                items = live_trace(
+                    args.dataset,
+                    args.num_prompts,
+                    rate,
+                    args.arrival,
+                    args.burstiness,
+                    args.slo,
+                    args.seed,
+                    args.max_prompt,
+                    args.max_tokens,
+                )
+                summary = run_point(
+                    stack.url, items, True, args.max_concurrency, args.save_detailed
+                )
                 points.append({"policy": policy, "rate": rate, **summary})
-                print(json.dumps({k: points[-1].get(k) for k in (
-                    "policy", "rate", "mean_normalized_latency", "p99_tbt", "median_ttft",
-                    "num_errors")}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            k: points[-1].get(k)
+                            for k in (
+                                "policy",
+                                "rate",
+                                "mean_normalized_latency",
+                                "p99_tbt",
+                                "median_ttft",
+                                "num_errors",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
         finally:
             stack.stop()
-    results = {"points": points, "capacity": {}, "live": True,
-               "config": {k: v for k, v in vars(args).items() if k != "func"}}
+    results = {
+        "points": points,
+        "capacity": {},
+        "live": True,
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+    }
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     plot_results(results, out)
     print(f"wrote {out / 'results.json'} and plots")
@@ -182,21 +249,31 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
 
 
 def _trace_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="sharegpt:split=test",
-                        help="workload spec: sharegpt[:split=test], mixed, csv:PATH, jsonl:PATH")
+    parser.add_argument(
+        "--dataset",
+        default="sharegpt:split=test",
+        help="workload spec: sharegpt[:split=test], mixed, csv:PATH, jsonl:PATH",
+    )
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--arrival", default="poisson", help="poisson | gamma | uniform | trace")
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--slo", default=None, help="SLO scheme spec (none, uniform:tbt=..)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt", type=int, default=512, help="drop longer prompts")
-    parser.add_argument("--max-tokens", type=int, default=128,
-                        help="max_tokens = reference output length capped at this")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="max_tokens = reference output length capped at this",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--save-detailed", action="store_true",
-                        help="also record every request's TTFT, E2E, normalized latency and "
-                             "longest gap in the JSON (key `requests`); a live sweep also "
-                             "writes each scheduler's step trace (run-POLICY/steps.jsonl)")
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also record every request's TTFT, E2E, normalized latency and "
+        "longest gap in the JSON (key `requests`); a live sweep also "
+        "writes each scheduler's step trace (run-POLICY/steps.jsonl)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -212,8 +289,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--policies", default=",".join(LIVE_POLICIES))
     sweep.add_argument("--rates", default="0.5,2")
     sweep.add_argument("--out", default="results/live")
-    sweep.add_argument("--policy-config", action="append", metavar="POLICY=JSON",
-                       help="knobs for one policy's scheduler (repeatable), e.g. "
-                            "hybrid='{\"token_budget\": 128}'")
+    sweep.add_argument(
+        "--policy-config",
+        action="append",
+        metavar="POLICY=JSON",
+        help="knobs for one policy's scheduler (repeatable), e.g. hybrid='{\"token_budget\": 128}'",
+    )
     _trace_args(sweep)
     sweep.set_defaults(func=_sweep_cmd)

@@ -2,6 +2,7 @@
 `register(subparsers)`; this group lists whichever exist. Every benchmark prints JSON figures
 and writes them to `--json FILE`.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -6,6 +6,7 @@ streaming chat completion with `max_tokens` = its output length and `ignore_eos`
 policy does the same work. The client records the time of every streamed chunk; the usage
 chunk gives the exact token counts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,28 +29,47 @@ class LiveResult:
 
 
 def _body(item: TraceItem, model: str, ignore_eos: bool) -> dict:
-    body = {"model": model, "stream": True, "max_tokens": item.output_len,
-            "temperature": 0.0, "ignore_eos": ignore_eos,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": item.prompt or "Hello"}]}
-    slo = {k: v * 1000 for k, v in (("ttft_ms", item.slo.ttft_s), ("tbt_ms", item.slo.tbt_s),
-                                    ("deadline_ms", item.slo.deadline_s)) if v is not None}
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": item.output_len,
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": item.prompt or "Hello"}],
+    }
+    slo = {
+        k: v * 1000
+        for k, v in (
+            ("ttft_ms", item.slo.ttft_s),
+            ("tbt_ms", item.slo.tbt_s),
+            ("deadline_ms", item.slo.deadline_s),
+        )
+        if v is not None
+    }
     if slo:
         body["slo"] = slo
     return body
 
 
-async def _one(client: httpx.AsyncClient, url: str, item: TraceItem, model: str,
-               ignore_eos: bool, t0: float) -> LiveResult:
+async def _one(
+    client: httpx.AsyncClient, url: str, item: TraceItem, model: str, ignore_eos: bool, t0: float
+) -> LiveResult:
     """Send one request; times are seconds since the benchmark's t0."""
     arrival = time.perf_counter() - t0
-    record = RequestRecord(item.request_id, arrival, item.prompt_len,
-                           slo_ttft_s=item.slo.ttft_s, slo_tbt_s=item.slo.tbt_s,
-                           slo_deadline_s=item.slo.deadline_s)
+    record = RequestRecord(
+        item.request_id,
+        arrival,
+        item.prompt_len,
+        slo_ttft_s=item.slo.ttft_s,
+        slo_tbt_s=item.slo.tbt_s,
+        slo_deadline_s=item.slo.deadline_s,
+    )
     text, usage, error = [], None, None
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions",
-                                 json=_body(item, model, ignore_eos)) as response:
+        async with client.stream(
+            "POST", f"{url}/v1/chat/completions", json=_body(item, model, ignore_eos)
+        ) as response:
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
             else:
@@ -84,18 +104,27 @@ def _pad_token_times(record: RequestRecord, tokens: int) -> None:
         record.token_times.extend([record.token_times[-1]] * missing)
 
 
-async def run_trace(url: str, items: list[TraceItem], model: str, ignore_eos: bool = True,
-                    max_concurrency: int | None = None, progress=None,
-                    timeout_s: float = 1800.0) -> list[LiveResult]:
+async def run_trace(
+    url: str,
+    items: list[TraceItem],
+    model: str,
+    ignore_eos: bool = True,
+    max_concurrency: int | None = None,
+    progress=None,
+    timeout_s: float = 1800.0,
+) -> list[LiveResult]:
     """Replay the trace in real time; returns one result per item, in trace order."""
     # keep idle connections for less than the server's keep-alive (uvicorn: 5 s): at equal
     # timeouts a request can go out on a connection the server is closing (httpx ReadError)
-    limits = httpx.Limits(max_connections=max_concurrency or 10_000,
-                          max_keepalive_connections=max_concurrency or 10_000,
-                          keepalive_expiry=2.0)
+    limits = httpx.Limits(
+        max_connections=max_concurrency or 10_000,
+        max_keepalive_connections=max_concurrency or 10_000,
+        keepalive_expiry=2.0,
+    )
     semaphore = asyncio.Semaphore(max_concurrency or len(items) or 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits
+    ) as client:
         t0 = time.perf_counter()
 
         async def scheduled(item: TraceItem) -> LiveResult:

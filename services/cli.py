@@ -5,6 +5,7 @@ Each command group lives beside the code it drives, in a module with a
 parsed args). Heavy imports (torch, transformers) stay inside those functions so that
 `alise --help` is instant. A group whose module does not exist yet is simply not listed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,14 +16,14 @@ import sys
 
 # (module, registers) in the order `alise --help` lists them.
 COMMAND_MODULES = (
-    "services.launcher.cli",      # alise serve
-    "services.gateway.cli",       # alise gateway ...
-    "services.scheduler.cli",     # alise scheduler ...
-    "services.executor.cli",      # alise executor ...
-    "services.predictor.cli",     # alise predictor ...
+    "services.launcher.cli",  # alise serve
+    "services.gateway.cli",  # alise gateway ...
+    "services.scheduler.cli",  # alise scheduler ...
+    "services.executor.cli",  # alise executor ...
+    "services.predictor.cli",  # alise predictor ...
     "services.scheduler.sim_cli",  # alise sim ...
-    "bench.cli",                  # alise bench ...
-    "services.common.cli",        # alise proto, alise config
+    "bench.cli",  # alise bench ...
+    "services.common.cli",  # alise proto, alise config
 )
 
 
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="alise",
         description="ALISE: speculative, SLO-aware LLM serving (gateway, predictor, "
-                    "scheduler, executors).")
+        "scheduler, executors).",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         if _available(name):

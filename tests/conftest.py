@@ -1,4 +1,5 @@
 """Shared fixtures: a real embedded Redis server, free ports."""
+
 from __future__ import annotations
 
 import os

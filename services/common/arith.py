@@ -1,4 +1,5 @@
 """Small integer helpers shared by the core, the executor and the benchmarks."""
+
 from __future__ import annotations
 
 

@@ -1,5 +1,6 @@
 """`alise proto` (regenerate stubs), `alise config` (every setting, or every policy knob, with
 its default) and `alise health`."""
+
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     proto.set_defaults(func=_proto)
     config = subparsers.add_parser("config", help="list every ALISE_* setting and its default")
     config.add_argument("--markdown", action="store_true", help="as a Markdown table")
-    config.add_argument("--policies", action="store_true",
-                        help="list each scheduling policy's knobs and defaults instead")
+    config.add_argument(
+        "--policies",
+        action="store_true",
+        help="list each scheduling policy's knobs and defaults instead",
+    )
     config.set_defaults(func=_config)

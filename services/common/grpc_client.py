@@ -22,6 +22,7 @@ field: grpcio applies that one about 1-1.5 s early (grpc/grpc#34547, #40633; mea
 with 1.85: a 2 s config timeout expired after 0.5-0.7 s, 0.3 s and 1 s ones at once).
 Streaming calls get no default (a Generate stream lives as long as its request).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ def split_host_port(address: str) -> tuple[str, int]:
         port = rest[1:] if rest.startswith(":") else ""
     else:
         host, _, port = address.rpartition(":")
-        if ":" in host:   # a bare IPv6 literal: its port is ambiguous without brackets
+        if ":" in host:  # a bare IPv6 literal: its port is ambiguous without brackets
             host = ""
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected host:port or [ipv6]:port, got {address!r}")
@@ -90,11 +91,11 @@ def _static_target(addresses: Sequence[str]) -> str:
         try:
             resolved.append((address, *_resolve(address)))
         except OSError as exc:
-            log.warning("gRPC address %s does not resolve (%s); left out of the channel",
-                        address, exc)
+            log.warning(
+                "gRPC address %s does not resolve (%s); left out of the channel", address, exc
+            )
     if not resolved:
-        log.warning("no gRPC address of %s resolves; using %s alone", list(addresses),
-                    addresses[0])
+        log.warning("no gRPC address of %s resolves; using %s alone", list(addresses), addresses[0])
         return f"dns:///{addresses[0]}"
     with_v4 = [r for r in resolved if r[1]]
     with_v6 = [r for r in resolved if r[2]]
@@ -104,8 +105,9 @@ def _static_target(addresses: Sequence[str]) -> str:
         scheme, chosen, literals = "ipv6:", with_v6, [lit for r in with_v6 for lit in r[2]]
     for address, *_ in resolved:
         if all(address != c[0] for c in chosen):
-            log.warning("gRPC address %s has no %s address; left out of the channel",
-                        address, scheme[:-1])
+            log.warning(
+                "gRPC address %s has no %s address; left out of the channel", address, scheme[:-1]
+            )
     return scheme + ",".join(dict.fromkeys(literals))
 
 
@@ -127,16 +129,18 @@ def service_config(idempotent_services: Sequence[str] = (), max_attempts: int = 
     """Round-robin balancing, plus retries on UNAVAILABLE for the named (idempotent) services."""
     config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
     if idempotent_services:
-        config["methodConfig"] = [{
-            "name": [{"service": s} for s in idempotent_services],
-            "retryPolicy": {
-                "maxAttempts": max_attempts,
-                "initialBackoff": "0.05s",
-                "maxBackoff": "1s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }]
+        config["methodConfig"] = [
+            {
+                "name": [{"service": s} for s in idempotent_services],
+                "retryPolicy": {
+                    "maxAttempts": max_attempts,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
     return json.dumps(config)
 
 
@@ -144,8 +148,9 @@ def _method_prefixes(services: Sequence[str]) -> tuple[str, ...]:
     return tuple(f"/{s}/" for s in services)
 
 
-def _needs_default(details: grpc.ClientCallDetails | grpc.aio.ClientCallDetails,
-                   prefixes: tuple[str, ...]) -> bool:
+def _needs_default(
+    details: grpc.ClientCallDetails | grpc.aio.ClientCallDetails, prefixes: tuple[str, ...]
+) -> bool:
     method: str | bytes = details.method
     if isinstance(method, bytes):
         method = method.decode()
@@ -162,20 +167,25 @@ class _AioDefaultTimeout(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[
         self.timeout_s = timeout_s
 
     async def intercept_unary_unary(
-            self,
-            continuation: Callable[[grpc.aio.ClientCallDetails, _Req],
-                                   Awaitable[grpc.aio.UnaryUnaryCall[_Req, _Resp]]],
-            client_call_details: grpc.aio.ClientCallDetails,
-            request: _Req) -> grpc.aio.UnaryUnaryCall[_Req, _Resp]:
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, _Req], Awaitable[grpc.aio.UnaryUnaryCall[_Req, _Resp]]
+        ],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: _Req,
+    ) -> grpc.aio.UnaryUnaryCall[_Req, _Resp]:
         if _needs_default(client_call_details, self.prefixes):
             client_call_details = client_call_details._replace(timeout=self.timeout_s)
         return await continuation(client_call_details, request)
 
 
 class _CallDetails(
-        namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
-                                    "wait_for_ready", "compression")),
-        grpc.ClientCallDetails):  # type: ignore[misc]
+    namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):  # type: ignore[misc]
     pass
 
 
@@ -187,18 +197,27 @@ class _SyncDefaultTimeout(grpc.UnaryUnaryClientInterceptor):  # type: ignore[mis
         self.timeout_s = timeout_s
 
     def intercept_unary_unary(
-            self, continuation: Callable[[grpc.ClientCallDetails, _Req], grpc.Future],
-            client_call_details: grpc.ClientCallDetails, request: _Req) -> grpc.Future:
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, _Req], grpc.Future],
+        client_call_details: grpc.ClientCallDetails,
+        request: _Req,
+    ) -> grpc.Future:
         if _needs_default(client_call_details, self.prefixes):
             d = client_call_details
             client_call_details = _CallDetails(
-                d.method, self.timeout_s, d.metadata, d.credentials,
-                getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+                d.method,
+                self.timeout_s,
+                d.metadata,
+                d.credentials,
+                getattr(d, "wait_for_ready", None),
+                getattr(d, "compression", None),
+            )
         return continuation(client_call_details, request)
 
 
-def _target_and_options(addresses: Sequence[str] | str,
-                        idempotent_services: Sequence[str]) -> tuple[str, ChannelOptions]:
+def _target_and_options(
+    addresses: Sequence[str] | str, idempotent_services: Sequence[str]
+) -> tuple[str, ChannelOptions]:
     if isinstance(addresses, str):
         addresses = [addresses]
     config = service_config(idempotent_services)
@@ -210,31 +229,40 @@ def _check_timeout(timeout_s: float | None) -> None:
         raise ValueError(f"timeout_s must be > 0 seconds or None, got {timeout_s}")
 
 
-def aio_channel(addresses: Sequence[str] | str, idempotent_services: Sequence[str] = (),
-                timeout_s: float | None = DEFAULT_TIMEOUT_S) -> grpc.aio.Channel:
+def aio_channel(
+    addresses: Sequence[str] | str,
+    idempotent_services: Sequence[str] = (),
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> grpc.aio.Channel:
     """A channel over `addresses`; the named services' unary calls are retried on UNAVAILABLE
     and get `timeout_s` when they set no deadline (None = no default)."""
     _check_timeout(timeout_s)
     target, options = _target_and_options(addresses, idempotent_services)
-    interceptors = ([_AioDefaultTimeout(idempotent_services, timeout_s)]
-                    if idempotent_services and timeout_s is not None else None)
+    interceptors = (
+        [_AioDefaultTimeout(idempotent_services, timeout_s)]
+        if idempotent_services and timeout_s is not None
+        else None
+    )
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
-def sync_channel(addresses: Sequence[str] | str, idempotent_services: Sequence[str] = (),
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> grpc.Channel:
+def sync_channel(
+    addresses: Sequence[str] | str,
+    idempotent_services: Sequence[str] = (),
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> grpc.Channel:
     """The blocking twin of `aio_channel`."""
     _check_timeout(timeout_s)
     target, options = _target_and_options(addresses, idempotent_services)
     channel = grpc.insecure_channel(target, options=options)
     if idempotent_services and timeout_s is not None:
-        channel = grpc.intercept_channel(channel,
-                                         _SyncDefaultTimeout(idempotent_services, timeout_s))
+        channel = grpc.intercept_channel(
+            channel, _SyncDefaultTimeout(idempotent_services, timeout_s)
+        )
     return channel
 
 
-async def check_health(channel: grpc.aio.Channel, service: str = "",
-                       timeout: float = 2.0) -> bool:
+async def check_health(channel: grpc.aio.Channel, service: str = "", timeout: float = 2.0) -> bool:
     """True when the server reports SERVING for `service` ("" = the whole server)."""
     stub = health_pb2_grpc.HealthStub(channel)
     try:

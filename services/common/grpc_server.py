@@ -4,6 +4,7 @@ Servicers raise plain exceptions; `ErrorMappingInterceptor` turns each into a st
 one place (ServiceError carries its own code; ValueError -> INVALID_ARGUMENT; LookupError ->
 NOT_FOUND; TimeoutError -> DEADLINE_EXCEEDED; anything else -> INTERNAL, logged).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,14 +68,16 @@ _StreamHandler = Callable[[object, grpc.aio.ServicerContext], AsyncIterator[obje
 
 def _mapped_stream(inner: _StreamHandler, method: str) -> _StreamHandler:
     """A streaming handler (unary_stream or stream_stream) whose exceptions become statuses."""
-    async def handler(request_or_iterator: object,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+
+    async def handler(
+        request_or_iterator: object, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[object]:
         try:
             async for item in inner(request_or_iterator, context):
                 yield item
         except _PASSTHROUGH:
             raise
-        except Exception as exc:  # noqa: BLE001 - mapped to a status here
+        except Exception as exc:
             await _abort(context, method, exc)
 
     return handler
@@ -83,10 +86,10 @@ def _mapped_stream(inner: _StreamHandler, method: str) -> _StreamHandler:
 # grpc is untyped for mypy here (pyproject override): its classes are Any.
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def intercept_service(
-            self,
-            continuation: Callable[[grpc.HandlerCallDetails],
-                                   Awaitable[grpc.RpcMethodHandler | None]],
-            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -99,9 +102,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     return await inner(request, context)
                 except _PASSTHROUGH:
                     raise
-                except Exception as exc:  # noqa: BLE001 - mapped to a status here
+                except Exception as exc:
                     await _abort(context, method, exc)
-                return None   # not reached: abort() raises
+                return None  # not reached: abort() raises
 
             return handler._replace(unary_unary=unary_unary)
         if handler.unary_stream:
@@ -146,8 +149,9 @@ async def start_server(
     `registrations` holds (add_XServicer_to_server, servicer, full service name) triples.
     Health is SERVING for every service once started; reflection lists them all.
     """
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *interceptors],
-                             options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor(), *interceptors], options=SERVER_OPTIONS
+    )
     names: list[str] = []
     for add, servicer, name in registrations:
         add(servicer, server)
@@ -155,13 +159,13 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind gRPC server to {address}")
     await server.start()
     grpc_server = GrpcServer(server, health_servicer, port, tuple(names))
     await grpc_server.set_serving(True)
-    log.info("gRPC server listening", extra={"address": address, "port": port,
-                                             "services": names})
+    log.info("gRPC server listening", extra={"address": address, "port": port, "services": names})
     return grpc_server

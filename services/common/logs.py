@@ -3,6 +3,7 @@
 `json` format writes one object per line (time, level, service, logger, message, and any
 `extra={...}` fields); `text` format is for humans. Use `logging.getLogger(__name__)` as usual.
 """
+
 from __future__ import annotations
 
 import json

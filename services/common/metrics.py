@@ -3,6 +3,7 @@
 Names follow vLLM's where one exists, under the `alise:` prefix
 (e.g. `alise:time_to_first_token_seconds`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,8 +21,32 @@ from prometheus_client import (
 PREFIX = "alise:"
 
 # Bucket sets in seconds, log-spaced for latencies from sub-millisecond to minutes.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                   0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -37,8 +62,13 @@ class Metrics:
     def gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(PREFIX + name, doc, labels, registry=self.registry)
 
-    def histogram(self, name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS,
-                  labels: tuple[str, ...] = ()) -> Histogram:
+    def histogram(
+        self,
+        name: str,
+        doc: str,
+        buckets: Sequence[float] = LATENCY_BUCKETS,
+        labels: tuple[str, ...] = (),
+    ) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
     def render(self) -> bytes:

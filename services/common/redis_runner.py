@@ -4,6 +4,7 @@ Used when no `ALISE_REDIS_URL` is given. The server listens on loopback (a free 
 one is given) with its data directory, append-only persistence and no other configuration
 file, and is stopped cleanly (SHUTDOWN SAVE, then SIGTERM, then SIGKILL as a last resort).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,15 +56,28 @@ class EmbeddedRedis:
             self.port = free_port(self.host)
         args = [
             str(redis_server_binary()),
-            "--bind", self.host, "--port", str(self.port),
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes", "--appendfsync", "everysec",
-            "--save", "",
-            "--daemonize", "no", "--protected-mode", "yes",
-            "--logfile", str(self.data_dir / "redis.log"),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
-        process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         self.process = process
         self._wait_ready(process, timeout)
         log.info("embedded redis started", extra={"url": self.url, "pid": process.pid})
@@ -75,10 +89,11 @@ class EmbeddedRedis:
         try:
             while time.monotonic() < deadline:
                 if process.poll() is not None:
-                    err = process.stderr.read().decode(errors="replace") if \
-                        process.stderr else ""
-                    raise RuntimeError(f"redis-server exited early ({process.returncode}): "
-                                       f"{err or (self.data_dir / 'redis.log')}")
+                    err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                    raise RuntimeError(
+                        f"redis-server exited early ({process.returncode}): "
+                        f"{err or (self.data_dir / 'redis.log')}"
+                    )
                 try:
                     if client.ping():
                         return
@@ -95,8 +110,9 @@ class EmbeddedRedis:
             return
         try:
             # No retries: the server closing the connection is the expected answer.
-            client = redis.Redis(host=self.host, port=self.port, socket_timeout=2,
-                                 retry=Retry(NoBackoff(), 0))
+            client = redis.Redis(
+                host=self.host, port=self.port, socket_timeout=2, retry=Retry(NoBackoff(), 0)
+            )
             client.shutdown(save=False, nosave=False)  # flushes the append-only file
         except redis.RedisError:
             proc.terminate()

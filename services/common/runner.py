@@ -1,4 +1,5 @@
 """Run one gRPC service in the foreground until SIGINT/SIGTERM (the `... serve` commands)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,7 @@ Pure (standard library only): the scheduling core carries it on each request. Th
 conversion lives in `services.common.sampling_pb`, so importing this module pulls in no
 protobuf.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -16,13 +17,14 @@ class SamplingParams:
     """temperature 0 = greedy; top_p 1 = disabled (0, the proto's unset value, means disabled
     too and is stored as 1.0); top_k 0 = disabled; seed None = unseeded. Out-of-range values
     raise ValueError naming the field."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:            # `not >=` also refuses NaN
+        if not self.temperature >= 0:  # `not >=` also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 <= self.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")

@@ -1,4 +1,5 @@
 """`SamplingParams` <-> proto `common.SamplingParams`: the one conversion each way."""
+
 from __future__ import annotations
 
 from services.common.pb import common_pb2
@@ -6,8 +7,9 @@ from services.common.sampling import SamplingParams
 
 
 def to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                   top_k=params.top_k)
+    pb = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k
+    )
     if params.seed is not None:
         pb.seed = params.seed
     return pb
@@ -15,5 +17,9 @@ def to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError on an out-of-range field (see `SamplingParams`)."""
-    return SamplingParams(temperature=pb.temperature, top_p=pb.top_p, top_k=pb.top_k,
-                          seed=pb.seed if pb.HasField("seed") else None)
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_p=pb.top_p,
+        top_k=pb.top_k,
+        seed=pb.seed if pb.HasField("seed") else None,
+    )

@@ -5,6 +5,7 @@ shared on purpose (same name = same variable = same meaning, e.g. `redis_url`), 
 configuration is one flat namespace of `ALISE_<FIELD>` variables. Lists accept either JSON or
 a comma-separated string (`ALISE_API_KEYS=key1,key2`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,22 +37,28 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ALISE_", extra="ignore", validate_default=True)
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Log level of every service.")
+        "INFO", description="Log level of every service."
+    )
     log_format: Literal["json", "text"] = Field(
-        "text", description="`json`: one JSON object per line; `text`: human-readable.")
+        "text", description="`json`: one JSON object per line; `text`: human-readable."
+    )
     data_dir: Path = Field(
-        DEFAULT_DATA_DIR, description="Where caches, the embedded stores and run logs live.")
+        DEFAULT_DATA_DIR, description="Where caches, the embedded stores and run logs live."
+    )
     model: str = Field(
         "smollm2-135m-instruct",
         description="Served model: `smollm2-135m-instruct` (bundled GGUF), a local Hugging "
-                    "Face directory, or a .gguf file.")
+        "Face directory, or a .gguf file.",
+    )
     metrics_port: int = Field(
-        0, ge=0, le=65535, description="Prometheus HTTP port of a gRPC service (0 = none).")
+        0, ge=0, le=65535, description="Prometheus HTTP port of a gRPC service (0 = none)."
+    )
 
 
 class RedisSettings(CommonSettings):
     redis_url: str | None = Field(
-        None, description="Redis server URL; unset = start the embedded redis-server.")
+        None, description="Redis server URL; unset = start the embedded redis-server."
+    )
 
 
 class ExecutorSettings(CommonSettings):
@@ -59,94 +66,136 @@ class ExecutorSettings(CommonSettings):
     executor_port: int = Field(50061, ge=0, le=65535, description="Executor gRPC port.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present.")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="Weight/activation dtype (auto = fp32 on CPU, bf16 on GPU).")
+        "auto", description="Weight/activation dtype (auto = fp32 on CPU, bf16 on GPU)."
+    )
     kv_dtype: Literal["auto", "int8"] = Field("auto", description="KV cache dtype.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    kv_memory_gb: float = Field(
-        1.0, gt=0, description="Device memory for the KV pool (GiB).")
+    kv_memory_gb: float = Field(1.0, gt=0, description="Device memory for the KV pool (GiB).")
     swap_memory_gb: float = Field(1.0, ge=0, description="Host memory for the swap pool (GiB).")
     swap_compress: bool = Field(
-        False, description="Store swapped-out full-precision KV blocks as INT8.")
+        False, description="Store swapped-out full-precision KV blocks as INT8."
+    )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto = triton on CUDA, torch elsewhere.")
+        "auto", description="auto = triton on CUDA, torch elsewhere."
+    )
     max_model_len: int = Field(0, ge=0, description="0 = the model's own maximum.")
     num_threads: int = Field(
-        0, ge=0, description="torch intra-op threads (0 = all cores but one, at least 1).")
+        0, ge=0, description="torch intra-op threads (0 = all cores but one, at least 1)."
+    )
     profile_path: Path | None = Field(
-        None, description="Cost-model profile JSON reported by Describe.")
+        None, description="Cost-model profile JSON reported by Describe."
+    )
 
 
 class PredictorSettings(CommonSettings):
     predictor_host: str = Field("127.0.0.1", description="Predictor gRPC bind address.")
     predictor_port: int = Field(50052, ge=0, le=65535, description="Predictor gRPC port.")
     qdrant_url: str | None = Field(
-        None, description="Qdrant server URL; unset = embedded store under data_dir.")
+        None, description="Qdrant server URL; unset = embedded store under data_dir."
+    )
     qdrant_api_key: str | None = Field(None, description="Qdrant API key (server mode).")
     embedder: str = Field(
         "all-minilm-l6-v2",
-        description="Sentence-transformers model: `all-minilm-l6-v2` (bundled) or a directory.")
+        description="Sentence-transformers model: `all-minilm-l6-v2` (bundled) or a directory.",
+    )
     predictor_top_k: int = Field(
-        2, ge=1, le=256, description="Neighbours searched (k; chosen on a train-split holdout).")
+        2, ge=1, le=256, description="Neighbours searched (k; chosen on a train-split holdout)."
+    )
     predictor_threshold: float = Field(
-        0.9, ge=-1.0, le=1.0,
-        description="Similarity threshold s0 for retrieval (chosen on a train-split holdout).")
+        0.9,
+        ge=-1.0,
+        le=1.0,
+        description="Similarity threshold s0 for retrieval (chosen on a train-split holdout).",
+    )
     predictor_mlp_path: Path | None = Field(
-        None, description="MLP regressor checkpoint (default under data_dir).")
+        None, description="MLP regressor checkpoint (default under data_dir)."
+    )
     predictor_capacity: int = Field(
-        200_000, ge=1, description="Maximum points per model collection.")
+        200_000, ge=1, description="Maximum points per model collection."
+    )
     predictor_merge_similarity: float = Field(
-        0.98, ge=0.0, le=1.0, description="Observations this similar merge into a running mean.")
+        0.98, ge=0.0, le=1.0, description="Observations this similar merge into a running mean."
+    )
     predictor_seed: bool = Field(True, description="Seed an empty store from ShareGPT on start.")
     predictor_store: Literal["edge", "local"] = Field(
-        "edge", description="Embedded store (no qdrant_url): `edge` = Qdrant Edge (HNSW), "
-                            "`local` = qdrant-client local mode (brute force).")
+        "edge",
+        description="Embedded store (no qdrant_url): `edge` = Qdrant Edge (HNSW), "
+        "`local` = qdrant-client local mode (brute force).",
+    )
     predictor_max_prompt_chars: int = Field(
-        100_000, ge=1, description="Prompts longer than this are rejected (INVALID_ARGUMENT).")
+        100_000, ge=1, description="Prompts longer than this are rejected (INVALID_ARGUMENT)."
+    )
     predictor_max_batch: int = Field(
-        256, ge=1, description="Most prompts or observations in one Predict/Observe call.")
+        256, ge=1, description="Most prompts or observations in one Predict/Observe call."
+    )
     predictor_embed_tokens: int = Field(
-        80, ge=16, le=512, description="Word pieces of each prompt the embedder reads (its "
-                                       "head: 80 keeps a prediction under 20 ms on one core).")
+        80,
+        ge=16,
+        le=512,
+        description="Word pieces of each prompt the embedder reads (its "
+        "head: 80 keeps a prediction under 20 ms on one core).",
+    )
     predictor_quantize: bool = Field(
-        True, description="INT8 dynamic quantization of the embedder's Linear layers (CPU).")
+        True, description="INT8 dynamic quantization of the embedder's Linear layers (CPU)."
+    )
     predictor_threads: int = Field(
-        1, ge=0, description="torch threads of the predictor (0 = torch default); 1 keeps "
-                             "latency steady on a host shared with executors.")
+        1,
+        ge=0,
+        description="torch threads of the predictor (0 = torch default); 1 keeps "
+        "latency steady on a host shared with executors.",
+    )
     predictor_models: StrList = Field(
         default_factory=list,
-        description="Model ids Predict/Observe accept (empty = the id of the model setting).")
+        description="Model ids Predict/Observe accept (empty = the id of the model setting).",
+    )
 
 
 class SchedulerSettings(RedisSettings):
     scheduler_host: str = Field("127.0.0.1", description="Scheduler gRPC bind address.")
     scheduler_port: int = Field(50051, ge=0, le=65535, description="Scheduler gRPC port.")
     executors: StrList = Field(
-        default_factory=lambda: ["127.0.0.1:50061"], description="Executor addresses.")
+        default_factory=lambda: ["127.0.0.1:50061"], description="Executor addresses."
+    )
     policy: str = Field("hybrid", description="Scheduling policy name.")
     policy_config: str = Field(
-        "{}", description="JSON object of policy knobs (see the README's policy table).")
+        "{}", description="JSON object of policy knobs (see the README's policy table)."
+    )
     max_waiting_requests: int = Field(
-        4096, ge=1, description="Waiting requests beyond which Generate is refused.")
+        4096, ge=1, description="Waiting requests beyond which Generate is refused."
+    )
     max_waiting_tokens: int = Field(
-        4_000_000, ge=1, description="Waiting prompt tokens beyond which Generate is refused.")
+        4_000_000, ge=1, description="Waiting prompt tokens beyond which Generate is refused."
+    )
     retention_s: float = Field(
-        300.0, ge=0, description="How long finished requests stay in Redis after streaming.")
+        300.0, ge=0, description="How long finished requests stay in Redis after streaming."
+    )
     step_timeout_s: float = Field(60.0, gt=0, description="A Step slower than this fails.")
     step_spin_ms: float = Field(
-        3.0, ge=0, description="Hybrid polling: the executor loop stays awake for the last this "
-                               "many ms of a Step's expected time (0 = off).")
+        3.0,
+        ge=0,
+        description="Hybrid polling: the executor loop stays awake for the last this "
+        "many ms of a Step's expected time (0 = off).",
+    )
     executor_grace_s: float = Field(
-        30.0, ge=0, description="With no executor up, requests fail after this long.")
+        30.0, ge=0, description="With no executor up, requests fail after this long."
+    )
     step_trace: Path | None = Field(
-        None, description="Append one JSON line per executed Step (batch shape, cost-model "
-                          "estimate, executor and round-trip time) to this file; unset = off.")
+        None,
+        description="Append one JSON line per executed Step (batch shape, cost-model "
+        "estimate, executor and round-trip time) to this file; unset = off.",
+    )
     health_poll_s: float = Field(
-        0.5, gt=0, description="How often a down executor is polled (Describe) to bring it back.")
+        0.5, gt=0, description="How often a down executor is polled (Describe) to bring it back."
+    )
     redis_namespace: str = Field(
-        "alise", min_length=1, description="Prefix of every scheduler key in Redis.")
+        "alise", min_length=1, description="Prefix of every scheduler key in Redis."
+    )
     request_max_failures: int = Field(
-        3, ge=1, description="Executor failures one request survives (recomputed each time) "
-                             "before it fails with finish_reason `error`.")
+        3,
+        ge=1,
+        description="Executor failures one request survives (recomputed each time) "
+        "before it fails with finish_reason `error`.",
+    )
 
 
 class GatewaySettings(CommonSettings):
@@ -155,37 +204,55 @@ class GatewaySettings(CommonSettings):
     scheduler_address: str = Field("127.0.0.1:50051", description="Scheduler gRPC address.")
     predictor_addresses: StrList = Field(
         default_factory=lambda: ["127.0.0.1:50052"],
-        description="Predictor replicas: host:port list, or one DNS name resolving to many.")
+        description="Predictor replicas: host:port list, or one DNS name resolving to many.",
+    )
     predictor_timeout_ms: float = Field(
-        300.0, gt=0, description="Give up on a prediction after this long (a CPU predictor "
-                                 "embeds a prompt in ~30-100 ms on a shared 2-core host).")
+        300.0,
+        gt=0,
+        description="Give up on a prediction after this long (a CPU predictor "
+        "embeds a prompt in ~30-100 ms on a shared 2-core host).",
+    )
     api_keys: StrList = Field(
-        default_factory=list, description="Accepted API keys; empty = no auth.")
+        default_factory=list, description="Accepted API keys; empty = no auth."
+    )
     cors_origins: StrList = Field(default_factory=list, description="Allowed CORS origins.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Request body size limit.")
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one request.")
     served_model_name: str = Field(
-        "", description="Model id clients pass (default: the model setting).")
+        "", description="Model id clients pass (default: the model setting)."
+    )
     max_connections: int = Field(
-        0, ge=0, description="HTTP connections the gateway holds before answering 503 "
-                             "(0 = unlimited).")
+        0,
+        ge=0,
+        description="HTTP connections the gateway holds before answering 503 (0 = unlimited).",
+    )
     admission_wait_ms: float = Field(
-        250.0, ge=0, description="How long a streaming request waits for the scheduler to "
-                                 "accept or refuse it before the SSE response starts (a "
-                                 "refusal after that arrives as an error event).")
+        250.0,
+        ge=0,
+        description="How long a streaming request waits for the scheduler to "
+        "accept or refuse it before the SSE response starts (a "
+        "refusal after that arrives as an error event).",
+    )
 
 
 class LauncherSettings(RedisSettings):
     num_executors: int = Field(1, ge=1, le=64, description="Executors `alise serve` starts.")
     run_dir: Path | None = Field(
-        None, description="Per-run logs directory (default data_dir/runs/<timestamp>).")
+        None, description="Per-run logs directory (default data_dir/runs/<timestamp>)."
+    )
     health_timeout_s: float = Field(
-        300.0, gt=0, description="How long `alise serve` waits for every health check.")
+        300.0, gt=0, description="How long `alise serve` waits for every health check."
+    )
 
 
 ALL_SETTINGS: tuple[type[CommonSettings], ...] = (
-    CommonSettings, RedisSettings, ExecutorSettings, PredictorSettings, SchedulerSettings,
-    GatewaySettings, LauncherSettings,
+    CommonSettings,
+    RedisSettings,
+    ExecutorSettings,
+    PredictorSettings,
+    SchedulerSettings,
+    GatewaySettings,
+    LauncherSettings,
 )
 
 
@@ -200,7 +267,10 @@ def settings_table() -> list[tuple[str, str, str]]:
     for cls in ALL_SETTINGS:
         for name, field in cls.model_fields.items():
             default = field.get_default(call_default_factory=True)
-            shown = (str(default).replace(str(Path.home()), "~") if isinstance(default, Path)
-                     else repr(default))
+            shown = (
+                str(default).replace(str(Path.home()), "~")
+                if isinstance(default, Path)
+                else repr(default)
+            )
             rows[name] = (f"ALISE_{name.upper()}", shown, field.description or "")
     return sorted(rows.values())

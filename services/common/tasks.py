@@ -5,6 +5,7 @@ the cancel arrived, and `asyncio.wait_for` (Python 3.11) returns a result that r
 cancel. A background loop that goes on after that would hang whoever awaits its end, so the
 cancel is repeated until the task has ended.
 """
+
 from __future__ import annotations
 
 import asyncio

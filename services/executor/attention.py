@@ -5,6 +5,7 @@ view. Grouped-query attention without repeating K/V: the G query heads that shar
 are folded into the query axis, [Hkv, B, Qmax*G, D] against [Hkv, B, Lk, D] (the layout the
 paged cache gathers into).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 def group_mask(g: Group, groups_per_kv: int) -> torch.Tensor:
     """[1, B, Qmax*G, Lk] bool: key valid and (for chunks) not after the query."""
-    key_pos, key_valid = g.extra["key_pos"], g.extra["key_valid"]            # [B, Lk]
+    key_pos, key_valid = g.extra["key_pos"], g.extra["key_valid"]  # [B, Lk]
     if g.q_max == 1:
         return key_valid[None, :, None, :]
     mask = key_valid[:, None, :] & (key_pos[:, None, :] <= g.q_pos[:, :, None])  # [B, Q, Lk]
@@ -42,8 +43,15 @@ class TorchAttention:
         for g in batch.groups:
             g.extra["mask"] = group_mask(g, self.g)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: KVCache, batch: StepBatch) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch: StepBatch,
+    ) -> torch.Tensor:
         """q [T, H, D], new k/v [T, Hkv, D] -> attention output [T, H*D]."""
         cache.write(layer, k, v, batch)
         outs = [self._group(layer, q, cache, g) for g in batch.groups]
@@ -51,14 +59,13 @@ class TorchAttention:
 
     def _group(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
         b, qm = g.q_rows.shape
-        kc, vc = cache.gather(layer, g)                                       # [Hkv, B, Lk, D]
-        qg = q.index_select(0, g.q_rows.view(-1))                             # [B*Qm, H, D]
+        kc, vc = cache.gather(layer, g)  # [Hkv, B, Lk, D]
+        qg = q.index_select(0, g.q_rows.view(-1))  # [B*Qm, H, D]
         qg = qg.view(b, qm, self.hkv, self.g, self.d).permute(2, 0, 1, 3, 4)
-        qg = qg.reshape(self.hkv, b, qm * self.g, self.d)                     # [Hkv, B, Qm*G, D]
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=g.extra["mask"],
-                                           scale=self.scale)
-        o = o.view(self.hkv, b, qm, self.g, self.d).permute(1, 2, 0, 3, 4)   # [B, Qm, Hkv, G, D]
+        qg = qg.reshape(self.hkv, b, qm * self.g, self.d)  # [Hkv, B, Qm*G, D]
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=g.extra["mask"], scale=self.scale)
+        o = o.view(self.hkv, b, qm, self.g, self.d).permute(1, 2, 0, 3, 4)  # [B, Qm, Hkv, G, D]
         o = o.reshape(b * qm, self.h * self.d)
         if qm == 1:
             return o
-        return o[g.q_valid.view(-1)]                                          # [Tg, H*D]
+        return o[g.q_valid.view(-1)]  # [Tg, H*D]

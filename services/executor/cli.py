@@ -1,4 +1,5 @@
 """`alise executor serve | profile`."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,8 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging("executor", settings.log_level, settings.log_format)
     return run_until_signal(
         lambda: start_executor(settings),
-        lambda handle: f"executor listening on {settings.executor_host}:{handle.port}")
+        lambda handle: f"executor listening on {settings.executor_host}:{handle.port}",
+    )
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -45,9 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = inner.add_parser("serve", help="serve the Executor gRPC API (ALISE_* settings)")
     serve.set_defaults(func=_serve)
     profile = inner.add_parser(
-        "profile", help="time a grid of batches and fit the iteration-time cost model")
+        "profile", help="time a grid of batches and fit the iteration-time cost model"
+    )
     profile.add_argument("--out", required=True, help="profile JSON to write")
     profile.add_argument("--quick", action="store_true", help="a small grid (seconds)")
-    profile.add_argument("--max-prefill", type=int, default=None,
-                         help="leave out batches with more prefill tokens than this")
+    profile.add_argument(
+        "--max-prefill",
+        type=int,
+        default=None,
+        help="leave out batches with more prefill tokens than this",
+    )
     profile.set_defaults(func=_profile)

@@ -1,4 +1,5 @@
 """What the executor needs to know about a model, read from its Hugging Face config.json."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class ModelSpec:
-    arch: str                     # "llama" | "mistral" | "qwen2" | "opt"
+    arch: str  # "llama" | "mistral" | "qwen2" | "opt"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -23,7 +24,7 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
-    hf_config: object = None      # the transformers config, for RoPE and OPT details
+    hf_config: object = None  # the transformers config, for RoPE and OPT details
 
     @property
     def q_size(self) -> int:
@@ -64,9 +65,19 @@ def load_spec(model_dir: Path) -> ModelSpec:
     window = getattr(config, "sliding_window", None)
     if arch != "opt" and window and getattr(config, "use_sliding_window", True):
         max_len = min(max_len, window)  # sliding window never engages below this length
-    return ModelSpec(arch, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
-                     head_dim, inter, config.vocab_size, max_len, _eos_ids(config, model_dir),
-                     config)
+    return ModelSpec(
+        arch,
+        config.num_hidden_layers,
+        config.hidden_size,
+        heads,
+        kv_heads,
+        head_dim,
+        inter,
+        config.vocab_size,
+        max_len,
+        _eos_ids(config, model_dir),
+        config,
+    )
 
 
 def resolve_device(name: str) -> torch.device:

@@ -6,6 +6,7 @@ request's whole length (prompt + max tokens) are reserved on admission, so nothi
 preempted. The real scheduler lives in services/scheduler; this is the smallest loop that
 keeps the engine busy.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 @dataclass
 class DriverSeq:
     """One request the driver runs: its prompt, and the tokens and logprobs it produced."""
+
     rid: str
     prompt: list[int]
     max_tokens: int
@@ -45,15 +47,20 @@ class Driver:
     def _blocks_for(self, seq: DriverSeq) -> int:
         return -(-(len(seq.prompt) + seq.max_tokens) // self.engine.block_size)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int | list[int],
-                 sampling: SamplingParams | None = None,
-                 eos_ids: Iterable[int] = ()) -> list[DriverSeq]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int | list[int],
+        sampling: SamplingParams | None = None,
+        eos_ids: Iterable[int] = (),
+    ) -> list[DriverSeq]:
         """Run prompts to completion; max_tokens is an int or one per prompt. A request stops
         at max_tokens, or at an id in eos_ids (empty = ignore EOS)."""
         lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         params = sampling or SamplingParams()
-        seqs = [DriverSeq(f"r{i}", list(p), n, params)
-                for i, (p, n) in enumerate(zip(prompts, lens))]
+        seqs = [
+            DriverSeq(f"r{i}", list(p), n, params) for i, (p, n) in enumerate(zip(prompts, lens))
+        ]
         waiting, running, to_free = list(seqs), [], []
         while waiting or running:
             step = StepInput(self.steps, free_request_ids=to_free)
@@ -67,8 +74,9 @@ class Driver:
             self.engine.step(StepInput(self.steps, free_request_ids=to_free))
         return seqs
 
-    def _schedule(self, step: StepInput, waiting: list[DriverSeq],
-                  running: list[DriverSeq]) -> None:
+    def _schedule(
+        self, step: StepInput, waiting: list[DriverSeq], running: list[DriverSeq]
+    ) -> None:
         budget = self.budget
         for seq in sorted(running, key=lambda s: s.computed < len(s.prompt)):  # decodes first
             n = min(seq.total - seq.computed, budget)

@@ -10,6 +10,7 @@ Order inside a step (proto/executor.proto): swap_out, swap_in, free, new request
 tables, one forward pass over the packed batch, sampling. A malformed step raises ValueError
 before anything changes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,13 +49,24 @@ def default_num_threads() -> int:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, *, model_name: str | None = None,
-                 device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
-                 block_size: int = 16, num_device_blocks: int | None = None,
-                 num_host_blocks: int | None = None, kv_memory_gb: float = 1.0,
-                 swap_memory_gb: float = 1.0, swap_compress: bool = False,
-                 attention_backend: str = "auto", max_model_len: int = 0,
-                 profile_path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        model_name: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        kv_dtype: str = "auto",
+        block_size: int = 16,
+        num_device_blocks: int | None = None,
+        num_host_blocks: int | None = None,
+        kv_memory_gb: float = 1.0,
+        swap_memory_gb: float = 1.0,
+        swap_compress: bool = False,
+        attention_backend: str = "auto",
+        max_model_len: int = 0,
+        profile_path: str | Path | None = None,
+    ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
@@ -65,8 +77,9 @@ class Engine:
             num_device_blocks = int(kv_memory_gb * GIB // per_block)
         if num_device_blocks < 1:
             raise ValueError(f"kv memory budget holds no block ({per_block} bytes each)")
-        self.cache = make_cache(self.spec, kv_dtype, num_device_blocks, block_size, self.dtype,
-                                self.device)
+        self.cache = make_cache(
+            self.spec, kv_dtype, num_device_blocks, block_size, self.dtype, self.device
+        )
         self.attn = make_attention(self.spec, attention_backend, self.device)
         # padded query-key pairs one more attention group must save (batch.split_by_context),
         # set by the backend; None: one group per kind (decodes, prefill chunks)
@@ -79,10 +92,16 @@ class Engine:
         self.profile_path = Path(profile_path) if profile_path else None
         self.instance_id = uuid.uuid4().hex
         self.requests: dict[str, RequestState] = {}
-        self.owner: dict[int, str] = {}                 # device block -> request id
-        self.checker = StepChecker(self.requests, self.owner, num_device_blocks,
-                                   num_host_blocks, block_size, self.max_model_len,
-                                   self.spec.vocab_size)
+        self.owner: dict[int, str] = {}  # device block -> request id
+        self.checker = StepChecker(
+            self.requests,
+            self.owner,
+            num_device_blocks,
+            num_host_blocks,
+            block_size,
+            self.max_model_len,
+            self.spec.vocab_size,
+        )
         self._lock = threading.RLock()
 
     @classmethod
@@ -91,18 +110,26 @@ class Engine:
         from services.common.models import served_model_id, weights_dir
 
         torch.set_num_threads(settings.num_threads or default_num_threads())
-        return cls(weights_dir(settings.model, settings.data_dir),
-                   model_name=served_model_id(settings.model), device=settings.device,
-                   dtype=settings.dtype, kv_dtype=settings.kv_dtype,
-                   block_size=settings.block_size, kv_memory_gb=settings.kv_memory_gb,
-                   swap_memory_gb=settings.swap_memory_gb, swap_compress=settings.swap_compress,
-                   attention_backend=settings.attention_backend,
-                   max_model_len=settings.max_model_len, profile_path=settings.profile_path)
+        return cls(
+            weights_dir(settings.model, settings.data_dir),
+            model_name=served_model_id(settings.model),
+            device=settings.device,
+            dtype=settings.dtype,
+            kv_dtype=settings.kv_dtype,
+            block_size=settings.block_size,
+            kv_memory_gb=settings.kv_memory_gb,
+            swap_memory_gb=settings.swap_memory_gb,
+            swap_compress=settings.swap_compress,
+            attention_backend=settings.attention_backend,
+            max_model_len=settings.max_model_len,
+            profile_path=settings.profile_path,
+        )
 
     def _max_len(self, requested: int) -> int:
         if requested and requested > self.spec.max_model_len:
-            raise ValueError(f"max_model_len {requested} exceeds the model's "
-                             f"{self.spec.max_model_len}")
+            raise ValueError(
+                f"max_model_len {requested} exceeds the model's {self.spec.max_model_len}"
+            )
         return requested or self.spec.max_model_len
 
     # -- description ----------------------------------------------------------------------
@@ -119,19 +146,28 @@ class Engine:
         bundled profile of the same device type, model and dtype, else none ("")."""
         if self.profile_path and self.profile_path.exists():
             return self.profile_path.read_text()
-        return bundled_profile(self.device.type, self.model_name,
-                               str(self.dtype).removeprefix("torch."))
+        return bundled_profile(
+            self.device.type, self.model_name, str(self.dtype).removeprefix("torch.")
+        )
 
     def describe(self) -> dict:
-        return {"model": self.model_name, "architecture": self.spec.arch,
-                "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": self.kv_dtype,
-                "max_model_len": self.max_model_len, "block_size": self.block_size,
-                "bytes_per_block": self.cache.bytes_per_block,
-                "num_device_blocks": self.num_device_blocks,
-                "num_host_blocks": self.num_host_blocks, "device": str(self.device),
-                "vocab_size": self.spec.vocab_size, "eos_token_ids": self.spec.eos_token_ids,
-                "profile_json": self.profile_json(), "instance_id": self.instance_id,
-                "attention_backend": self.attn.name}
+        return {
+            "model": self.model_name,
+            "architecture": self.spec.arch,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_dtype": self.kv_dtype,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "bytes_per_block": self.cache.bytes_per_block,
+            "num_device_blocks": self.num_device_blocks,
+            "num_host_blocks": self.num_host_blocks,
+            "device": str(self.device),
+            "vocab_size": self.spec.vocab_size,
+            "eos_token_ids": self.spec.eos_token_ids,
+            "profile_json": self.profile_json(),
+            "instance_id": self.instance_id,
+            "attention_backend": self.attn.name,
+        }
 
     # -- one step -------------------------------------------------------------------------
     def step(self, step: StepInput | SchedulerOutput, all_logits: bool = False) -> StepOutput:
@@ -172,8 +208,16 @@ class Engine:
         for rid, n in plan.scheduled:
             st = self.requests[rid]
             end = st.num_computed + n
-            runs.append(TokenRun(rid, st.token_ids[st.num_computed:end], st.num_computed,
-                                 st.block_table, st.staging_slot, end == len(st.token_ids)))
+            runs.append(
+                TokenRun(
+                    rid,
+                    st.token_ids[st.num_computed : end],
+                    st.num_computed,
+                    st.block_table,
+                    st.staging_slot,
+                    end == len(st.token_ids),
+                )
+            )
         return runs
 
     def _run(self, step_id: int, plan: StepPlan, all_logits: bool) -> StepOutput:
@@ -189,8 +233,8 @@ class Engine:
         self.cache.prepare(batch)
         self.attn.prepare(batch)
         with torch.inference_mode():
-            hidden = self.runner.forward(batch, self.cache, self.attn)        # [T, hidden]
-            logits = self.runner.logits(hidden[batch.logits_rows])            # [S, V]
+            hidden = self.runner.forward(batch, self.cache, self.attn)  # [T, hidden]
+            logits = self.runner.logits(hidden[batch.logits_rows])  # [S, V]
         self._sync()
         t1 = time.perf_counter()
         timings.forward_s = t1 - t0
@@ -223,8 +267,9 @@ class Engine:
         if not batch.sample_ids:
             return
         states = [self.requests[rid] for rid in batch.sample_ids]
-        tokens, logprobs = sample(logits, [s.sampling for s in states],
-                                  [s.num_output_tokens for s in states])
+        tokens, logprobs = sample(
+            logits, [s.sampling for s in states], [s.num_output_tokens for s in states]
+        )
         for st, tok, lp in zip(states, tokens, logprobs):
             st.token_ids.append(tok)
             st.num_output_tokens += 1

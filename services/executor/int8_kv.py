@@ -10,6 +10,7 @@ Attention context of a request = its full blocks (dequantized) followed by its s
 Attention does not depend on key order, only on the mask, so key positions are carried
 explicitly for the causal mask.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,14 +30,28 @@ def int8_layout(block_size: int, kv_heads: int, head_dim: int) -> dict:
     """Per block and KV head: codes [bs, D], key scale/offset [D], value scale/offset [bs]."""
     codes = ((block_size, head_dim), torch.uint8)
     per_channel, per_token = ((head_dim,), quant.SCALE_DTYPE), ((block_size,), quant.SCALE_DTYPE)
-    return {"kq": codes, "ks": per_channel, "ko": per_channel,
-            "vq": codes, "vs": per_token, "vo": per_token}
+    return {
+        "kq": codes,
+        "ks": per_channel,
+        "ko": per_channel,
+        "vq": codes,
+        "vs": per_token,
+        "vo": per_token,
+    }
 
 
 class Int8PagedKV:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device,
-                 staging_slots: int = 8) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        staging_slots: int = 8,
+    ) -> None:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self.layout = int8_layout(block_size, kv_heads, head_dim)
@@ -52,13 +67,19 @@ class Int8PagedKV:
 
     @property
     def staging_bytes_per_request(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * \
-            torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2
+            * self.num_layers
+            * self.block_size
+            * self.kv_heads
+            * self.head_dim
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     # -- staging slots --------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
         shape = (self.num_layers, self.kv_heads, capacity, self.block_size, self.head_dim)
-        new_k = torch.zeros(shape, dtype=self.dtype, device=self.device)     # [L, Hkv, S, bs, D]
+        new_k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, Hkv, S, bs, D]
         new_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         old = getattr(self, "k_stage", None)
         start = 0 if old is None else old.shape[2]
@@ -95,32 +116,44 @@ class Int8PagedKV:
             first = c.ctx_before // bs
             n_full = c.ctx_after // bs - first
             for m in range(n_full):
-                fq_src.append(seq[m * bs:(m + 1) * bs])
+                fq_src.append(seq[m * bs : (m + 1) * bs])
                 fq_dst.append(c.block_table[first + m])
-            tail = seq[n_full * bs:]
+            tail = seq[n_full * bs :]
             st_src.append(tail + [0] * (bs - len(tail)))
             row += c.q_len
 
         def t(values, shape=None):
             out = torch.tensor(values, dtype=torch.long, device=self.device)
             return out.view(shape) if shape else out
-        return {"slots": t([c.staging_slot for c in batch.runs]), "fq_src": t(fq_src, (-1, bs)),
-                "fq_dst": t(fq_dst), "st_src": t(st_src, (-1, bs))}
+
+        return {
+            "slots": t([c.staging_slot for c in batch.runs]),
+            "fq_src": t(fq_src, (-1, bs)),
+            "fq_dst": t(fq_dst),
+            "st_src": t(st_src, (-1, bs)),
+        }
 
     def _prepare_group(self, g: Group) -> None:
         bs = self.block_size
-        n_full = g.ctx_after // bs                                           # [B]
+        n_full = g.ctx_after // bs  # [B]
         nf_max = int(n_full.max())
         full_pos = torch.arange(nf_max * bs, device=self.device).expand(g.size, -1)
         tail_pos = n_full[:, None] * bs + torch.arange(bs, device=self.device)  # [B, bs]
         g.extra["full_tables"] = g.tables[:, :nf_max]
         g.extra["slots"] = torch.tensor([c.staging_slot for c in g.runs], device=self.device)
-        g.extra["key_pos"] = torch.cat([full_pos, tail_pos], dim=1)          # [B, Lk]
+        g.extra["key_pos"] = torch.cat([full_pos, tail_pos], dim=1)  # [B, Lk]
         g.extra["key_valid"] = torch.cat(
-            [full_pos < (n_full * bs)[:, None], tail_pos < g.ctx_after[:, None]], dim=1)
+            [full_pos < (n_full * bs)[:, None], tail_pos < g.ctx_after[:, None]], dim=1
+        )
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
-              block_writer: BlockWriter | None = None) -> None:
+    def write(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: StepBatch,
+        block_writer: BlockWriter | None = None,
+    ) -> None:
         """Complete blocks are quantized into the pool; the open remainder goes to staging.
         block_writer(cache, layer, "k"|"v", combined, src_idx, dst) quantizes the completed
         blocks (default: torch; the Triton backend passes its kernel)."""
@@ -131,11 +164,11 @@ class Int8PagedKV:
 
     def _write_one(self, layer, new, stage, p, name, writer) -> None:
         hkv, d = self.kv_heads, self.head_dim
-        staged = stage[layer][:, p["slots"]].view(hkv, -1, d)                # [Hkv, R*bs, D]
-        combined = torch.cat([staged, new.transpose(0, 1)], dim=1)           # [Hkv, R*bs+T, D]
+        staged = stage[layer][:, p["slots"]].view(hkv, -1, d)  # [Hkv, R*bs, D]
+        combined = torch.cat([staged, new.transpose(0, 1)], dim=1)  # [Hkv, R*bs+T, D]
         if p["fq_dst"].numel():
             writer(self, layer, name, combined, p["fq_src"], p["fq_dst"])
-        stage[layer][:, p["slots"]] = combined[:, p["st_src"]]               # [Hkv, R, bs, D]
+        stage[layer][:, p["slots"]] = combined[:, p["st_src"]]  # [Hkv, R, bs, D]
 
     def gather(self, layer: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [Hkv, B, NFmax*bs + bs, D]: dequantized full blocks, then the staging buffer."""
@@ -143,7 +176,7 @@ class Int8PagedKV:
         b, nf = ft.shape
         ids = ft.reshape(-1)
         t = {name: x[layer].index_select(1, ids) for name, x in self.tensors.items()}
-        k = quant.dequantize_keys(t["kq"], t["ks"], t["ko"], self.dtype)     # [Hkv, B*NF, bs, D]
+        k = quant.dequantize_keys(t["kq"], t["ks"], t["ko"], self.dtype)  # [Hkv, B*NF, bs, D]
         v = quant.dequantize_values(t["vq"], t["vs"], t["vo"], self.dtype)
         shape = (self.kv_heads, b, nf * self.block_size, self.head_dim)
         k = torch.cat([k.view(shape), self.k_stage[layer].index_select(1, slots)], dim=2)
@@ -151,8 +184,14 @@ class Int8PagedKV:
         return k, v
 
 
-def torch_block_writer(cache: Int8PagedKV, layer: int, name: str, combined: torch.Tensor,
-                       src_idx: torch.Tensor, dst: torch.Tensor) -> None:
+def torch_block_writer(
+    cache: Int8PagedKV,
+    layer: int,
+    name: str,
+    combined: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
     """Quantize blocks combined[:, src_idx[f]] ([Hkv, Nf, bs, D]) into pool blocks dst[f]."""
     quantize = quant.quantize_keys if name == "k" else quant.quantize_values
     codes, scale, offset = quantize(combined[:, src_idx])

@@ -9,6 +9,7 @@ tensor. KV heads lead so that gathering a group's blocks with one index_select g
 - `Int8PagedKV` (kv_dtype int8, int8_kv.py): INT8 codes + fp16 scales for every *full* block;
   the block a request is still filling stays exact in a per-request staging buffer until full.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ import torch
 from services.executor.ragged_batch import Group, StepBatch
 
 
-def block_layout(block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def block_layout(
+    block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (per-block shape after [L, Hkv, NB], dtype)."""
     return {"k": ((block_size, head_dim), dtype), "v": ((block_size, head_dim), dtype)}
 
@@ -33,8 +35,14 @@ def layout_bytes(num_layers: int, kv_heads: int, layout: dict) -> int:
     return total * num_layers * kv_heads
 
 
-def allocate(num_layers: int, kv_heads: int, num_blocks: int, layout: dict,
-             device: torch.device | str, pin: bool = False) -> dict[str, torch.Tensor]:
+def allocate(
+    num_layers: int,
+    kv_heads: int,
+    num_blocks: int,
+    layout: dict,
+    device: torch.device | str,
+    pin: bool = False,
+) -> dict[str, torch.Tensor]:
     out = {}
     for name, (shape, dtype) in layout.items():
         t = torch.zeros((num_layers, kv_heads, num_blocks, *shape), dtype=dtype, device=device)
@@ -45,8 +53,16 @@ def allocate(num_layers: int, kv_heads: int, num_blocks: int, layout: dict,
 class PagedKV:
     """Full-precision paged KV cache."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self.layout = block_layout(block_size, kv_heads, head_dim, dtype)
@@ -67,7 +83,7 @@ class PagedKV:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
         """k, v [T, Hkv, D] -> their slots."""
-        shape = (self.kv_heads, -1, self.head_dim)                           # [Hkv, NB*bs, D]
+        shape = (self.kv_heads, -1, self.head_dim)  # [Hkv, NB*bs, D]
         self.tensors["k"][layer].view(shape).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
         self.tensors["v"][layer].view(shape).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
 
@@ -76,7 +92,7 @@ class PagedKV:
         b, nb = g.tables.shape
         ids = g.tables.view(-1)
         shape = (self.kv_heads, b, nb * self.block_size, self.head_dim)
-        k = self.tensors["k"][layer].index_select(1, ids)                    # [Hkv, B*NB, bs, D]
+        k = self.tensors["k"][layer].index_select(1, ids)  # [Hkv, B*NB, bs, D]
         v = self.tensors["v"][layer].index_select(1, ids)
         return k.view(shape), v.view(shape)
 

@@ -3,6 +3,7 @@
 One forward pass over a packed ragged batch: every projection is one matmul over all T tokens
 of all requests; only attention looks at per-request structure (through the batch groups).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,25 +52,31 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
 @dataclass
 class LlamaLayer:
     ln1: torch.Tensor
-    qkv: torch.Tensor             # [Q + 2KV, hidden]
+    qkv: torch.Tensor  # [Q + 2KV, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor               # [hidden, Q]
+    o: torch.Tensor  # [hidden, Q]
     ln2: torch.Tensor
-    gate_up: torch.Tensor         # [2I, hidden]
-    down: torch.Tensor            # [hidden, I]
+    gate_up: torch.Tensor  # [2I, hidden]
+    down: torch.Tensor  # [hidden, I]
 
 
 class LlamaRunner:
-    def __init__(self, spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        state: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.eps = spec.hf_config.rms_norm_eps
         embed = take(state, "embed_tokens.weight", required=False)
         lm_head = take(state, "lm_head.weight", required=False)
         if embed is None and spec.hf_config.tie_word_embeddings:
             embed = lm_head  # a tied checkpoint may store only one of the two
-        self.embed = take({"embed_tokens.weight": embed} if embed is not None else {},
-                          "embed_tokens.weight")
+        self.embed = take(
+            {"embed_tokens.weight": embed} if embed is not None else {}, "embed_tokens.weight"
+        )
         self.lm_head = self.embed if lm_head is None else lm_head
         self.head = LmHead(self.lm_head)
         self.norm = take(state, "norm.weight")
@@ -85,36 +92,38 @@ class LlamaRunner:
             take(state, p + "input_layernorm.weight"),
             cat_rows(*(take(state, f"{a}{n}_proj.weight") for n in "qkv")),
             cat_rows(*(take(state, f"{a}{n}_proj.bias", required=False) for n in "qkv")),
-            take(state, a + "o_proj.weight"), take(state, p + "post_attention_layernorm.weight"),
+            take(state, a + "o_proj.weight"),
+            take(state, p + "post_attention_layernorm.weight"),
             cat_rows(take(state, m + "gate_proj.weight"), take(state, m + "up_proj.weight")),
-            take(state, m + "down_proj.weight"))
+            take(state, m + "down_proj.weight"),
+        )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]         # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                               # [T, D]
-        cos = (emb.cos() * self.rope_scale).to(self.dtype)[:, None, :]       # [T, 1, D]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)[:, None, :]  # [T, 1, D]
         sin = (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :]
         return cos, sin
 
     def forward(self, batch: StepBatch, cache: KVCache, attn: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         s = self.spec
-        x = F.embedding(batch.token_ids, self.embed)                          # [T, hidden]
+        x = F.embedding(batch.token_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope(batch.positions)
         t = x.shape[0]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.ln1, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)                      # [T, Q+2KV]
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
             q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-            q = q.view(t, s.num_heads, s.head_dim)                            # [T, H, D]
-            k = k.view(t, s.num_kv_heads, s.head_dim)                         # [T, Hkv, D]
+            q = q.view(t, s.num_heads, s.head_dim)  # [T, H, D]
+            k = k.view(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
             v = v.view(t, s.num_kv_heads, s.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            o = attn.forward(i, q, k, v.contiguous(), cache, batch)          # [T, H*D]
+            o = attn.forward(i, q, k, v.contiguous(), cache, batch)  # [T, H*D]
             x = x + F.linear(o, layer.o)
             h = rms_norm(x, layer.ln2, self.eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)            # [T, I] each
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
             x = x + F.linear(F.silu(gate) * up, layer.down)
         return rms_norm(x, self.norm, self.eps)
 

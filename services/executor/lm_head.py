@@ -7,6 +7,7 @@ the same product against a contiguous transposed [H, V] copy. From 4 rows sgemm'
 kernel wins (18.7 ms against 25.9 ms), so the copy serves only the few-row products. The
 decoder layers' weights fit in cache and show no such difference, so only the head gets it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,11 @@ class LmHead:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
         # [H, V] copy for few-row products (fp32 CPU only: what was measured)
-        self.transposed = (weight.t().contiguous()
-                           if weight.device.type == "cpu" and weight.dtype == torch.float32
-                           else None)
+        self.transposed = (
+            weight.t().contiguous()
+            if weight.device.type == "cpu" and weight.dtype == torch.float32
+            else None
+        )
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]."""

@@ -3,6 +3,7 @@
 `Engine.step` also accepts the scheduler core's `SchedulerOutput` (same field names), so the
 in-process driver, the gRPC servicer and tests share one path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ class StepInput:
     new_requests: list[NewRequest] = field(default_factory=list)
     block_tables: dict[str, tuple[list[int], bool]] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)   # device -> host
-    swap_in: list[tuple[int, int]] = field(default_factory=list)    # host -> device
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device
     free_request_ids: list[str] = field(default_factory=list)
 
 
@@ -40,16 +41,17 @@ class StepTimings:
 @dataclass
 class StepOutput:
     step_id: int
-    sampled: dict[str, tuple[int, float]]    # request_id -> (token id, logprob)
+    sampled: dict[str, tuple[int, float]]  # request_id -> (token id, logprob)
     timings: StepTimings
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    logits: dict | None = None               # request_id -> [n, V] fp32 (all_logits only)
+    logits: dict | None = None  # request_id -> [n, V] fp32 (all_logits only)
 
 
 @dataclass
 class RequestState:
     """What the executor remembers about one request between steps."""
+
     request_id: str
     token_ids: list[int]
     sampling: SamplingParams

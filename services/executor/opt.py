@@ -1,4 +1,5 @@
 """OPT runner (the ALISE/Sarathi papers' model family): learned positions, LayerNorm, ReLU."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 class OptLayer:
     ln1_w: torch.Tensor | None
     ln1_b: torch.Tensor | None
-    qkv: torch.Tensor             # [3E, E]
+    qkv: torch.Tensor  # [3E, E]
     qkv_bias: torch.Tensor | None
     out: torch.Tensor
     out_bias: torch.Tensor | None
@@ -36,8 +37,13 @@ class OptLayer:
 
 
 class OptRunner:
-    def __init__(self, spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        state: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         cfg = spec.hf_config
         self.pre_norm = cfg.do_layer_norm_before
@@ -60,31 +66,43 @@ class OptRunner:
 
         def opt(name):
             return take(state, name, required=False)
+
         return OptLayer(
-            opt(p + "self_attn_layer_norm.weight"), opt(p + "self_attn_layer_norm.bias"),
+            opt(p + "self_attn_layer_norm.weight"),
+            opt(p + "self_attn_layer_norm.bias"),
             cat_rows(*(take(state, f"{a}{n}_proj.weight") for n in "qkv")),
             cat_rows(*(opt(f"{a}{n}_proj.bias") for n in "qkv")),
-            take(state, a + "out_proj.weight"), opt(a + "out_proj.bias"),
-            opt(p + "final_layer_norm.weight"), opt(p + "final_layer_norm.bias"),
-            take(state, p + "fc1.weight"), opt(p + "fc1.bias"),
-            take(state, p + "fc2.weight"), opt(p + "fc2.bias"))
+            take(state, a + "out_proj.weight"),
+            opt(a + "out_proj.bias"),
+            opt(p + "final_layer_norm.weight"),
+            opt(p + "final_layer_norm.bias"),
+            take(state, p + "fc1.weight"),
+            opt(p + "fc1.bias"),
+            take(state, p + "fc2.weight"),
+            opt(p + "fc2.bias"),
+        )
 
     def _ln(self, x, w, b):
         return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
 
     def forward(self, batch: StepBatch, cache: KVCache, attn: Attention) -> torch.Tensor:
         s = self.spec
-        x = F.embedding(batch.token_ids, self.embed)                          # [T, E_in]
+        x = F.embedding(batch.token_ids, self.embed)  # [T, E_in]
         if self.project_in is not None:
             x = F.linear(x, self.project_in)
         x = x + F.embedding(batch.positions + POSITION_OFFSET, self.pos_embed)  # [T, E]
         t = x.shape[0]
         for i, ly in enumerate(self.layers):
             h = self._ln(x, ly.ln1_w, ly.ln1_b) if self.pre_norm else x
-            q, k, v = F.linear(h, ly.qkv, ly.qkv_bias).chunk(3, dim=-1)      # [T, E] each
-            o = attn.forward(i, q.view(t, s.num_heads, s.head_dim),
-                             k.reshape(t, s.num_heads, s.head_dim),
-                             v.reshape(t, s.num_heads, s.head_dim), cache, batch)
+            q, k, v = F.linear(h, ly.qkv, ly.qkv_bias).chunk(3, dim=-1)  # [T, E] each
+            o = attn.forward(
+                i,
+                q.view(t, s.num_heads, s.head_dim),
+                k.reshape(t, s.num_heads, s.head_dim),
+                v.reshape(t, s.num_heads, s.head_dim),
+                cache,
+                batch,
+            )
             x = x + F.linear(o, ly.out, ly.out_bias)
             if not self.pre_norm:
                 x = self._ln(x, ly.ln1_w, ly.ln1_b)

@@ -12,6 +12,7 @@ whose throughput reaches 90% of the best measured; T_pf is its iteration time.
 Decode contexts are not computed: the profiler declares them computed over blocks of
 arbitrary (finite) KV, which costs the same to attend over. It must run on an idle engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,20 @@ if TYPE_CHECKING:
 # decode counts 2 and 3 are measured on purpose: on CPU they cost far more than a line through
 # 1 and 4 suggests (small-row matrix products), and the simulator's measured clock
 # (core/residual.py) can only correct the shapes the profile holds
-FULL = {"prefill": (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),
-        "decode": (1, 2, 3, 4, 8, 16, 32, 64), "context": (128, 512, 1024),
-        "mixed": ((64, 8, 512), (256, 8, 512), (256, 32, 512), (512, 32, 256)), "reps": 3}
-QUICK = {"prefill": (16, 64, 128, 256), "decode": (1, 8), "context": (64, 256),
-         "mixed": ((64, 8, 128),), "reps": 2}
+FULL = {
+    "prefill": (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048),
+    "decode": (1, 2, 3, 4, 8, 16, 32, 64),
+    "context": (128, 512, 1024),
+    "mixed": ((64, 8, 512), (256, 8, 512), (256, 32, 512), (512, 32, 256)),
+    "reps": 3,
+}
+QUICK = {
+    "prefill": (16, 64, 128, 256),
+    "decode": (1, 8),
+    "context": (64, 256),
+    "mixed": ((64, 8, 128),),
+    "reps": 2,
+}
 SATURATION = 0.9
 
 
@@ -62,8 +72,11 @@ class StepTimer:
 
     def fits(self, prefill: int, decodes: int, context: int) -> bool:
         need = -(-(prefill + 8) // self.bs) + decodes * -(-(context + 8) // self.bs)
-        return need <= len(self.free) and prefill + 8 <= self.engine.max_model_len \
+        return (
+            need <= len(self.free)
+            and prefill + 8 <= self.engine.max_model_len
             and context + 8 <= self.engine.max_model_len
+        )
 
     def time(self, prefill: int, decodes: int, context: int, reps: int) -> dict[str, Any]:
         """Median time of a batch: one fresh prefill of `prefill` tokens + `decodes` decodes
@@ -71,11 +84,11 @@ class StepTimer:
         self._computed = {}
         setup = StepInput(0)
         dec = [self._new(setup, context, context - 1) for _ in range(decodes)]
-        self.engine.step(setup)                      # admit, nothing scheduled
+        self.engine.step(setup)  # admit, nothing scheduled
         for rid in dec:
             self.engine.requests[rid].num_computed = context - 1
         times = []
-        for rep in range(reps + 1):                  # first run is warm-up
+        for rep in range(reps + 1):  # first run is warm-up
             step = StepInput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1))
             if prefill:
                 step.num_scheduled_tokens[self._new(step, prefill, 0)] = prefill
@@ -85,11 +98,16 @@ class StepTimer:
             self._release([r for r in step.num_scheduled_tokens if r not in dec])
         self._release(dec)
         ctx = decodes * context + prefill
-        return {"prefill_tokens": prefill, "decode_tokens": decodes, "context_tokens": ctx,
-                "time_s": statistics.median(times[1:])}
+        return {
+            "prefill_tokens": prefill,
+            "decode_tokens": decodes,
+            "context_tokens": ctx,
+            "time_s": statistics.median(times[1:]),
+        }
 
-    def time_decodes(self, contexts: list[int], variants: dict[str, Callable[[Engine], Any]],
-                     reps: int) -> dict[str, float]:
+    def time_decodes(
+        self, contexts: list[int], variants: dict[str, Callable[[Engine], Any]], reps: int
+    ) -> dict[str, float]:
         """Median decode-step time of one decode per context in `contexts`, for each variant
         {name: callable(engine)} applied before its runs; variants are interleaved so machine
         drift hits them alike."""
@@ -98,9 +116,9 @@ class StepTimer:
         dec = [self._new(setup, c, c - 1) for c in contexts]
         self.engine.step(setup)
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for rep in range(reps + 1):                  # first round is warm-up
+        for rep in range(reps + 1):  # first round is warm-up
             for name, apply in variants.items():
-                for rid, c in zip(dec, contexts):    # every run decodes at the same context
+                for rid, c in zip(dec, contexts):  # every run decodes at the same context
                     self.engine.requests[rid].num_computed = c - 1
                 apply(self.engine)
                 start = time.perf_counter()
@@ -125,29 +143,39 @@ def _grid(cfg: dict) -> list[tuple[int, int, int]]:
 
 def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Least-squares cost model, ALISE's T0/alpha/beta, pivot and fit error from samples."""
-    x = np.array([[1, s["prefill_tokens"], s["decode_tokens"], s["context_tokens"]]
-                  for s in samples], dtype=float)
+    x = np.array(
+        [[1, s["prefill_tokens"], s["decode_tokens"], s["context_tokens"]] for s in samples],
+        dtype=float,
+    )
     t = np.array([s["time_s"] for s in samples])
-    coef, _ = nnls(x / t[:, None], np.ones_like(t))    # minimize relative error
+    coef, _ = nnls(x / t[:, None], np.ones_like(t))  # minimize relative error
     pred = x @ coef
     pre = [s for s in samples if s["decode_tokens"] == 0]
     dec = [s for s in samples if s["prefill_tokens"] == 0]
-    t0 = sum(s["prefill_tokens"] * s["time_s"] for s in pre) / \
-        sum(s["prefill_tokens"] ** 2 for s in pre)
+    t0 = sum(s["prefill_tokens"] * s["time_s"] for s in pre) / sum(
+        s["prefill_tokens"] ** 2 for s in pre
+    )
     a = np.array([[s["context_tokens"], s["decode_tokens"]] for s in dec], dtype=float)
     (alpha, beta), _ = nnls(a, np.array([s["time_s"] for s in dec]))
     best = max(s["prefill_tokens"] / s["time_s"] for s in pre)
-    pivot = min((s for s in pre if s["prefill_tokens"] / s["time_s"] >= SATURATION * best),
-                key=lambda s: s["prefill_tokens"])
-    return {"coefficients": dict(zip(("c0", "c_prefill", "c_decode", "c_context"),
-                                     map(float, coef))),
-            "t0": t0, "alpha": float(alpha), "beta": float(beta),
-            "pivot_tokens": pivot["prefill_tokens"], "pivot_time_s": pivot["time_s"],
-            "fit_error": float(np.sqrt(np.mean(((pred - t) / t) ** 2)))}
+    pivot = min(
+        (s for s in pre if s["prefill_tokens"] / s["time_s"] >= SATURATION * best),
+        key=lambda s: s["prefill_tokens"],
+    )
+    return {
+        "coefficients": dict(zip(("c0", "c_prefill", "c_decode", "c_context"), map(float, coef))),
+        "t0": t0,
+        "alpha": float(alpha),
+        "beta": float(beta),
+        "pivot_tokens": pivot["prefill_tokens"],
+        "pivot_time_s": pivot["time_s"],
+        "fit_error": float(np.sqrt(np.mean(((pred - t) / t) ** 2))),
+    }
 
 
-def profile_engine(engine: Engine, quick: bool = False,
-                   max_prefill: int | None = None) -> dict[str, Any]:
+def profile_engine(
+    engine: Engine, quick: bool = False, max_prefill: int | None = None
+) -> dict[str, Any]:
     """Run the grid (QUICK or FULL) on an idle engine and return the profile JSON dict.
     `max_prefill` drops batches with more prefill tokens (fit the regime you serve: on CPU
     the linear model fits short prompts badly when 2K-token prefills dominate the fit)."""
@@ -157,14 +185,21 @@ def profile_engine(engine: Engine, quick: bool = False,
     bench = StepTimer(engine)
     grid = [(p, d, c) for p, d, c in _grid(cfg) if max_prefill is None or p <= max_prefill]
     with engine.exclusive():
-        samples = [bench.time(p, d, c, cfg["reps"]) for p, d, c in grid
-                   if bench.fits(p, d, c)]
+        samples = [bench.time(p, d, c, cfg["reps"]) for p, d, c in grid if bench.fits(p, d, c)]
     info = engine.describe()
-    return {"device": info["device"], "model": info["model"], **fit(samples),
-            "samples": samples, "block_size": engine.block_size,
-            "num_device_blocks": engine.num_device_blocks,
-            "num_host_blocks": engine.num_host_blocks, "dtype": info["dtype"],
-            "kv_dtype": info["kv_dtype"], "quick": quick, "max_prefill": max_prefill}
+    return {
+        "device": info["device"],
+        "model": info["model"],
+        **fit(samples),
+        "samples": samples,
+        "block_size": engine.block_size,
+        "num_device_blocks": engine.num_device_blocks,
+        "num_host_blocks": engine.num_host_blocks,
+        "dtype": info["dtype"],
+        "kv_dtype": info["kv_dtype"],
+        "quick": quick,
+        "max_prefill": max_prefill,
+    }
 
 
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:
@@ -173,5 +208,6 @@ def write_profile(profile: dict[str, Any], path: str | Path) -> None:
 
 
 def summary(profile: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in profile.items() if k != "samples"} | \
-        {"num_samples": len(profile["samples"])}
+    return {k: v for k, v in profile.items() if k != "samples"} | {
+        "num_samples": len(profile["samples"])
+    }

@@ -4,6 +4,7 @@
 Prints JSON: perplexity of a fixed 512-token ShareGPT passage with full-precision and INT8 KV,
 greedy token agreement of INT8 vs full-precision KV on chat prompts, KV bytes per token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,14 @@ if TYPE_CHECKING:
     from services.executor.engine import Engine
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.",
-    "Explain gravity to a child.", "List three fruits and their colors.",
-    "How do I boil an egg?", "What is machine learning?",
-    "Give me a tip for learning to play the guitar.", "Why is the sky blue?",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child.",
+    "List three fruits and their colors.",
+    "How do I boil an egg?",
+    "What is machine learning?",
+    "Give me a tip for learning to play the guitar.",
+    "Why is the sky blue?",
 ]
 
 
@@ -37,29 +42,45 @@ def passage(tok: PreTrainedTokenizerBase, length: int = 512) -> list[int]:
 
 
 def chat_prompts(tok: PreTrainedTokenizerBase, n: int) -> list[list[int]]:
-    return [list(tok.apply_chat_template([{"role": "user", "content": q}],
-                                         add_generation_prompt=True, return_dict=False))
-            for q in QUESTIONS[:n]]
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS[:n]
+    ]
 
 
-def measure(fp_engine: Engine, q_engine: Engine, tok: PreTrainedTokenizerBase,
-            n_prompts: int = 8, n_tokens: int = 64) -> dict[str, Any]:
+def measure(
+    fp_engine: Engine,
+    q_engine: Engine,
+    tok: PreTrainedTokenizerBase,
+    n_prompts: int = 8,
+    n_tokens: int = 64,
+) -> dict[str, Any]:
     from services.executor.driver import Driver
     from services.executor.testing import perplexity, teacher_forced_logits
 
     ids = passage(tok)
-    ppl = [perplexity(teacher_forced_logits(e, [ids], [64])[0], ids)
-           for e in (fp_engine, q_engine)]
+    ppl = [perplexity(teacher_forced_logits(e, [ids], [64])[0], ids) for e in (fp_engine, q_engine)]
     prompts = chat_prompts(tok, n_prompts)
-    outs = [[s.output for s in Driver(e, token_budget=64).generate(prompts, n_tokens)]
-            for e in (fp_engine, q_engine)]
+    outs = [
+        [s.output for s in Driver(e, token_budget=64).generate(prompts, n_tokens)]
+        for e in (fp_engine, q_engine)
+    ]
     agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y))
     fp_bytes = fp_engine.cache.bytes_per_block / fp_engine.block_size
     q_bytes = q_engine.cache.bytes_per_block / q_engine.block_size
-    return {"ppl_fp": ppl[0], "ppl_int8": ppl[1], "ppl_rel_diff": ppl[1] / ppl[0] - 1,
-            "greedy_agreement": agree / (len(prompts) * n_tokens),
-            "kv_bytes_per_token_fp": fp_bytes, "kv_bytes_per_token_int8": q_bytes,
-            "kv_bytes_ratio": q_bytes / fp_bytes}
+    return {
+        "ppl_fp": ppl[0],
+        "ppl_int8": ppl[1],
+        "ppl_rel_diff": ppl[1] / ppl[0] - 1,
+        "greedy_agreement": agree / (len(prompts) * n_tokens),
+        "kv_bytes_per_token_fp": fp_bytes,
+        "kv_bytes_per_token_int8": q_bytes,
+        "kv_bytes_ratio": q_bytes / fp_bytes,
+    }
 
 
 def main() -> None:
@@ -74,8 +95,13 @@ def main() -> None:
     s = ExecutorSettings()
     model_dir = weights_dir(s.model, s.data_dir)
     kw = dict(device="cpu", dtype="fp32", num_device_blocks=400, num_host_blocks=1)
-    result = measure(Engine(model_dir, **kw), Engine(model_dir, kv_dtype="int8", **kw),
-                     load_tokenizer(s.model, s.data_dir), args.prompts, args.tokens)
+    result = measure(
+        Engine(model_dir, **kw),
+        Engine(model_dir, kv_dtype="int8", **kw),
+        load_tokenizer(s.model, s.data_dir),
+        args.prompts,
+        args.tokens,
+    )
     print(json.dumps(result, indent=2))
 
 

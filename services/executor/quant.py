@@ -8,6 +8,7 @@ taken over `dims` (the elements that share one scale/zero-point):
 - values: per token (reduce the channel axis), because value error averages out across
   channels in the attention-weighted sum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,9 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes, scale.squeeze(dim), offset.squeeze(dim)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dim: int,
-               dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dim: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Inverse of `quantize` (scale/offset have `dim` reduced)."""
     s = scale.unsqueeze(dim).float()
     o = offset.unsqueeze(dim).float()
@@ -47,11 +49,13 @@ def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return quantize(v, dim=-1)
 
 
-def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
+def dequantize_keys(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     return dequantize(codes, scale, offset, dim=-2, dtype=dtype)
 
 
-def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
+def dequantize_values(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     return dequantize(codes, scale, offset, dim=-1, dtype=dtype)

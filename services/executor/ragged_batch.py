@@ -11,6 +11,7 @@ per layer in one group. So each kind is split into groups of similar context len
 the split that minimises padded query-key pairs plus a fixed cost per extra group
 (`group_cost`, in query-key pairs: what one more attention call costs, ~128 keys on CPU).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,12 +23,13 @@ import torch
 class TokenRun:
     """One request's share of the forward pass: the run of tokens it computes now (a prefill
     chunk, or the one token of a decode)."""
+
     request_id: str
-    token_ids: list[int]          # the tokens computed now
-    ctx_before: int               # tokens already in the KV cache
-    block_table: list[int]        # device block ids, enough for ctx_before + len(token_ids)
-    staging_slot: int = -1        # INT8 KV: the request's exact buffer for its open block
-    sample: bool = False          # compute logits at its last token
+    token_ids: list[int]  # the tokens computed now
+    ctx_before: int  # tokens already in the KV cache
+    block_table: list[int]  # device block ids, enough for ctx_before + len(token_ids)
+    staging_slot: int = -1  # INT8 KV: the request's exact buffer for its open block
+    sample: bool = False  # compute logits at its last token
 
     @property
     def q_len(self) -> int:
@@ -41,13 +43,14 @@ class TokenRun:
 @dataclass
 class Group:
     """A padded sub-batch of requests: decodes (Qmax = 1) or prefill chunks."""
+
     runs: list[TokenRun]
-    row_start: int                # first packed row of this group
-    q_pos: torch.Tensor           # [B, Qmax] position of each query (padding: -1)
-    q_rows: torch.Tensor          # [B, Qmax] packed row of each query (padding: row_start)
-    q_valid: torch.Tensor         # [B, Qmax] bool
-    ctx_after: torch.Tensor       # [B] tokens in the cache after this step's write
-    tables: torch.Tensor          # [B, NBmax] block ids (padding: 0)
+    row_start: int  # first packed row of this group
+    q_pos: torch.Tensor  # [B, Qmax] position of each query (padding: -1)
+    q_rows: torch.Tensor  # [B, Qmax] packed row of each query (padding: row_start)
+    q_valid: torch.Tensor  # [B, Qmax] bool
+    ctx_after: torch.Tensor  # [B] tokens in the cache after this step's write
+    tables: torch.Tensor  # [B, NBmax] block ids (padding: 0)
     extra: dict = field(default_factory=dict)  # per-step data the KV cache attaches (masks)
 
     @property
@@ -61,13 +64,13 @@ class Group:
 
 @dataclass
 class StepBatch:
-    runs: list[TokenRun]          # in packed order
-    token_ids: torch.Tensor       # [T]
-    positions: torch.Tensor       # [T]
-    slot_mapping: torch.Tensor    # [T] flat cache slot (block * block_size + offset)
-    groups: list[Group]           # non-empty groups, in packed order
-    logits_rows: torch.Tensor     # [S] packed rows whose logits are needed
-    sample_ids: list[str]         # request id of each logits row
+    runs: list[TokenRun]  # in packed order
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset)
+    groups: list[Group]  # non-empty groups, in packed order
+    logits_rows: torch.Tensor  # [S] packed rows whose logits are needed
+    sample_ids: list[str]  # request id of each logits row
     block_size: int
 
     @property
@@ -83,41 +86,49 @@ def _group(runs: list[TokenRun], row_start: int, block_size: int, device) -> Gro
     tables = torch.zeros((len(runs), nb_max), dtype=torch.long)
     row = row_start
     for i, r in enumerate(runs):
-        q_pos[i, :r.q_len] = torch.arange(r.ctx_before, r.ctx_after)
-        q_rows[i, :r.q_len] = torch.arange(row, row + r.q_len)
+        q_pos[i, : r.q_len] = torch.arange(r.ctx_before, r.ctx_after)
+        q_rows[i, : r.q_len] = torch.arange(row, row + r.q_len)
         nb = -(-r.ctx_after // block_size)
         tables[i, :nb] = torch.tensor(r.block_table[:nb], dtype=torch.long)
         row += r.q_len
     ctx_after = torch.tensor([r.ctx_after for r in runs], dtype=torch.long)
-    return Group(runs, row_start, q_pos.to(device), q_rows.to(device), (q_pos >= 0).to(device),
-                 ctx_after.to(device), tables.to(device))
+    return Group(
+        runs,
+        row_start,
+        q_pos.to(device),
+        q_rows.to(device),
+        (q_pos >= 0).to(device),
+        ctx_after.to(device),
+        tables.to(device),
+    )
 
 
-def split_by_context(runs: list[TokenRun], block_size: int,
-                     group_cost: int) -> list[list[TokenRun]]:
+def split_by_context(
+    runs: list[TokenRun], block_size: int, group_cost: int
+) -> list[list[TokenRun]]:
     """Contiguous slices of `runs` sorted by context length that minimise the padded work,
     sum over groups of (size * Qmax * Lk) + group_cost per group (exact dynamic programme over
     the distinct padded shapes, O(shapes^2) at worst, cut short once the last group alone
     costs more than the best split found; decodes have at most max_model_len / block_size)."""
     if len(runs) < 2:
         return [runs] if runs else []
-    units: list[list] = []                  # [lk, q, runs], ascending lk
+    units: list[list] = []  # [lk, q, runs], ascending lk
     for r in sorted(runs, key=lambda r: (r.ctx_after, r.q_len)):
         lk = -(-r.ctx_after // block_size) * block_size
         if units and units[-1][0] == lk and units[-1][1] == r.q_len:
             units[-1][2].append(r)
         else:
             units.append([lk, r.q_len, [r]])
-    best = [0.0] * (len(units) + 1)         # best[j]: cost of units[:j]
+    best = [0.0] * (len(units) + 1)  # best[j]: cost of units[:j]
     cut = [0] * (len(units) + 1)
     for j in range(1, len(units) + 1):
         lk, count, q_max, best_j = units[j - 1][0], 0, 0, None
-        for i in range(j, 0, -1):           # last group = units[i-1:j]
+        for i in range(j, 0, -1):  # last group = units[i-1:j]
             count += len(units[i - 1][2])
             q_max = max(q_max, units[i - 1][1])
             last = count * q_max * lk + group_cost
             if best_j is not None and last >= best_j:
-                break                       # the last group only grows from here: no better cut
+                break  # the last group only grows from here: no better cut
             cost = best[i - 1] + last
             if best_j is None or cost < best_j:
                 best_j, cut[j] = cost, i - 1
@@ -130,8 +141,9 @@ def split_by_context(runs: list[TokenRun], block_size: int,
     return groups[::-1]
 
 
-def build_batch(runs: list[TokenRun], block_size: int, device: torch.device,
-                group_cost: int | None = 128) -> StepBatch:
+def build_batch(
+    runs: list[TokenRun], block_size: int, device: torch.device, group_cost: int | None = 128
+) -> StepBatch:
     """Order decodes first, then prefill chunks (each kind split into groups of similar
     context; `group_cost=None`: one group per kind), and precompute every index tensor."""
     decodes = [r for r in runs if r.q_len == 1]
@@ -139,8 +151,9 @@ def build_batch(runs: list[TokenRun], block_size: int, device: torch.device,
     if group_cost is None:
         parts = [g for g in (decodes, prefills) if g]
     else:
-        parts = (split_by_context(decodes, block_size, group_cost)
-                + split_by_context(prefills, block_size, group_cost))
+        parts = split_by_context(decodes, block_size, group_cost) + split_by_context(
+            prefills, block_size, group_cost
+        )
     ordered = [r for part in parts for r in part]
     tokens, positions, slots, logits_rows, sample_ids = [], [], [], [], []
     for r in ordered:
@@ -159,5 +172,13 @@ def build_batch(runs: list[TokenRun], block_size: int, device: torch.device,
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return StepBatch(ordered, as_tensor(tokens), as_tensor(positions), as_tensor(slots), groups,
-                     as_tensor(logits_rows), sample_ids, block_size)
+    return StepBatch(
+        ordered,
+        as_tensor(tokens),
+        as_tensor(positions),
+        as_tensor(slots),
+        groups,
+        as_tensor(logits_rows),
+        sample_ids,
+        block_size,
+    )

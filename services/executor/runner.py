@@ -1,4 +1,5 @@
 """Build a model runner, KV cache and attention backend from a model directory."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
     ModelRunner: TypeAlias = LlamaRunner | OptRunner
 
 
-def load_runner(model_dir: Path, device: torch.device,
-                dtype: torch.dtype) -> tuple[ModelSpec, ModelRunner]:
+def load_runner(
+    model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[ModelSpec, ModelRunner]:
     """(spec, runner) for a Hugging Face directory with safetensors weights."""
     spec = load_spec(Path(model_dir))
     state = load_state(Path(model_dir), dtype, device)
@@ -36,13 +38,20 @@ def load_runner(model_dir: Path, device: torch.device,
     return spec, OptRunner(spec, state, device, dtype)
 
 
-def make_cache(spec: ModelSpec, kv_dtype: str, num_blocks: int, block_size: int,
-               dtype: torch.dtype, device: torch.device) -> KVCache:
+def make_cache(
+    spec: ModelSpec,
+    kv_dtype: str,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
     cls: type[KVCache] | None = {"auto": PagedKV, "int8": Int8PagedKV}.get(kv_dtype)
     if cls is None:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r}: expected auto or int8")
-    return cls(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-               dtype, device)
+    return cls(
+        spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device
+    )
 
 
 def bytes_per_block(spec: ModelSpec, kv_dtype: str, block_size: int, dtype: torch.dtype) -> int:
@@ -60,7 +69,7 @@ def bytes_per_block(spec: ModelSpec, kv_dtype: str, block_size: int, dtype: torc
 def make_attention(spec: ModelSpec, backend: str, device: torch.device) -> Attention:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    scale = spec.head_dim ** -0.5
+    scale = spec.head_dim**-0.5
     if backend == "torch":
         return TorchAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
     if backend == "triton":

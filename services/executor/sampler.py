@@ -5,6 +5,7 @@ The logprob reported is the token's log-probability under the model's raw distri
 A seeded request draws its k-th output token from a generator seeded with (seed, k), so the
 same seed gives the same text whether or not the request was preempted and recomputed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if 0 < p.top_p < 1:
         sorted_x, order = torch.sort(x, descending=True)
         cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p   # keep the first token always
+        drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the first token always
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return x
 
@@ -32,11 +33,12 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.argmax(probs / noise))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           output_index: list[int]) -> tuple[list[int], list[float]]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+) -> tuple[list[int], list[float]]:
     """logits [S, V] fp32 -> (token ids, logprobs); output_index[i] = tokens already output."""
-    logprobs = torch.log_softmax(logits, dim=-1)                              # [S, V]
-    tokens = torch.argmax(logits, dim=-1).tolist()                            # greedy default
+    logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
+    tokens = torch.argmax(logits, dim=-1).tolist()  # greedy default
     for i, p in enumerate(params):
         if p.greedy:
             continue
@@ -44,7 +46,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=logits.device)
-            gen.manual_seed((p.seed * 1_000_003 + output_index[i]) % (2 ** 63))
+            gen.manual_seed((p.seed * 1_000_003 + output_index[i]) % (2**63))
         tokens[i] = _draw(probs, gen)
     index = torch.tensor(tokens, device=logits.device)[:, None]
     return tokens, logprobs.gather(1, index).squeeze(1).tolist()

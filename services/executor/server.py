@@ -1,4 +1,5 @@
 """Start the executor gRPC service: engine + servicer + health + Prometheus metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +26,12 @@ class ExecutorMetrics(Metrics):
         super().__init__()
         self.step_time = self.histogram("executor_step_seconds", "Step handler time.")
         self.forward_time = self.histogram("executor_forward_seconds", "Forward pass time.")
-        self.swap_wait = self.histogram("executor_swap_wait_seconds",
-                                        "Time steps waited for swap copies.")
-        self.batch_tokens = self.histogram("executor_batch_tokens", "Tokens per forward pass.",
-                                           buckets=TOKEN_BUCKETS)
+        self.swap_wait = self.histogram(
+            "executor_swap_wait_seconds", "Time steps waited for swap copies."
+        )
+        self.batch_tokens = self.histogram(
+            "executor_batch_tokens", "Tokens per forward pass.", buckets=TOKEN_BUCKETS
+        )
         self.prefill_tokens = self.counter("executor_prefill_tokens", "Prompt tokens computed.")
         self.decode_tokens = self.counter("executor_decode_tokens", "Decode tokens computed.")
 
@@ -56,8 +59,9 @@ class ExecutorHandle:
         await asyncio.to_thread(self.engine.close)
 
 
-async def start_executor(settings: ExecutorSettings,
-                         engine: Engine | None = None) -> ExecutorHandle:
+async def start_executor(
+    settings: ExecutorSettings, engine: Engine | None = None
+) -> ExecutorHandle:
     """Serve `engine` (default: built from `settings`, off the event loop) on
     settings.executor_host:executor_port (port 0 = a free one)."""
     if engine is None:
@@ -68,10 +72,23 @@ async def start_executor(settings: ExecutorSettings,
     servicer = ExecutorServicer(engine, metrics)
     address = f"{settings.executor_host}:{settings.executor_port}"
     server = await start_server(
-        [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer, SERVICE_NAME)], address)
+        [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer, SERVICE_NAME)], address
+    )
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
     info = engine.describe()
-    log.info("executor ready", extra={k: info[k] for k in (
-        "model", "device", "dtype", "kv_dtype", "num_device_blocks", "num_host_blocks")})
+    log.info(
+        "executor ready",
+        extra={
+            k: info[k]
+            for k in (
+                "model",
+                "device",
+                "dtype",
+                "kv_dtype",
+                "num_device_blocks",
+                "num_host_blocks",
+            )
+        },
+    )
     return ExecutorHandle(server, engine, metrics)

@@ -9,6 +9,7 @@ leaves the executor untouched. Semantics, in the contract's order:
 - no device block may end up in two tables, nor be a swap-in target still owned by another
   request.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepPlan:
-    suspended: set[str] = field(default_factory=set)        # swapped-out owners
+    suspended: set[str] = field(default_factory=set)  # swapped-out owners
     freed: list[str] = field(default_factory=list)
     new: list[RequestState] = field(default_factory=list)
     tables: dict[str, list[int]] = field(default_factory=dict)  # final table of touched reqs
@@ -32,9 +33,16 @@ class StepPlan:
 
 
 class StepChecker:
-    def __init__(self, requests: dict[str, RequestState], owner: dict[int, str],
-                 num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        requests: dict[str, RequestState],
+        owner: dict[int, str],
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
         self.requests, self.owner = requests, owner
         self.nd, self.nh, self.bs = num_device_blocks, num_host_blocks, block_size
         self.max_len, self.vocab = max_model_len, vocab_size
@@ -58,15 +66,18 @@ class StepChecker:
     def _swaps(pairs: list[tuple[int, int]], n_src: int, n_dst: int, what: str) -> None:
         for src, dst in pairs:
             if not (0 <= src < n_src and 0 <= dst < n_dst):
-                raise ValueError(f"{what} ({src} -> {dst}) out of range: source blocks "
-                                 f"0..{n_src - 1}, target blocks 0..{n_dst - 1}")
+                raise ValueError(
+                    f"{what} ({src} -> {dst}) out of range: source blocks "
+                    f"0..{n_src - 1}, target blocks 0..{n_dst - 1}"
+                )
         for i, name in ((0, "source"), (1, "target")):
             ids = [pair[i] for pair in pairs]
             if len(set(ids)) != len(ids):
                 raise ValueError(f"{what} names a {name} block twice")
 
-    def _new_requests(self, new_requests: Iterable[NewRequest | NewRequestData],
-                      live: set[str], p: StepPlan) -> None:
+    def _new_requests(
+        self, new_requests: Iterable[NewRequest | NewRequestData], live: set[str], p: StepPlan
+    ) -> None:
         for nr in new_requests:
             rid = nr.request_id
             if rid in live or any(r.request_id == rid for r in p.new):
@@ -75,8 +86,10 @@ class StepChecker:
             if not ids:
                 raise ValueError(f"new request {rid!r} has no tokens")
             if len(ids) > self.max_len:
-                raise ValueError(f"new request {rid!r} has {len(ids)} tokens, more than "
-                                 f"max_model_len {self.max_len}")
+                raise ValueError(
+                    f"new request {rid!r} has {len(ids)} tokens, more than "
+                    f"max_model_len {self.max_len}"
+                )
             if min(ids) < 0 or max(ids) >= self.vocab:
                 raise ValueError(f"new request {rid!r} has a token id outside 0..{self.vocab - 1}")
             if not 0 <= nr.num_output_tokens <= len(ids):
@@ -90,11 +103,12 @@ class StepChecker:
             return None
         state = self.requests.get(rid)
         if state is None:
-            return []                       # a new request
+            return []  # a new request
         return None if state.block_table is None else list(state.block_table)
 
-    def _tables(self, updates: dict[str, tuple[list[int], bool]], live: set[str],
-                p: StepPlan) -> None:
+    def _tables(
+        self, updates: dict[str, tuple[list[int], bool]], live: set[str], p: StepPlan
+    ) -> None:
         gone = p.suspended | set(p.freed)
         released = {b for b, r in self.owner.items() if r in gone} if gone else set()
         claims: dict[int, str] = {}
@@ -122,8 +136,12 @@ class StepChecker:
     def _swap_in_targets(self, swap_in: list[tuple[int, int]], p: StepPlan) -> None:
         for _, dst in swap_in:
             holder = self.owner.get(dst)
-            if holder and holder not in p.suspended and holder not in p.freed \
-                    and (holder not in p.tables or dst in p.tables[holder]):
+            if (
+                holder
+                and holder not in p.suspended
+                and holder not in p.freed
+                and (holder not in p.tables or dst in p.tables[holder])
+            ):
                 raise ValueError(f"swap_in target block {dst} still belongs to {holder!r}")
 
     def _scheduled(self, scheduled: dict[str, int], p: StepPlan) -> None:
@@ -136,13 +154,17 @@ class StepChecker:
                 raise ValueError(f"request {rid!r}: num_new_tokens must be >= 1, got {n}")
             end = state.num_computed + n
             if end > len(state.token_ids):
-                raise ValueError(f"request {rid!r}: chunk of {n} tokens goes past its "
-                                 f"{len(state.token_ids)} known tokens "
-                                 f"({state.num_computed} computed)")
+                raise ValueError(
+                    f"request {rid!r}: chunk of {n} tokens goes past its "
+                    f"{len(state.token_ids)} known tokens "
+                    f"({state.num_computed} computed)"
+                )
             table = self._current_table(rid, p)
             if table is None:
                 raise ValueError(f"request {rid!r} is swapped out and has no block table")
             if len(table) * self.bs < end:
-                raise ValueError(f"request {rid!r} needs {-(-end // self.bs)} blocks for "
-                                 f"{end} tokens but its table has {len(table)}")
+                raise ValueError(
+                    f"request {rid!r} needs {-(-end // self.bs)} blocks for "
+                    f"{end} tokens but its table has {len(table)}"
+                )
             p.scheduled.append((rid, n))

@@ -8,6 +8,7 @@ waits only for jobs touching the device blocks it computes on.
 With `compress`, full-precision blocks are stored on the host as INT8 (keys per channel over
 the block, values per token; quant.py) and dequantized on the way back.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,21 +30,33 @@ class SwapManager:
     def __init__(self, cache: KVCache, num_host_blocks: int, compress: bool = False) -> None:
         self.cache, self.device = cache, cache.device
         self.compress = compress and "k" in cache.tensors  # only full-precision pools compress
-        layout = int8_layout(cache.block_size, cache.kv_heads, cache.head_dim) \
-            if self.compress else cache.layout
+        layout = (
+            int8_layout(cache.block_size, cache.kv_heads, cache.head_dim)
+            if self.compress
+            else cache.layout
+        )
         self.host_bytes_per_block = self.host_block_bytes(cache, compress)
-        self.host = allocate(cache.num_layers, cache.kv_heads, num_host_blocks, layout, "cpu",
-                             pin=self.device.type == "cuda")
+        self.host = allocate(
+            cache.num_layers,
+            cache.kv_heads,
+            num_host_blocks,
+            layout,
+            "cpu",
+            pin=self.device.type == "cuda",
+        )
         self.num_host_blocks = num_host_blocks
-        self.pending: dict[int, Future] = {}   # device block -> its latest copy job
+        self.pending: dict[int, Future] = {}  # device block -> its latest copy job
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-swap")
 
     @staticmethod
     def host_block_bytes(cache: KVCache, compress: bool) -> int:
         compress = compress and "k" in cache.tensors
-        layout = int8_layout(cache.block_size, cache.kv_heads, cache.head_dim) \
-            if compress else cache.layout
+        layout = (
+            int8_layout(cache.block_size, cache.kv_heads, cache.head_dim)
+            if compress
+            else cache.layout
+        )
         return layout_bytes(cache.num_layers, cache.kv_heads, layout)
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -52,10 +65,13 @@ class SwapManager:
         swap-in target, and a host block it swaps in from as a swap-out target."""
         if not swap_out and not swap_in:
             return
-        ids = [torch.tensor([p[i] for p in pairs], dtype=torch.long)
-               for pairs in (swap_out, swap_in) for i in (0, 1)]
+        ids = [
+            torch.tensor([p[i] for p in pairs], dtype=torch.long)
+            for pairs in (swap_out, swap_in)
+            for i in (0, 1)
+        ]
         ready = None
-        if self.device.type == "cuda":   # the copies must see the forward passes queued so far
+        if self.device.type == "cuda":  # the copies must see the forward passes queued so far
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         handle = self.pool.submit(self._job, ready, *ids)
@@ -77,12 +93,15 @@ class SwapManager:
         leaving = {n: t[:, :, dev_out] for n, t in dev.items()} if out_src.numel() else {}
         if self.compress and leaving:
             leaving = self._compress(leaving)
-        arriving = {n: t[:, :, in_src].to(self.device, non_blocking=True)
-                    for n, t in self.host.items()} if in_src.numel() else {}
+        arriving = (
+            {n: t[:, :, in_src].to(self.device, non_blocking=True) for n, t in self.host.items()}
+            if in_src.numel()
+            else {}
+        )
         if self.compress and arriving:
             arriving = self._decompress(arriving)
         for name, data in leaving.items():
-            self.host[name][:, :, out_dst] = data.to("cpu")   # waits for the gather
+            self.host[name][:, :, out_dst] = data.to("cpu")  # waits for the gather
         for name, data in arriving.items():
             dev[name][:, :, dev_in] = data
 
@@ -90,14 +109,16 @@ class SwapManager:
     def _compress(blocks: dict) -> dict:
         out = {}
         for name, q in (("k", quant.quantize_keys), ("v", quant.quantize_values)):
-            codes, scale, offset = q(blocks[name])                            # [L, Hkv, N, bs, D]
+            codes, scale, offset = q(blocks[name])  # [L, Hkv, N, bs, D]
             out.update({name + "q": codes, name + "s": scale, name + "o": offset})
         return out
 
     def _decompress(self, h: dict) -> dict:
         dtype = self.cache.dtype
-        return {"k": quant.dequantize_keys(h["kq"], h["ks"], h["ko"], dtype),
-                "v": quant.dequantize_values(h["vq"], h["vs"], h["vo"], dtype)}
+        return {
+            "k": quant.dequantize_keys(h["kq"], h["ks"], h["ko"], dtype),
+            "v": quant.dequantize_values(h["vq"], h["vs"], h["vo"], dtype),
+        }
 
     def wait_for(self, device_blocks: Iterable[int]) -> float:
         """Block until copies touching these device blocks are done; returns seconds waited."""

@@ -1,4 +1,5 @@
 """Helpers that drive an Engine with hand-made step schedules (tests, quality measurements)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -11,8 +12,9 @@ if TYPE_CHECKING:
     from services.executor.engine import Engine
 
 
-def teacher_forced_logits(engine: Engine, prompts: list[list[int]], chunk_sizes: list[int | None],
-                          first_block: int = 0) -> list[torch.Tensor]:
+def teacher_forced_logits(
+    engine: Engine, prompts: list[list[int]], chunk_sizes: list[int | None], first_block: int = 0
+) -> list[torch.Tensor]:
     """Feed every prompt through the engine in one mixed batch per step, request i advancing
     chunk_sizes[i] tokens a step (None = whole prompt at once). Returns per prompt the fp32
     logits [len, V] at every position. Requests are freed at the end."""

@@ -3,22 +3,36 @@
 The tokenizer is the bundled model's, so token ids are real (chat templates work) and the
 vocabulary matches. Weights are random but seeded: the same call writes the same model.
 """
+
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
 ARCHS = ("llama", "opt", "qwen2", "mistral")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "vocab.json", "merges.txt")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def _config(arch: str, vocab: int, bos: int, eos: int):
     from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=2048, bos_token_id=bos, eos_token_id=eos,
-                  pad_token_id=eos)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
     if arch == "opt":
         return OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True)
     llama_like = dict(common, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5)
@@ -47,8 +61,9 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.08 * noise)
 
 
-def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
-                    data_dir: str | Path | None = None) -> Path:
+def make_tiny_model(
+    path: str | Path, arch: str = "llama", seed: int = 0, data_dir: str | Path | None = None
+) -> Path:
     """Write a tiny random-weight `arch` model (config, safetensors, tokenizer) to `path`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

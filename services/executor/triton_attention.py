@@ -3,6 +3,7 @@
 Selected automatically on CUDA. On CPU tensors the same kernels run under Triton's
 interpreter (slow; used to check correctness against the torch reference backend).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -23,15 +24,18 @@ def _pow2(n: int) -> bool:
 
 class TritonAttention:
     name = "triton"
-    group_cost: int | None = None   # ragged kernels pad nothing: one group per kind suffices
+    group_cost: int | None = None  # ragged kernels pad nothing: one group per kind suffices
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 device: torch.device) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device
+    ) -> None:
         if not _pow2(head_dim):
             raise ValueError(f"the Triton backend needs a power-of-two head_dim, not {head_dim}")
         if device.type != "cuda" and not kern.INTERPRETED:
-            raise ValueError("the Triton backend on CPU needs TRITON_INTERPRET=1 in the "
-                             "environment (set before start); use attention_backend=torch")
+            raise ValueError(
+                "the Triton backend on CPU needs TRITON_INTERPRET=1 in the "
+                "environment (set before start); use attention_backend=torch"
+            )
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
         self.meta: dict[str, torch.Tensor] = {}
@@ -45,17 +49,29 @@ class TritonAttention:
         nb_max = max(len(r.block_table) for r in runs)
         tables = torch.zeros((len(runs), nb_max), dtype=torch.int32)
         for i, r in enumerate(runs):
-            tables[i, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
-        req = torch.repeat_interleave(torch.arange(len(runs)),
-                                      torch.tensor([r.q_len for r in runs]))
+            tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+        req = torch.repeat_interleave(
+            torch.arange(len(runs)), torch.tensor([r.q_len for r in runs])
+        )
         i32 = dict(dtype=torch.int32, device=dev)
-        self.meta = {"tok_req": req.to(**i32), "tok_pos": batch.positions.to(torch.int32),
-                     "tables": tables.to(dev), "slots": batch.slot_mapping.to(torch.int32),
-                     "req_ctx": torch.tensor([r.ctx_after for r in runs], **i32),
-                     "req_slot": torch.tensor([max(r.staging_slot, 0) for r in runs], **i32)}
+        self.meta = {
+            "tok_req": req.to(**i32),
+            "tok_pos": batch.positions.to(torch.int32),
+            "tables": tables.to(dev),
+            "slots": batch.slot_mapping.to(torch.int32),
+            "req_ctx": torch.tensor([r.ctx_after for r in runs], **i32),
+            "req_slot": torch.tensor([max(r.staging_slot, 0) for r in runs], **i32),
+        }
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: KVCache, batch: StepBatch) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch: StepBatch,
+    ) -> torch.Tensor:
         """q [T, H, D], new k/v [T, Hkv, D] -> attention output [T, H*D]."""
         int8 = isinstance(cache, Int8PagedKV)
         if int8:
@@ -67,9 +83,10 @@ class TritonAttention:
         return out.view(q.shape[0], self.h * self.d)
 
     def _write_fp(self, layer: int, k, v, cache) -> None:
-        kc, vc = cache.tensors["k"][layer], cache.tensors["v"][layer]        # [Hkv, NB, BS, D]
+        kc, vc = cache.tensors["k"][layer], cache.tensors["v"][layer]  # [Hkv, NB, BS, D]
         kern.write_kv[(k.shape[0], self.hkv)](
-            k, v, self.meta["slots"], kc, vc, kc.shape[1] * kc.shape[2], HKV=self.hkv, D=self.d)
+            k, v, self.meta["slots"], kc, vc, kc.shape[1] * kc.shape[2], HKV=self.hkv, D=self.d
+        )
 
     def _attend(self, layer: int, q, out, cache, int8: bool) -> None:
         t = cache.tensors
@@ -83,21 +100,49 @@ class TritonAttention:
             scales, stage, n_slots = (kc, kc, kc, kc), (kc, kc), 1
         m = self.meta
         kern.paged_attention[(q.shape[0], self.hkv)](
-            q, out, m["tok_req"], m["tok_pos"], m["tables"], m["req_ctx"], m["req_slot"],
-            kc, vc, *scales, *stage, self.scale, kc.shape[1], n_slots, m["tables"].shape[1],
-            H=self.h, G=self.g, BLOCK_G=triton_next_pow2(self.g), D=self.d,
-            BS=kc.shape[2], INT8=int8)
+            q,
+            out,
+            m["tok_req"],
+            m["tok_pos"],
+            m["tables"],
+            m["req_ctx"],
+            m["req_slot"],
+            kc,
+            vc,
+            *scales,
+            *stage,
+            self.scale,
+            kc.shape[1],
+            n_slots,
+            m["tables"].shape[1],
+            H=self.h,
+            G=self.g,
+            BLOCK_G=triton_next_pow2(self.g),
+            D=self.d,
+            BS=kc.shape[2],
+            INT8=int8,
+        )
 
 
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _quantize_blocks(cache, layer: int, name: str, combined: torch.Tensor,
-                     src_idx: torch.Tensor, dst: torch.Tensor) -> None:
+def _quantize_blocks(
+    cache, layer: int, name: str, combined: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor
+) -> None:
     """INT8 block writer: quantize blocks combined[:, src_idx[f]] into pool blocks dst[f]."""
     codes, scale, offset = (cache.tensors[name + x][layer] for x in "qso")
     kern.quantize_blocks[(dst.numel(), cache.kv_heads)](
-        combined.contiguous(), src_idx.to(torch.int32).contiguous(), dst.to(torch.int32),
-        codes, scale, offset, combined.shape[1], codes.shape[1], BS=cache.block_size,
-        D=cache.head_dim, PER_CHANNEL=name == "k")
+        combined.contiguous(),
+        src_idx.to(torch.int32).contiguous(),
+        dst.to(torch.int32),
+        codes,
+        scale,
+        offset,
+        combined.shape[1],
+        codes.shape[1],
+        BS=cache.block_size,
+        D=cache.head_dim,
+        PER_CHANNEL=name == "k",
+    )

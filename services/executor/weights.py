@@ -1,4 +1,5 @@
 """Load a Hugging Face safetensors checkpoint into a flat {name: tensor} dict."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,9 @@ def _files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_state(model_dir: Path, dtype: torch.dtype,
-               device: torch.device) -> dict[str, torch.Tensor]:
+def load_state(
+    model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
     """All tensors, converted to `dtype` on `device`, with any leading `model.` stripped."""
     from safetensors import safe_open
 
@@ -27,7 +29,7 @@ def load_state(model_dir: Path, dtype: torch.dtype,
     for path in _files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                key = name[len("model."):] if name.startswith("model.") else name
+                key = name[len("model.") :] if name.startswith("model.") else name
                 state[key] = f.get_tensor(name).to(device=device, dtype=dtype)
     return state
 

@@ -5,6 +5,7 @@ replicas balanced round-robin) and asks the scheduler for the maximum model leng
 back to the model config while the scheduler is away). Middleware order, outermost first:
 request id + metrics, body size limit, CORS.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -72,10 +73,10 @@ async def _load_state(settings: GatewaySettings, metrics: GatewayMetrics) -> Gat
     config_len = await asyncio.to_thread(model_max_length, settings, tokenizer)
     model_id = settings.served_model_name or served_model_id(settings.model)
     upstream = Upstream(settings)
-    prompts = PromptBuilder(tokenizer, model_id,
-                            lambda: upstream.max_model_len or config_len)
-    state = GatewayState(settings, metrics, tokenizer, upstream, prompts, model_id,
-                         config_len, int(time.time()))
+    prompts = PromptBuilder(tokenizer, model_id, lambda: upstream.max_model_len or config_len)
+    state = GatewayState(
+        settings, metrics, tokenizer, upstream, prompts, model_id, config_len, int(time.time())
+    )
     await upstream.stats()
     return state
 
@@ -92,15 +93,23 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         finally:
             await app.state.gateway.upstream.close()
 
-    app = FastAPI(title="ALISE gateway", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API with length prediction and SLOs.")
+    app = FastAPI(
+        title="ALISE gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible API with length prediction and SLOs.",
+    )
     install_error_handlers(app)
     app.include_router(router)
     _add_service_routes(app, metrics)
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-                           expose_headers=["X-Request-Id", "X-ALISE-Prediction"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "X-ALISE-Prediction"],
+        )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware, metrics=metrics)
     return app
@@ -111,14 +120,19 @@ def _add_service_routes(app: FastAPI, metrics: GatewayMetrics) -> None:
     async def health(request: Request) -> JSONResponse:
         """200 while the scheduler serves; the predictor is optional (reported only)."""
         gw: GatewayState = request.app.state.gateway
-        up, predictor = await asyncio.gather(gw.upstream.scheduler_up(),
-                                             gw.upstream.predictor_up())
+        up, predictor = await asyncio.gather(gw.upstream.scheduler_up(), gw.upstream.predictor_up())
         if up and not gw.upstream.max_model_len:
             await gw.upstream.stats()
-        return JSONResponse({"status": "ok" if up else "unavailable", "scheduler": up,
-                             "predictor": predictor, "model": gw.model_id,
-                             "max_model_len": gw.max_model_len()},
-                            status_code=200 if up else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if up else "unavailable",
+                "scheduler": up,
+                "predictor": predictor,
+                "model": gw.model_id,
+                "max_model_len": gw.max_model_len(),
+            },
+            status_code=200 if up else 503,
+        )
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:

@@ -1,4 +1,5 @@
 """`alise gateway serve`: run the OpenAI-compatible HTTP gateway (uvicorn)."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,23 @@ def _serve(args: argparse.Namespace) -> int:
     from services.common.settings import GatewaySettings
     from services.gateway.app import create_app
 
-    overrides = {k: v for k, v in (("gateway_host", args.host), ("gateway_port", args.port))
-                 if v is not None}
+    overrides = {
+        k: v for k, v in (("gateway_host", args.host), ("gateway_port", args.port)) if v is not None
+    }
     settings = GatewaySettings(**overrides)
     setup_logging("gateway", settings.log_level, settings.log_format)
     app = create_app(settings)
     DrainingServer = _draining_server_class()
-    config = uvicorn.Config(app, host=settings.gateway_host, port=settings.gateway_port,
-                            log_config=None, access_log=False,
-                            timeout_graceful_shutdown=DRAIN_S + 2, backlog=4096,
-                            limit_concurrency=settings.max_connections or None)
+    config = uvicorn.Config(
+        app,
+        host=settings.gateway_host,
+        port=settings.gateway_port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=DRAIN_S + 2,
+        backlog=4096,
+        limit_concurrency=settings.max_connections or None,
+    )
     DrainingServer(config).run()
     return 0
 
@@ -56,8 +64,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     group = subparsers.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     group.set_defaults(_parser=group)
     inner = group.add_subparsers(dest="gateway_command", metavar="COMMAND")
-    serve = inner.add_parser("serve", help="serve /v1/completions, /v1/chat/completions, "
-                                           "/health, /metrics and the playground at /")
+    serve = inner.add_parser(
+        "serve",
+        help="serve /v1/completions, /v1/chat/completions, "
+        "/health, /metrics and the playground at /",
+    )
     serve.add_argument("--host", default=None, help="bind address (ALISE_GATEWAY_HOST)")
     serve.add_argument("--port", type=int, default=None, help="port (ALISE_GATEWAY_PORT)")
     serve.set_defaults(func=_serve)

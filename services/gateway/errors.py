@@ -4,6 +4,7 @@ Everything the gateway refuses is raised as `APIError`; the handlers installed b
 `install_error_handlers` also turn FastAPI's validation errors (400), unknown routes (404),
 wrong methods (405) and, as a last resort, unexpected exceptions (500) into the same shape.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,27 +17,48 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else
-                                       "invalid_request_error")
+        self.type = type or _TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -94,11 +116,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code,
-                        headers=dict(exc.headers or {})).response()
+        return APIError(
+            exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error",
-                        code="internal_error").response()
+        return APIError(
+            500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error"
+        ).response()

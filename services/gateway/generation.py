@@ -8,6 +8,7 @@ match the request is aborted upstream. `close()` aborts upstream whatever has no
 (client gone, timeout, error) and, for requests that ended on EOS, reports the true length
 to the predictor.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,7 @@ class Plan:
 
     request_id: str
     model: str
-    prompt_text: str              # what the model sees (chat-formatted); sent to the predictor
+    prompt_text: str  # what the model sees (chat-formatted); sent to the predictor
     prompt_ids: list[int]
     max_tokens: int
     stops: list[str] = field(default_factory=list)
@@ -49,9 +50,14 @@ class Plan:
 
     def to_pb(self, prediction: common_pb2.Prediction | None) -> scheduler_pb2.GenerateRequest:
         request = scheduler_pb2.GenerateRequest(
-            request_id=self.request_id, prompt_token_ids=self.prompt_ids,
-            sampling=self.sampling, max_tokens=self.max_tokens, min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, model=self.model)
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling=self.sampling,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            model=self.model,
+        )
         if self.priority is not None:
             request.priority = self.priority
         if self.slo is not None:
@@ -64,25 +70,24 @@ class Plan:
 @dataclass
 class Piece:
     text: str
-    time: float          # scheduler time of the last token in this piece (unix s)
+    time: float  # scheduler time of the last token in this piece (unix s)
 
 
 class Generation:
-    def __init__(self, plan: Plan, upstream: Upstream,
-                 tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, plan: Plan, upstream: Upstream, tokenizer: PreTrainedTokenizerBase) -> None:
         self.plan = plan
         self.upstream = upstream
         self.detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids)
         self.stops = StopMatcher(plan.stops)
-        self.prediction: common_pb2.Prediction | None = None        # the predictor's answer
-        self.used_prediction: common_pb2.Prediction | None = None   # what the scheduler used
+        self.prediction: common_pb2.Prediction | None = None  # the predictor's answer
+        self.used_prediction: common_pb2.Prediction | None = None  # what the scheduler used
         self.call: GenerateCall | None = None
         self.finish_reason: str | None = None
         self.eos_finish = False
         self.completion_tokens = 0
         self.usage: scheduler_pb2.Usage | None = None
         self.text_parts: list[str] = []
-        self.closed = False   # set by the route once close() bookkeeping ran
+        self.closed = False  # set by the route once close() bookkeeping ran
 
     async def start(self, admission_wait_s: float | None = None) -> None:
         """Predict, then submit. Returns once the scheduler answered (first event, or a
@@ -114,8 +119,9 @@ class Generation:
                 raise from_grpc(exc) from exc
             if event is grpc.aio.EOF:
                 self.finish_reason = "error"
-                raise APIError(502, "scheduler closed the stream without finishing",
-                               code="upstream_error")
+                raise APIError(
+                    502, "scheduler closed the stream without finishing", code="upstream_error"
+                )
             piece = self._apply(event)
             if piece is not None and piece.text:
                 self.text_parts.append(piece.text)
@@ -137,10 +143,11 @@ class Generation:
         self.usage = event.usage
         if event.finish_reason == "error":
             self.finish_reason = "error"
-            raise APIError(502, f"generation failed: {event.error or 'unknown error'}",
-                           code="generation_error")
+            raise APIError(
+                502, f"generation failed: {event.error or 'unknown error'}", code="generation_error"
+            )
         self.finish_reason = event.finish_reason or "stop"
-        self.eos_finish = (self.finish_reason == "stop" and not self.plan.ignore_eos)
+        self.eos_finish = self.finish_reason == "stop" and not self.plan.ignore_eos
         if event.usage.completion_tokens:
             self.completion_tokens = event.usage.completion_tokens
         text, matched = self.stops.push(self.detok.flush())
@@ -163,8 +170,9 @@ class Generation:
             self.finish_reason = "abort"
             self._cancel_upstream()
         elif self.eos_finish:
-            self.upstream.observe(self.plan.model, self.plan.request_id, self.plan.prompt_text,
-                                  self.completion_tokens)
+            self.upstream.observe(
+                self.plan.model, self.plan.request_id, self.plan.prompt_text, self.completion_tokens
+            )
 
     @property
     def text(self) -> str:
@@ -173,7 +181,7 @@ class Generation:
 
 def _consume(task: asyncio.Future[grpc.aio.Metadata]) -> None:
     if not task.cancelled():
-        task.exception()   # retrieved: a failed call reports through call.code() instead
+        task.exception()  # retrieved: a failed call reports through call.code() instead
 
 
 def _call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

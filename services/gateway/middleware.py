@@ -3,6 +3,7 @@
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched and the
 per-token path pays nothing.
 """
+
 from __future__ import annotations
 
 import re
@@ -43,8 +44,10 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message["headers"] = [*message.get("headers", []),
-                                      (b"x-request-id", request_id.encode())]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode()),
+                ]
             await send(message)
 
         try:
@@ -92,8 +95,9 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        error = APIError(413, f"request body larger than {self.max_bytes} bytes",
-                         code="body_too_large")
+        error = APIError(
+            413, f"request body larger than {self.max_bytes} bytes", code="body_too_large"
+        )
         response = error.response()
         await response({"type": "http"}, _no_receive, send)
 

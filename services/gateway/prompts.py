@@ -1,6 +1,7 @@
 """OpenAI request -> `Plan`: validation, SLO/priority headers, chat template, tokenization,
 length limits. Every refusal is an `APIError` with the status the issue asks for.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,39 +18,51 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, S
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-SLO_HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tbt_ms": "x-slo-tbt-ms",
-               "deadline_ms": "x-slo-deadline-ms"}
+SLO_HEADERS = {
+    "ttft_ms": "x-slo-ttft-ms",
+    "tbt_ms": "x-slo-tbt-ms",
+    "deadline_ms": "x-slo-deadline-ms",
+}
 
 _Request = CompletionRequest | ChatCompletionRequest
 _N = TypeVar("_N", int, float)
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_id: str,
-                 max_len: Callable[[], int]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, model_id: str, max_len: Callable[[], int]
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.max_len = max_len   # current maximum model length (the scheduler may report later)
+        self.max_len = max_len  # current maximum model length (the scheduler may report later)
         self.vocab_size = len(tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.model_id}`.", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_id}`.",
+                param="model",
+                code="model_not_found",
+            )
 
-    async def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str],
-                   request_id: str) -> Plan:
+    async def chat(
+        self, body: ChatCompletionRequest, headers: Mapping[str, str], request_id: str
+    ) -> Plan:
         self.check_model(body.model)
         _refuse_unsupported_chat(body)
-        messages = [{"role": m.role, "content": _message_text(m.content, i)}
-                    for i, m in enumerate(body.messages)]
+        messages = [
+            {"role": m.role, "content": _message_text(m.content, i)}
+            for i, m in enumerate(body.messages)
+        ]
         text = await asyncio.to_thread(self._render, messages)
         ids = await asyncio.to_thread(self._encode, text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return self._plan(body, headers, request_id, text, ids, max_tokens, "messages")
 
-    async def completion(self, body: CompletionRequest, headers: Mapping[str, str],
-                         request_id: str) -> Plan:
+    async def completion(
+        self, body: CompletionRequest, headers: Mapping[str, str], request_id: str
+    ) -> Plan:
         self.check_model(body.model)
         _refuse_unsupported_completion(body)
         prompt = body.prompt
@@ -63,12 +76,16 @@ class PromptBuilder:
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions",
-                              param="messages", code="no_chat_template")
+            raise bad_request(
+                "this model has no chat template; use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:
             raise bad_request(f"chat template failed: {exc}", param="messages") from exc
 
     def _encode(self, text: str) -> list[int]:
@@ -77,36 +94,63 @@ class PromptBuilder:
     def _check_ids(self, ids: list[int]) -> list[int]:
         bad = [i for i in ids if i < 0 or i >= self.vocab_size]
         if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary "
-                              f"(0..{self.vocab_size - 1})", param="prompt")
+            raise bad_request(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                param="prompt",
+            )
         return ids
 
-    def _plan(self, body: _Request, headers: Mapping[str, str], request_id: str, text: str,
-              ids: list[int], max_tokens: int | None, param: str) -> Plan:
+    def _plan(
+        self,
+        body: _Request,
+        headers: Mapping[str, str],
+        request_id: str,
+        text: str,
+        ids: list[int],
+        max_tokens: int | None,
+        param: str,
+    ) -> Plan:
         if not ids:
             raise bad_request("the prompt is empty", param=param, code="empty_prompt")
         max_tokens = self._check_length(len(ids), max_tokens, param)
         if body.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({body.min_tokens}) exceeds max_tokens "
-                              f"({max_tokens})", param="min_tokens")
-        return Plan(request_id=request_id, model=self.model_id, prompt_text=text,
-                    prompt_ids=ids, max_tokens=max_tokens, stops=body.stop_list(),
-                    sampling=_sampling(body), min_tokens=body.min_tokens,
-                    ignore_eos=body.ignore_eos, priority=_priority(body, headers),
-                    slo=_slo(body, headers))
+            raise bad_request(
+                f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
+        return Plan(
+            request_id=request_id,
+            model=self.model_id,
+            prompt_text=text,
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            stops=body.stop_list(),
+            sampling=_sampling(body),
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            priority=_priority(body, headers),
+            slo=_slo(body, headers),
+        )
 
     def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         limit = self.max_len()
         if prompt_len >= limit:
-            raise APIError(413, f"This model's maximum context length is {limit} tokens; "
-                                f"the prompt has {prompt_len} tokens.", param=param,
-                           code="context_length_exceeded")
+            raise APIError(
+                413,
+                f"This model's maximum context length is {limit} tokens; "
+                f"the prompt has {prompt_len} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
         if max_tokens is None:
             return limit - prompt_len
         if prompt_len + max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens; the "
-                              f"prompt ({prompt_len}) plus max_tokens ({max_tokens}) exceeds it.",
-                              param="max_tokens", code="context_length_exceeded")
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the "
+                f"prompt ({prompt_len}) plus max_tokens ({max_tokens}) exceeds it.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return max_tokens
 
 
@@ -116,8 +160,11 @@ def _message_text(content: str | list[TextPart | dict[str, object]] | None, inde
     texts = []
     for part in content:
         if isinstance(part, dict):
-            raise bad_request(f"message {index}: only text content parts are supported "
-                              f"(got type {part.get('type')!r})", param=f"messages.{index}")
+            raise bad_request(
+                f"message {index}: only text content parts are supported "
+                f"(got type {part.get('type')!r})",
+                param=f"messages.{index}",
+            )
         texts.append(part.text)
     return "".join(texts)
 
@@ -142,8 +189,7 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     if body.tools:
         raise bad_request("tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only the text response format is supported",
-                          param="response_format")
+        raise bad_request("only the text response format is supported", param="response_format")
 
 
 def _refuse_unsupported_completion(body: CompletionRequest) -> None:
@@ -162,8 +208,11 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest) -> common_pb2.SamplingParams:
     """The schema has checked the ranges already (a refusal there is a 400)."""
-    return sampling_pb.to_pb(SamplingParams(temperature=body.temperature, top_p=body.top_p,
-                                            top_k=body.top_k, seed=body.seed))
+    return sampling_pb.to_pb(
+        SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+        )
+    )
 
 
 def _header_number(headers: Mapping[str, str], name: str, cast: Callable[[str], _N]) -> _N | None:
@@ -186,8 +235,7 @@ def _priority(body: _Request, headers: Mapping[str, str]) -> int | None:
 
 
 def _slo(body: _Request, headers: Mapping[str, str]) -> common_pb2.Slo | None:
-    values = {k: v for k, v in (body.slo.model_dump() if body.slo else {}).items()
-              if v is not None}
+    values = {k: v for k, v in (body.slo.model_dump() if body.slo else {}).items() if v is not None}
     for key, header in SLO_HEADERS.items():
         if key not in values and (value := _header_number(headers, header, float)) is not None:
             values[key] = value

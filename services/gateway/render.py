@@ -4,6 +4,7 @@ Chunks are built as plain dicts and serialized once (`json.dumps`, compact) beca
 the per-token hot path. SSE events are `data: <json>\n\n`; the stream ends with
 `data: [DONE]\n\n`. ALISE extensions ride in an `alise` key that OpenAI clients ignore.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,22 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"),
-                                  ensure_ascii=False).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        + b"\n\n"
+    )
 
 
 def prediction_dict(prediction: common_pb2.Prediction | None) -> dict | None:
     if prediction is None:
         return None
-    return {"length": prediction.length, "source": prediction.source,
-            "similarity": round(prediction.similarity, 4), "neighbors": prediction.neighbors}
+    return {
+        "length": prediction.length,
+        "source": prediction.source,
+        "similarity": round(prediction.similarity, 4),
+        "neighbors": prediction.neighbors,
+    }
 
 
 def prediction_header(prediction: common_pb2.Prediction | None) -> str:
@@ -38,8 +46,11 @@ def prediction_header(prediction: common_pb2.Prediction | None) -> str:
 
 def usage_dict(gen: Generation) -> dict:
     prompt = len(gen.plan.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": gen.completion_tokens,
-            "total_tokens": prompt + gen.completion_tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": prompt + gen.completion_tokens,
+    }
 
 
 def final_extension(gen: Generation) -> dict:
@@ -52,8 +63,7 @@ def final_extension(gen: Generation) -> dict:
 class ChunkMaker:
     """Builds the stream's chunks for one request (chat or text completion)."""
 
-    def __init__(self, gen: Generation, chat: bool, include_usage: bool,
-                 token_times: bool) -> None:
+    def __init__(self, gen: Generation, chat: bool, include_usage: bool, token_times: bool) -> None:
         self.gen = gen
         self.chat = chat
         self.include_usage = include_usage
@@ -63,8 +73,13 @@ class ChunkMaker:
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def _chunk(self, choice: dict, extension: dict | None = None) -> bytes:
-        payload = {"id": self.id, "object": self.object, "created": self.created,
-                   "model": self.gen.plan.model, "choices": [choice]}
+        payload = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.gen.plan.model,
+            "choices": [choice],
+        }
         if self.include_usage:
             payload["usage"] = None
         if extension:
@@ -73,15 +88,20 @@ class ChunkMaker:
 
     def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else (
-                {} if text is None else {"content": text})
+            delta = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({} if text is None else {"content": text})
+            )
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
 
     def first(self) -> bytes | None:
         """Chat streams open with the role; it carries the request's prediction."""
-        ext = {"request_id": self.gen.plan.request_id,
-               "prediction": prediction_dict(self.gen.prediction)}
+        ext = {
+            "request_id": self.gen.plan.request_id,
+            "prediction": prediction_dict(self.gen.prediction),
+        }
         if self.chat:
             return self._chunk(self._choice(None, None, role=True), ext)
         return None
@@ -94,9 +114,18 @@ class ChunkMaker:
         finish = self.gen.finish_reason
         out = [self._chunk(self._choice(None, finish), final_extension(self.gen))]
         if self.include_usage:
-            out.append(sse({"id": self.id, "object": self.object, "created": self.created,
-                            "model": self.gen.plan.model, "choices": [],
-                            "usage": usage_dict(self.gen)}))
+            out.append(
+                sse(
+                    {
+                        "id": self.id,
+                        "object": self.object,
+                        "created": self.created,
+                        "model": self.gen.plan.model,
+                        "choices": [],
+                        "usage": usage_dict(self.gen),
+                    }
+                )
+            )
         out.append(DONE)
         return out
 
@@ -105,12 +134,26 @@ def full_response(gen: Generation, chat: bool) -> dict:
     """The non-streaming body."""
     request_id = gen.plan.request_id
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},
-                  "logprobs": None, "finish_reason": gen.finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": gen.text},
+            "logprobs": None,
+            "finish_reason": gen.finish_reason,
+        }
         head = {"id": "chatcmpl-" + request_id, "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": gen.text, "logprobs": None,
-                  "finish_reason": gen.finish_reason}
+        choice = {
+            "index": 0,
+            "text": gen.text,
+            "logprobs": None,
+            "finish_reason": gen.finish_reason,
+        }
         head = {"id": "cmpl-" + request_id, "object": "text_completion"}
-    return {**head, "created": int(time.time()), "model": gen.plan.model, "choices": [choice],
-            "usage": usage_dict(gen), "alise": final_extension(gen)}
+    return {
+        **head,
+        "created": int(time.time()),
+        "model": gen.plan.model,
+        "choices": [choice],
+        "usage": usage_dict(gen),
+        "alise": final_extension(gen),
+    }

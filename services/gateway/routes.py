@@ -4,6 +4,7 @@ A generation is prepared (validated, tokenized), started upstream while watching
 client going away, then either streamed as SSE or collected into one JSON body. Whatever
 way it ends, `Generation.close()` runs: it aborts upstream anything unfinished.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,9 @@ async def require_api_key(request: Request) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send `Authorization: Bearer <key>`",
-                       code="invalid_api_key")
+        raise APIError(
+            401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
+        )
     if not any(hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys):
         raise APIError(401, "invalid API key", code="invalid_api_key")
 
@@ -54,23 +56,31 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], respon
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     gw: GatewayState = request.app.state.gateway
-    return ModelList(data=[ModelCard(id=gw.model_id, created=gw.started,
-                                      max_model_len=gw.max_model_len())])
+    return ModelList(
+        data=[ModelCard(id=gw.model_id, created=gw.started, max_model_len=gw.max_model_len())]
+    )
 
 
 def _header(name: str, kind: str, description: str) -> dict:
-    return {"name": name, "in": "header", "required": False, "description": description,
-            "schema": {"type": kind}}
+    return {
+        "name": name,
+        "in": "header",
+        "required": False,
+        "description": description,
+        "schema": {"type": kind},
+    }
 
 
 # Extensions for clients that cannot change bodies (the body wins when both are given).
-EXTENSION_HEADERS = {"parameters": [
-    _header("X-Priority", "integer", "Request priority, larger = more important."),
-    _header("X-SLO-TTFT-MS", "number", "Time-to-first-token objective (ms)."),
-    _header("X-SLO-TBT-MS", "number", "Time-between-tokens objective (ms)."),
-    _header("X-SLO-Deadline-MS", "number", "Completion deadline (ms after arrival)."),
-    _header("X-Request-Id", "string", "Echoed back; made up when absent or invalid."),
-]}
+EXTENSION_HEADERS = {
+    "parameters": [
+        _header("X-Priority", "integer", "Request priority, larger = more important."),
+        _header("X-SLO-TTFT-MS", "number", "Time-to-first-token objective (ms)."),
+        _header("X-SLO-TBT-MS", "number", "Time-between-tokens objective (ms)."),
+        _header("X-SLO-Deadline-MS", "number", "Completion deadline (ms after arrival)."),
+        _header("X-Request-Id", "string", "Echoed back; made up when absent or invalid."),
+    ]
+}
 
 
 @router.post("/completions", openapi_extra=EXTENSION_HEADERS)
@@ -87,8 +97,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _respond(request, plan, body, chat=True)
 
 
-async def _respond(request: Request, plan: Plan, body: CompletionRequest | ChatCompletionRequest,
-                   chat: bool) -> Response:
+async def _respond(
+    request: Request, plan: Plan, body: CompletionRequest | ChatCompletionRequest, chat: bool
+) -> Response:
     gw: GatewayState = request.app.state.gateway
     arrival = time.perf_counter()
     gen = Generation(plan, gw.upstream, gw.tokenizer)
@@ -100,11 +111,15 @@ async def _respond(request: Request, plan: Plan, body: CompletionRequest | ChatC
         gw.metrics.predictions.labels(gen.prediction.source if gen.prediction else "none").inc()
         headers = {"X-ALISE-Prediction": prediction_header(gen.prediction)}
         if body.stream:
-            maker = ChunkMaker(gen, chat, bool(body.stream_options and
-                                               body.stream_options.include_usage),
-                               body.return_token_times)
-            return SSEResponse(_stream(gen, maker, gw, arrival), headers,
-                               on_close=lambda: _close(gw, gen))
+            maker = ChunkMaker(
+                gen,
+                chat,
+                bool(body.stream_options and body.stream_options.include_usage),
+                body.return_token_times,
+            )
+            return SSEResponse(
+                _stream(gen, maker, gw, arrival), headers, on_close=lambda: _close(gw, gen)
+            )
         left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
         await _until_disconnect(request, _collect(gen), max(left, 0.0))
         _record(gw, gen, arrival)
@@ -122,8 +137,9 @@ async def _collect(gen: Generation) -> None:
         pass
 
 
-async def _stream(gen: Generation, maker: ChunkMaker, gw: GatewayState,
-                  arrival: float) -> AsyncIterator[bytes]:
+async def _stream(
+    gen: Generation, maker: ChunkMaker, gw: GatewayState, arrival: float
+) -> AsyncIterator[bytes]:
     deadline = arrival + gw.settings.request_timeout_s
     first_sent = False
     try:
@@ -148,8 +164,9 @@ async def _stream(gen: Generation, maker: ChunkMaker, gw: GatewayState,
         _close(gw, gen)
 
 
-async def _until_shutdown(pieces: AsyncIterator[Piece],
-                          stop: asyncio.Event) -> AsyncIterator[Piece]:
+async def _until_shutdown(
+    pieces: AsyncIterator[Piece], stop: asyncio.Event
+) -> AsyncIterator[Piece]:
     """The pieces, until the server's drain period ends: then a 503 error event."""
     stopping = asyncio.ensure_future(stop.wait())
     nxt = None
@@ -158,8 +175,11 @@ async def _until_shutdown(pieces: AsyncIterator[Piece],
             nxt = asyncio.ensure_future(anext(pieces))
             await asyncio.wait({nxt, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not nxt.done():
-                raise APIError(503, "the server is shutting down; the request was aborted",
-                               code="shutting_down")
+                raise APIError(
+                    503,
+                    "the server is shutting down; the request was aborted",
+                    code="shutting_down",
+                )
             try:
                 yield nxt.result()
             except StopAsyncIteration:
@@ -197,8 +217,9 @@ async def _until_disconnect(request: Request, coro: Awaitable[_T], timeout_s: fl
     work = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        done, _ = await asyncio.wait({work, watcher}, timeout=timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {work, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         watcher.cancel()
     if work in done:
@@ -219,10 +240,12 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str],
-                 on_close: Callable[[], None]) -> None:
-        super().__init__(content, headers={**headers, "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+    def __init__(
+        self, content: AsyncIterator[bytes], headers: dict[str, str], on_close: Callable[[], None]
+    ) -> None:
+        super().__init__(
+            content, headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -6,6 +6,7 @@ while features that would silently change the answer's shape (n > 1, logprobs, t
 refused with a 400. Extensions: `priority`, `slo`, `ignore_eos`, `top_k`, `min_tokens`
 (vLLM's names) and `return_token_times` (each chunk carries the scheduler's token time).
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -14,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 StopField = Annotated[
     str | list[Annotated[str, Field(min_length=1)]] | None,
-    Field(description="Up to 16 strings; generation stops before the first match.")]
+    Field(description="Up to 16 strings; generation stops before the first match."),
+]
 
 
 class Slo(BaseModel):
@@ -24,7 +26,8 @@ class Slo(BaseModel):
     ttft_ms: float | None = Field(None, gt=0, le=86_400_000, description="Time to first token.")
     tbt_ms: float | None = Field(None, gt=0, le=86_400_000, description="Time between tokens.")
     deadline_ms: float | None = Field(
-        None, gt=0, le=86_400_000, description="Arrival to last token (job completion).")
+        None, gt=0, le=86_400_000, description="Arrival to last token (job completion)."
+    )
 
 
 class StreamOptions(BaseModel):
@@ -49,15 +52,18 @@ class _GenerationParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Accepted, ignored.")
     logit_bias: dict[str, float] | None = Field(None, description="Accepted, ignored.")
     # Extensions.
-    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1,
-                                 description="Larger = more important (ALISE extension).")
+    priority: int | None = Field(
+        None, ge=-(2**31), le=2**31 - 1, description="Larger = more important (ALISE extension)."
+    )
     slo: Slo | None = None
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
     top_k: int = Field(0, ge=0, le=1_000_000, description="0 = disabled (vLLM extension).")
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM extension.")
     return_token_times: bool = Field(
-        False, description="Each chunk carries `alise.time`, the scheduler's time of its last "
-                           "token (unix seconds); used by benchmarks.")
+        False,
+        description="Each chunk carries `alise.time`, the scheduler's time of its last "
+        "token (unix seconds); used by benchmarks.",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -76,7 +82,8 @@ class _GenerationParams(BaseModel):
 
 class CompletionRequest(_GenerationParams):
     prompt: str | list[str] | list[int] = Field(
-        ..., description="A string, a one-element list of strings, or token ids.")
+        ..., description="A string, a one-element list of strings, or token ids."
+    )
     max_tokens: int | None = Field(16, ge=1, le=10_000_000)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -108,6 +115,7 @@ class ChatCompletionRequest(_GenerationParams):
 
 
 # Responses.
+
 
 class Usage(BaseModel):
     prompt_tokens: int

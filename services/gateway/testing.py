@@ -1,4 +1,5 @@
 """Run a real gateway (uvicorn on loopback) inside this process, for tests and benchmarks."""
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,9 @@ _T = TypeVar("_T")
 
 
 @contextmanager
-def running_gateway(settings: GatewaySettings, port: int | None = None,
-                    start_timeout_s: float = 120.0) -> Iterator[str]:
+def running_gateway(
+    settings: GatewaySettings, port: int | None = None, start_timeout_s: float = 120.0
+) -> Iterator[str]:
     """Serve `create_app(settings)` on 127.0.0.1:`port` (default: a free one) in a thread;
     yields the base URL."""
     import uvicorn
@@ -31,8 +33,15 @@ def running_gateway(settings: GatewaySettings, port: int | None = None,
     from services.gateway.app import create_app
 
     port = port or free_port()
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_config=None,
-                            access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(
+        create_app(settings),
+        host="127.0.0.1",
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
@@ -55,8 +64,14 @@ class ProcessStack:
     weight model with the bundled tokenizer; `with_executor=False` leaves the scheduler
     without one, so requests wait in its queue (idle streams)."""
 
-    def __init__(self, run_dir: Path, model: str = "tiny", with_executor: bool = True,
-                 env: dict[str, str] | None = None, health_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        model: str = "tiny",
+        with_executor: bool = True,
+        env: dict[str, str] | None = None,
+        health_timeout_s: float = 300.0,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.model = model
         self.with_executor = with_executor
@@ -82,19 +97,43 @@ class ProcessStack:
         executor = f"127.0.0.1:{ex_port}" if self.with_executor else f"127.0.0.1:{free_port()}"
         specs = []
         if self.with_executor:
-            specs.append(ServiceSpec("executor", ("executor", "serve"), {
-                "ALISE_EXECUTOR_PORT": str(ex_port), "ALISE_DEVICE": "cpu"},
-                ("grpc", executor)))
-        specs.append(ServiceSpec("scheduler", ("scheduler", "serve"), {
-            "ALISE_SCHEDULER_PORT": str(sch_port), "ALISE_EXECUTORS": executor,
-            "ALISE_REDIS_URL": self.redis.url, "ALISE_EXECUTOR_GRACE_S": "3600"},
-            ("grpc", f"127.0.0.1:{sch_port}"), ("executor",) if self.with_executor else ()))
+            specs.append(
+                ServiceSpec(
+                    "executor",
+                    ("executor", "serve"),
+                    {"ALISE_EXECUTOR_PORT": str(ex_port), "ALISE_DEVICE": "cpu"},
+                    ("grpc", executor),
+                )
+            )
+        specs.append(
+            ServiceSpec(
+                "scheduler",
+                ("scheduler", "serve"),
+                {
+                    "ALISE_SCHEDULER_PORT": str(sch_port),
+                    "ALISE_EXECUTORS": executor,
+                    "ALISE_REDIS_URL": self.redis.url,
+                    "ALISE_EXECUTOR_GRACE_S": "3600",
+                },
+                ("grpc", f"127.0.0.1:{sch_port}"),
+                ("executor",) if self.with_executor else (),
+            )
+        )
         self.url = f"http://127.0.0.1:{gw_port}"
         self.scheduler_address = f"127.0.0.1:{sch_port}"
-        specs.append(ServiceSpec("gateway", ("gateway", "serve"), {
-            "ALISE_GATEWAY_PORT": str(gw_port), "ALISE_SCHEDULER_ADDRESS": f"127.0.0.1:{sch_port}",
-            "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}"},
-            ("http", self.url + "/v1/models"), ("scheduler",)))
+        specs.append(
+            ServiceSpec(
+                "gateway",
+                ("gateway", "serve"),
+                {
+                    "ALISE_GATEWAY_PORT": str(gw_port),
+                    "ALISE_SCHEDULER_ADDRESS": f"127.0.0.1:{sch_port}",
+                    "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}",
+                },
+                ("http", self.url + "/v1/models"),
+                ("scheduler",),
+            )
+        )
         return specs
 
     def __enter__(self) -> ProcessStack:
@@ -106,9 +145,15 @@ class ProcessStack:
         model = self._model_setting()
         self.model_id = served_model_id(model)
         self.redis = EmbeddedRedis(self.run_dir / "redis").start()
-        env = base_env({"ALISE_MODEL": model, "ALISE_LOG_LEVEL": "WARNING",
-                        "ALISE_KV_MEMORY_GB": "0.25", "ALISE_SWAP_MEMORY_GB": "0.1",
-                        **self.extra_env})
+        env = base_env(
+            {
+                "ALISE_MODEL": model,
+                "ALISE_LOG_LEVEL": "WARNING",
+                "ALISE_KV_MEMORY_GB": "0.25",
+                "ALISE_SWAP_MEMORY_GB": "0.1",
+                **self.extra_env,
+            }
+        )
         self.supervisor = Supervisor(self._specs(model), self.run_dir / "logs", env)
         try:
             self.supervisor.start_all(self.health_timeout_s)
@@ -135,8 +180,7 @@ class BackgroundLoop:
         import asyncio
 
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="services",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="services", daemon=True)
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = 300.0) -> _T:
@@ -155,19 +199,23 @@ class Backend(TypedDict):
     loop: BackgroundLoop
     scheduler: SchedulerHandle
     executor: ExecutorHandle | None
-    address: str             # the scheduler's
+    address: str  # the scheduler's
 
 
 class Stack(Backend):
     """What `inprocess_stack` yields."""
 
-    url: str                 # the gateway's base URL
+    url: str  # the gateway's base URL
 
 
 @contextmanager
-def inprocess_backend(run_dir: Path, model_dir: str | Path | None, redis_url: str,
-                      executor_kw: dict[str, object] | None = None,
-                      **scheduler_kw: object) -> Iterator[Backend]:
+def inprocess_backend(
+    run_dir: Path,
+    model_dir: str | Path | None,
+    redis_url: str,
+    executor_kw: dict[str, object] | None = None,
+    **scheduler_kw: object,
+) -> Iterator[Backend]:
     """A real executor (serving `model_dir` on CPU; None = no executor, requests stay queued)
     and scheduler on loopback, run in a background loop. Yields {"loop", "scheduler",
     "executor", "address"}."""
@@ -180,19 +228,41 @@ def inprocess_backend(run_dir: Path, model_dir: str | Path | None, redis_url: st
         if model_dir is not None:
             from services.executor.server import start_executor
 
-            settings = ExecutorSettings(**{
-                "model": str(model_dir), "executor_port": 0, "device": "cpu",
-                "kv_memory_gb": 0.05, "swap_memory_gb": 0.02, "data_dir": run_dir,
-                **(executor_kw or {})})
+            settings = ExecutorSettings(
+                **{
+                    "model": str(model_dir),
+                    "executor_port": 0,
+                    "device": "cpu",
+                    "kv_memory_gb": 0.05,
+                    "swap_memory_gb": 0.02,
+                    "data_dir": run_dir,
+                    **(executor_kw or {}),
+                }
+            )
             executor = loop.run(start_executor(settings))
             executors = [f"127.0.0.1:{executor.port}"]
         else:
             executors = [f"127.0.0.1:{free_port()}"]
-        scheduler = loop.run(start_scheduler(SchedulerSettings(**{
-            "redis_url": redis_url, "executors": executors, "scheduler_port": 0,
-            "data_dir": run_dir, "executor_grace_s": 600, **scheduler_kw})))
-        yield {"loop": loop, "scheduler": scheduler, "executor": executor,
-               "address": f"127.0.0.1:{scheduler.port}"}
+        scheduler = loop.run(
+            start_scheduler(
+                SchedulerSettings(
+                    **{
+                        "redis_url": redis_url,
+                        "executors": executors,
+                        "scheduler_port": 0,
+                        "data_dir": run_dir,
+                        "executor_grace_s": 600,
+                        **scheduler_kw,
+                    }
+                )
+            )
+        )
+        yield {
+            "loop": loop,
+            "scheduler": scheduler,
+            "executor": executor,
+            "address": f"127.0.0.1:{scheduler.port}",
+        }
     finally:
         if scheduler is not None:
             loop.run(scheduler.stop())
@@ -202,19 +272,30 @@ def inprocess_backend(run_dir: Path, model_dir: str | Path | None, redis_url: st
 
 
 @contextmanager
-def inprocess_stack(run_dir: Path, model_dir: str | Path,
-                    executor_kw: dict[str, object] | None = None,
-                    scheduler_kw: dict[str, object] | None = None,
-                    **gateway_kw: object) -> Iterator[Stack]:
+def inprocess_stack(
+    run_dir: Path,
+    model_dir: str | Path,
+    executor_kw: dict[str, object] | None = None,
+    scheduler_kw: dict[str, object] | None = None,
+    **gateway_kw: object,
+) -> Iterator[Stack]:
     """Embedded Redis + `inprocess_backend` + a gateway with no predictor reachable (requests
     go on with the policy's prior). Yields {"url", "loop", "scheduler", "executor", "address"}."""
     from services.common.redis_runner import EmbeddedRedis
 
-    with EmbeddedRedis(Path(run_dir) / "redis") as redis, \
-            inprocess_backend(run_dir, model_dir, redis.url, executor_kw,
-                              **(scheduler_kw or {})) as backend:
-        settings = GatewaySettings(**{
-            "model": str(model_dir), "scheduler_address": backend["address"],
-            "predictor_addresses": [f"127.0.0.1:{free_port()}"], **gateway_kw})
+    with (
+        EmbeddedRedis(Path(run_dir) / "redis") as redis,
+        inprocess_backend(
+            run_dir, model_dir, redis.url, executor_kw, **(scheduler_kw or {})
+        ) as backend,
+    ):
+        settings = GatewaySettings(
+            **{
+                "model": str(model_dir),
+                "scheduler_address": backend["address"],
+                "predictor_addresses": [f"127.0.0.1:{free_port()}"],
+                **gateway_kw,
+            }
+        )
         with running_gateway(settings) as url:
             yield {"url": url, **backend}

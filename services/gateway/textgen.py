@@ -7,6 +7,7 @@ space at the start of a decode still produce it). `StopMatcher` holds back the l
 that could still grow into a stop string, so stops are found across token boundaries and the
 text before the match is emitted exactly once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -15,19 +16,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-PROMPT_CONTEXT = 6   # prompt tokens the first decode window starts with
+PROMPT_CONTEXT = 6  # prompt tokens the first decode window starts with
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self._decoder = self._pick_decoder(tokenizer)
         self.skip_special = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
-        self.prefix_offset = 0             # window start
-        self.read_offset = len(self.ids)   # text before this offset is already emitted
+        self.prefix_offset = 0  # window start
+        self.read_offset = len(self.ids)  # text before this offset is already emitted
 
     def _decode(self, ids: list[int]) -> str:
         return self._decoder(ids, skip_special_tokens=self.skip_special)
@@ -53,13 +58,13 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         if self.read_offset >= len(self.ids):
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) and not final:
             return ""
         if full.endswith(REPLACEMENT) and not final:
             return ""
-        new_text = full[len(prefix):]
+        new_text = full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return new_text
@@ -79,7 +84,7 @@ class StopMatcher:
         self.pending += text
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[:min(hits)], ""
+            out, self.pending = self.pending[: min(hits)], ""
             return out, True
         keep = self._partial_tail()
         cut = len(self.pending) - keep

@@ -5,6 +5,7 @@ no replica) means the request goes ahead without one. Observations are fire-and-
 background tasks. Aborts are also background tasks so they survive the cancellation of the
 HTTP handler that asks for them (a disconnecting client cancels its handler).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,9 @@ from services.common.settings import GatewaySettings
 
 if TYPE_CHECKING:
     # The Generate stream: an async iterator of TokenEvents, with .cancel().
-    GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall[scheduler_pb2.GenerateRequest,
-                                                       scheduler_pb2.TokenEvent]
+    GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall[
+        scheduler_pb2.GenerateRequest, scheduler_pb2.TokenEvent
+    ]
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +41,17 @@ STATS_TIMEOUT_S = 2.0
 class Upstream:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.scheduler_channel = aio_channel(settings.scheduler_address,
-                                             idempotent_services=["grpc.health.v1.Health"])
-        self.predictor_channel = aio_channel(settings.predictor_addresses,
-                                             idempotent_services=["alise.v1.Predictor"])
+        self.scheduler_channel = aio_channel(
+            settings.scheduler_address, idempotent_services=["grpc.health.v1.Health"]
+        )
+        self.predictor_channel = aio_channel(
+            settings.predictor_addresses, idempotent_services=["alise.v1.Predictor"]
+        )
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
         self.predictor = predictor_pb2_grpc.PredictorStub(self.predictor_channel)
         self._tasks: set[asyncio.Task[None]] = set()
         self._health: dict[str, tuple[float, bool]] = {}
-        self.max_model_len: int = 0   # from the scheduler's Stats, 0 = unknown yet
+        self.max_model_len: int = 0  # from the scheduler's Stats, 0 = unknown yet
 
     async def close(self) -> None:
         if self._tasks:
@@ -80,8 +84,9 @@ class Upstream:
 
     async def stats(self) -> scheduler_pb2.StatsResponse | None:
         try:
-            reply = await self.scheduler.Stats(scheduler_pb2.StatsRequest(),
-                                               timeout=STATS_TIMEOUT_S)
+            reply = await self.scheduler.Stats(
+                scheduler_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             log.debug("scheduler Stats failed: %s", exc.code().name)
             return None
@@ -98,8 +103,9 @@ class Upstream:
 
     async def _abort(self, request_id: str) -> None:
         try:
-            await self.scheduler.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
-                                       timeout=5.0)
+            await self.scheduler.Abort(
+                scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("abort of %s failed: %s", request_id, exc.code().name)
 
@@ -116,9 +122,10 @@ class Upstream:
         timeout = self.settings.predictor_timeout_ms / 1000.0
         request = predictor_pb2.PredictRequest(model=model, prompts=[prompt])
         try:
-            reply = await asyncio.wait_for(self.predictor.Predict(request, timeout=timeout),
-                                           timeout)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            reply = await asyncio.wait_for(
+                self.predictor.Predict(request, timeout=timeout), timeout
+            )
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
             log.debug("no prediction: %s", getattr(exc, "code", lambda: "timeout")())
             return None
         return reply.predictions[0] if reply.predictions else None
@@ -130,6 +137,7 @@ class Upstream:
         obs = predictor_pb2.Observation(request_id=request_id, prompt=prompt, true_length=length)
         try:
             await self.predictor.Observe(
-                predictor_pb2.ObserveRequest(model=model, observations=[obs]), timeout=5.0)
+                predictor_pb2.ObserveRequest(model=model, observations=[obs]), timeout=5.0
+            )
         except grpc.aio.AioRpcError as exc:
             log.debug("observe failed: %s", exc.code().name)

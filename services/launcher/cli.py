@@ -5,6 +5,7 @@ scheduler and the gateway, waits for every health check, prints the URL and a cu
 restarts crashed services with backoff, and on Ctrl-C stops everything in reverse order.
 Every flag has an ALISE_* variable (flag wins).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,10 @@ from pathlib import Path
 
 
 def _curl_example(url: str, model: str) -> str:
-    body = ('{"model": "%s", "stream": true, "max_tokens": 64, '
-            '"messages": [{"role": "user", "content": "Tell me a fun fact about owls."}]}' % model)
+    body = (
+        '{"model": "%s", "stream": true, "max_tokens": 64, '
+        '"messages": [{"role": "user", "content": "Tell me a fun fact about owls."}]}' % model
+    )
     return f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
@@ -34,8 +37,9 @@ def _serve(args: argparse.Namespace) -> int:
     executors = args.executors or settings.num_executors
     port = args.port if args.port is not None else gateway.gateway_port
     host = args.host or gateway.gateway_host
-    run_dir = Path(settings.run_dir or settings.data_dir / "runs" /
-                   datetime.now().strftime("%Y%m%d-%H%M%S"))
+    run_dir = Path(
+        settings.run_dir or settings.data_dir / "runs" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    )
     overrides = {"ALISE_POLICY": args.policy or SchedulerSettings().policy}
 
     stop = threading.Event()
@@ -47,15 +51,24 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         redis_server = EmbeddedRedis(settings.data_dir / "redis").start()
         redis_url = redis_server.url
-    supervisor = Supervisor(local_topology(executors, redis_url, gateway_host=host,
-                                           gateway_port=port), run_dir, base_env(overrides))
+    supervisor = Supervisor(
+        local_topology(executors, redis_url, gateway_host=host, gateway_port=port),
+        run_dir,
+        base_env(overrides),
+    )
     try:
-        print(f"starting ALISE ({executors} executor(s), policy {overrides['ALISE_POLICY']}); "
-              f"logs in {run_dir}", flush=True)
+        print(
+            f"starting ALISE ({executors} executor(s), policy {overrides['ALISE_POLICY']}); "
+            f"logs in {run_dir}",
+            flush=True,
+        )
         supervisor.start_all(settings.health_timeout_s)
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-        print(f"\nALISE is ready at {url}  (playground: {url}/ , metrics: {url}/metrics)\n"
-              f"Try:\n  {_curl_example(url, served_model_id(settings.model))}\n", flush=True)
+        print(
+            f"\nALISE is ready at {url}  (playground: {url}/ , metrics: {url}/metrics)\n"
+            f"Try:\n  {_curl_example(url, served_model_id(settings.model))}\n",
+            flush=True,
+        )
         while not stop.wait(0.5):
             for name in supervisor.poll():
                 print(f"restarted {name} (crashed)", flush=True)
@@ -63,8 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", flush=True)
         return 1
     finally:
-        print("stopping: draining the gateway, then scheduler, executors, predictor...",
-              flush=True)
+        print("stopping: draining the gateway, then scheduler, executors, predictor...", flush=True)
         supervisor.stop_all()
         if redis_server:
             redis_server.stop()
@@ -74,12 +86,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = subparsers.add_parser(
-        "serve", help="start the whole stack (Redis, predictor, executors, scheduler, gateway)")
-    serve.add_argument("--executors", type=int, default=0,
-                       help="number of executors (ALISE_NUM_EXECUTORS, default 1)")
-    serve.add_argument("--port", type=int, default=None,
-                       help="gateway port (ALISE_GATEWAY_PORT, default 8000)")
-    serve.add_argument("--host", default="",
-                       help="gateway bind address (ALISE_GATEWAY_HOST, default 127.0.0.1)")
+        "serve", help="start the whole stack (Redis, predictor, executors, scheduler, gateway)"
+    )
+    serve.add_argument(
+        "--executors",
+        type=int,
+        default=0,
+        help="number of executors (ALISE_NUM_EXECUTORS, default 1)",
+    )
+    serve.add_argument(
+        "--port", type=int, default=None, help="gateway port (ALISE_GATEWAY_PORT, default 8000)"
+    )
+    serve.add_argument(
+        "--host", default="", help="gateway bind address (ALISE_GATEWAY_HOST, default 127.0.0.1)"
+    )
     serve.add_argument("--policy", default="", help="scheduling policy (ALISE_POLICY)")
     serve.set_defaults(func=_serve)

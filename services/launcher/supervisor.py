@@ -8,6 +8,7 @@ outlives a launcher that was killed outright. (Not a `preexec_fn`: forking a pro
 gRPC threads are running crashes gRPC's fork handlers; without one, Python spawns with vfork.)
 Logs go to `<run_dir>/<service>.log`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,9 +52,13 @@ class Child:
         env = {**base_env, **self.spec.env, "ALISE_DIE_WITH_PARENT": str(os.getpid())}
         log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *self.spec.command], env=env,
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [sys.executable, "-m", "services.cli", *self.spec.command],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log_file.close()
         self.started_at = time.monotonic()
         log.info("started %s (pid %d), log %s", self.spec.name, self.process.pid, self.log_path)
@@ -75,8 +80,13 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, specs: list[ServiceSpec], run_dir: Path, env: dict[str, str],
-                 max_backoff: float = 30.0) -> None:
+    def __init__(
+        self,
+        specs: list[ServiceSpec],
+        run_dir: Path,
+        env: dict[str, str],
+        max_backoff: float = 30.0,
+    ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.children = [Child(s, run_dir / f"{s.name}.log") for s in specs]
         self.env = env
@@ -107,10 +117,15 @@ class Supervisor:
                 if failures >= attempts:
                     raise RuntimeError(
                         f"{child.spec.name} exited with code {child.process.returncode} while "
-                        f"starting ({failures} attempts); see {child.log_path}")
+                        f"starting ({failures} attempts); see {child.log_path}"
+                    )
                 delay = float(2 ** (failures - 1))
-                log.warning("%s exited with code %s while starting; trying again in %.0fs",
-                            child.spec.name, child.process.returncode, delay)
+                log.warning(
+                    "%s exited with code %s while starting; trying again in %.0fs",
+                    child.spec.name,
+                    child.process.returncode,
+                    delay,
+                )
                 time.sleep(delay)
                 child.restarts += 1
                 child.start(self.env)
@@ -118,8 +133,9 @@ class Supervisor:
             if healthy(child.spec):
                 return
             time.sleep(0.25)
-        raise TimeoutError(f"{child.spec.name} not healthy after {timeout:.0f}s; "
-                           f"see {child.log_path}")
+        raise TimeoutError(
+            f"{child.spec.name} not healthy after {timeout:.0f}s; see {child.log_path}"
+        )
 
     def poll(self) -> list[str]:
         """Restart crashed children (with backoff); returns the names restarted now."""
@@ -132,8 +148,12 @@ class Supervisor:
                 continue
             if child.next_start == 0.0:
                 child.next_start = now + child.backoff
-                log.warning("%s exited with code %s; restarting in %.0fs", child.spec.name,
-                            child.process.returncode, child.backoff)
+                log.warning(
+                    "%s exited with code %s; restarting in %.0fs",
+                    child.spec.name,
+                    child.process.returncode,
+                    child.backoff,
+                )
             elif now >= child.next_start:
                 child.backoff = min(child.backoff * 2, self.max_backoff)
                 child.next_start = 0.0

@@ -1,6 +1,7 @@
 """The stack's services, described once: what `alise serve` starts and what
 docker-compose.yml must mirror (tests/unit/test_compose.py checks the two agree).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,10 +14,10 @@ GATEWAY_PORT = 8000
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    name: str                      # also the docker-compose service name (or its prefix)
-    command: tuple[str, ...]       # arguments after `alise`
+    name: str  # also the docker-compose service name (or its prefix)
+    command: tuple[str, ...]  # arguments after `alise`
     env: dict[str, str] = field(default_factory=dict)
-    health: tuple[str, str] = ("grpc", "")   # ("grpc", "host:port") or ("http", url)
+    health: tuple[str, str] = ("grpc", "")  # ("grpc", "host:port") or ("http", url)
     depends_on: tuple[str, ...] = ()
 
 
@@ -24,32 +25,65 @@ def executor_names(num_executors: int) -> list[str]:
     return [f"executor-{i}" for i in range(num_executors)]
 
 
-def local_topology(num_executors: int, redis_url: str, host: str = "127.0.0.1",
-                   gateway_host: str = "127.0.0.1", gateway_port: int = GATEWAY_PORT,
-                   base_port: int = EXECUTOR_BASE_PORT) -> list[ServiceSpec]:
+def local_topology(
+    num_executors: int,
+    redis_url: str,
+    host: str = "127.0.0.1",
+    gateway_host: str = "127.0.0.1",
+    gateway_port: int = GATEWAY_PORT,
+    base_port: int = EXECUTOR_BASE_PORT,
+) -> list[ServiceSpec]:
     """Services in start order for one machine (loopback addresses, one port each)."""
-    executors = [(name, f"{host}:{base_port + i}")
-                 for i, name in enumerate(executor_names(num_executors))]
-    specs = [ServiceSpec(
-        "predictor", ("predictor", "serve"),
-        {"ALISE_PREDICTOR_HOST": host, "ALISE_PREDICTOR_PORT": str(PREDICTOR_PORT)},
-        ("grpc", f"{host}:{PREDICTOR_PORT}"))]
+    executors = [
+        (name, f"{host}:{base_port + i}") for i, name in enumerate(executor_names(num_executors))
+    ]
+    specs = [
+        ServiceSpec(
+            "predictor",
+            ("predictor", "serve"),
+            {"ALISE_PREDICTOR_HOST": host, "ALISE_PREDICTOR_PORT": str(PREDICTOR_PORT)},
+            ("grpc", f"{host}:{PREDICTOR_PORT}"),
+        )
+    ]
     for i, (name, address) in enumerate(executors):
-        specs.append(ServiceSpec(
-            name, ("executor", "serve"),
-            {"ALISE_EXECUTOR_HOST": host, "ALISE_EXECUTOR_PORT": str(base_port + i)},
-            ("grpc", address)))
-    specs.append(ServiceSpec(
-        "scheduler", ("scheduler", "serve"),
-        {"ALISE_SCHEDULER_HOST": host, "ALISE_SCHEDULER_PORT": str(SCHEDULER_PORT),
-         "ALISE_EXECUTORS": ",".join(a for _, a in executors), "ALISE_REDIS_URL": redis_url},
-        ("grpc", f"{host}:{SCHEDULER_PORT}"), tuple(n for n, _ in executors)))
-    specs.append(ServiceSpec(
-        "gateway", ("gateway", "serve"),
-        {"ALISE_GATEWAY_HOST": gateway_host, "ALISE_GATEWAY_PORT": str(gateway_port),
-         "ALISE_SCHEDULER_ADDRESS": f"{host}:{SCHEDULER_PORT}",
-         "ALISE_PREDICTOR_ADDRESSES": f"{host}:{PREDICTOR_PORT}"},
-        ("http", f"http://{host if gateway_host in ('0.0.0.0', '') else gateway_host}:"
-                 f"{gateway_port}/health"),
-        ("scheduler", "predictor")))
+        specs.append(
+            ServiceSpec(
+                name,
+                ("executor", "serve"),
+                {"ALISE_EXECUTOR_HOST": host, "ALISE_EXECUTOR_PORT": str(base_port + i)},
+                ("grpc", address),
+            )
+        )
+    specs.append(
+        ServiceSpec(
+            "scheduler",
+            ("scheduler", "serve"),
+            {
+                "ALISE_SCHEDULER_HOST": host,
+                "ALISE_SCHEDULER_PORT": str(SCHEDULER_PORT),
+                "ALISE_EXECUTORS": ",".join(a for _, a in executors),
+                "ALISE_REDIS_URL": redis_url,
+            },
+            ("grpc", f"{host}:{SCHEDULER_PORT}"),
+            tuple(n for n, _ in executors),
+        )
+    )
+    specs.append(
+        ServiceSpec(
+            "gateway",
+            ("gateway", "serve"),
+            {
+                "ALISE_GATEWAY_HOST": gateway_host,
+                "ALISE_GATEWAY_PORT": str(gateway_port),
+                "ALISE_SCHEDULER_ADDRESS": f"{host}:{SCHEDULER_PORT}",
+                "ALISE_PREDICTOR_ADDRESSES": f"{host}:{PREDICTOR_PORT}",
+            },
+            (
+                "http",
+                f"http://{host if gateway_host in ('0.0.0.0', '') else gateway_host}:"
+                f"{gateway_port}/health",
+            ),
+            ("scheduler", "predictor"),
+        )
+    )
     return specs

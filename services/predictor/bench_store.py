@@ -4,6 +4,7 @@ Loads N vectors (cached train-split embeddings when present, else random unit ve
 then times single-vector and batch-32 top-k queries and measures Edge's recall against the
 exact (brute-force) neighbours of local mode. Prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,9 @@ def _vectors(n: int, dim: int, cache: Path | None) -> tuple[np.ndarray, str]:
 
 def _time_store(store: LengthStore, vectors: np.ndarray, queries: np.ndarray, k: int) -> dict:
     t0 = time.perf_counter()
-    store.upsert("bench", [Record(point_id("bench", str(i)), v, float(i))
-                           for i, v in enumerate(vectors)])
+    store.upsert(
+        "bench", [Record(point_id("bench", str(i)), v, float(i)) for i, v in enumerate(vectors)]
+    )
     store.optimize("bench")
     load_s = time.perf_counter() - t0
     singles = []
@@ -48,12 +50,15 @@ def _time_store(store: LengthStore, vectors: np.ndarray, queries: np.ndarray, k:
         singles.append(time.perf_counter() - t)
     t = time.perf_counter()
     for start in range(0, len(queries), 32):
-        store.search("bench", queries[start:start + 32], k)
+        store.search("bench", queries[start : start + 32], k)
     batch_s = time.perf_counter() - t
     ms = np.array(singles) * 1000
-    return {"load_s": round(load_s, 2), "single_p50_ms": round(float(np.median(ms)), 3),
-            "single_p99_ms": round(float(np.percentile(ms, 99)), 3),
-            "batch32_queries_per_s": round(len(queries) / batch_s, 1)}
+    return {
+        "load_s": round(load_s, 2),
+        "single_p50_ms": round(float(np.median(ms)), 3),
+        "single_p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "batch32_queries_per_s": round(len(queries) / batch_s, 1),
+    }
 
 
 def run(n: int, k: int, n_queries: int, cache: Path | None) -> dict:
@@ -65,15 +70,18 @@ def run(n: int, k: int, n_queries: int, cache: Path | None) -> dict:
     out: dict = {"points": n, "k": k, "queries": n_queries, "vectors": kind}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, store in (("local", QdrantClientStore(384, path=Path(tmp) / "local")),
-                            ("edge", EdgeStore(384, Path(tmp) / "edge"))):
+        for name, store in (
+            ("local", QdrantClientStore(384, path=Path(tmp) / "local")),
+            ("edge", EdgeStore(384, Path(tmp) / "edge")),
+        ):
             out[name] = _time_store(store, vectors, queries, k)
             results[name] = [[nb.score for nb in r] for r in store.search("bench", queries, k)]
             store.close()
     # Recall by score (ties among duplicate prompts make id overlap misleading): the share
     # of Edge's k results scoring at least the exact k-th best score.
-    recall = np.mean([np.sum(np.array(b) >= a[-1] - 1e-5) / k
-                      for a, b in zip(results["local"], results["edge"])])
+    recall = np.mean(
+        [np.sum(np.array(b) >= a[-1] - 1e-5) / k for a, b in zip(results["local"], results["edge"])]
+    )
     out["edge_recall_vs_exact"] = round(float(recall), 4)
     return out
 
@@ -82,7 +90,10 @@ def main(args: argparse.Namespace) -> int:
     from services.common.settings import PredictorSettings
 
     cache = args.vectors or next(
-        iter(sorted((Path(PredictorSettings().data_dir) / "predictor" / "embeddings").glob(
-            "*.npz"))), None)
+        iter(
+            sorted((Path(PredictorSettings().data_dir) / "predictor" / "embeddings").glob("*.npz"))
+        ),
+        None,
+    )
     print(json.dumps(run(args.points, args.k, args.queries, cache), indent=1))
     return 0

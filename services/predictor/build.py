@@ -7,6 +7,7 @@ keyed by embedder and text hash), so only the first seed pays for embedding them
 of the reference lengths to the serving model (generating answers for a sample) is not
 implemented.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,9 +55,12 @@ def make_embedder(settings: PredictorSettings, normalize: bool = True) -> Embedd
         import torch
 
         torch.set_num_threads(settings.predictor_threads)
-    return Embedder(settings.embedder, normalize=normalize,
-                    max_seq_length=settings.predictor_embed_tokens,
-                    quantize=settings.predictor_quantize)
+    return Embedder(
+        settings.embedder,
+        normalize=normalize,
+        max_seq_length=settings.predictor_embed_tokens,
+        quantize=settings.predictor_quantize,
+    )
 
 
 def embedding_cache(settings: PredictorSettings, embedder: Embedder) -> EmbeddingCache:
@@ -68,15 +72,21 @@ def load_mlp(settings: PredictorSettings, model: str, space: str = "") -> MlpReg
     return MlpRegressor.load(path) if path.exists() else None
 
 
-def build_predictor(settings: PredictorSettings, embedder: Embedder | None = None,
-                    store: LengthStore | None = None) -> LengthPredictor:
+def build_predictor(
+    settings: PredictorSettings, embedder: Embedder | None = None, store: LengthStore | None = None
+) -> LengthPredictor:
     embedder = embedder or make_embedder(settings)
     store = store or open_store(settings, embedder.dim, embedder.space)
     mlp = load_mlp(settings, served_models(settings)[0], embedder.space)
-    return LengthPredictor(embedder, store, mlp, k=settings.predictor_top_k,
-                           s0=settings.predictor_threshold,
-                           merge_similarity=settings.predictor_merge_similarity,
-                           capacity=settings.predictor_capacity)
+    return LengthPredictor(
+        embedder,
+        store,
+        mlp,
+        k=settings.predictor_top_k,
+        s0=settings.predictor_threshold,
+        merge_similarity=settings.predictor_merge_similarity,
+        capacity=settings.predictor_capacity,
+    )
 
 
 def train_samples(settings: PredictorSettings, limit: int | None = None) -> list[Sample]:
@@ -90,8 +100,12 @@ class SeedCancelled(Exception):
     """Seeding stopped on request (what was embedded so far stays cached)."""
 
 
-def embed_samples(settings: PredictorSettings, embedder: Embedder, samples: Sequence[Sample],
-                  stop: threading.Event | None = None) -> np.ndarray:
+def embed_samples(
+    settings: PredictorSettings,
+    embedder: Embedder,
+    samples: Sequence[Sample],
+    stop: threading.Event | None = None,
+) -> np.ndarray:
     """[N, D] embeddings of the samples' prompts, through the on-disk cache."""
     cache = embedding_cache(settings, embedder)
     t0 = time.perf_counter()
@@ -104,28 +118,43 @@ def embed_samples(settings: PredictorSettings, embedder: Embedder, samples: Sequ
     return cache.embed([s.prompt for s in samples], progress=progress)
 
 
-def seed(settings: PredictorSettings, predictor: LengthPredictor, model: str,
-         limit: int | None = None, stop: threading.Event | None = None,
-         samples: list[Sample] | None = None) -> dict:
+def seed(
+    settings: PredictorSettings,
+    predictor: LengthPredictor,
+    model: str,
+    limit: int | None = None,
+    stop: threading.Event | None = None,
+    samples: list[Sample] | None = None,
+) -> dict:
     """Bulk-load the train split (or `samples`) into `model`'s collection; returns timings."""
     t0 = time.perf_counter()
     samples = samples if samples is not None else train_samples(settings, limit)
     vectors = embed_samples(settings, predictor.embedder, samples, stop)  # [N, D]
     t_embed = time.perf_counter() - t0
     now = time.time()
-    records = [Record(point_id(model, f"seed:{s.id}"), v, float(s.output_len), 1,
-                      [f"seed:{s.id}"], now) for s, v in zip(samples, vectors)]
+    records = [
+        Record(point_id(model, f"seed:{s.id}"), v, float(s.output_len), 1, [f"seed:{s.id}"], now)
+        for s, v in zip(samples, vectors)
+    ]
     predictor.store.upsert(model, records)
     predictor.store.optimize(model)
     predictor.store.flush()
-    return {"points": len(records), "embed_s": round(t_embed, 1),
-            "total_s": round(time.perf_counter() - t0, 1),
-            "store_size": predictor.store.count(model)}
+    return {
+        "points": len(records),
+        "embed_s": round(t_embed, 1),
+        "total_s": round(time.perf_counter() - t0, 1),
+        "store_size": predictor.store.count(model),
+    }
 
 
-def train_mlp(settings: PredictorSettings, embedder: Embedder, model: str,
-              limit: int | None = None, epochs: int = 60,
-              samples: list[Sample] | None = None) -> tuple[MlpRegressor, Path]:
+def train_mlp(
+    settings: PredictorSettings,
+    embedder: Embedder,
+    model: str,
+    limit: int | None = None,
+    epochs: int = 60,
+    samples: list[Sample] | None = None,
+) -> tuple[MlpRegressor, Path]:
     """Fit the MLP on the train split (or `samples`); save it where the service looks."""
     samples = samples if samples is not None else train_samples(settings, limit)
     vectors = embed_samples(settings, embedder, samples)
@@ -137,8 +166,9 @@ def train_mlp(settings: PredictorSettings, embedder: Embedder, model: str,
     return mlp, path
 
 
-def seed_if_empty(settings: PredictorSettings, predictor: LengthPredictor,
-                  stop: threading.Event | None = None) -> dict | None:
+def seed_if_empty(
+    settings: PredictorSettings, predictor: LengthPredictor, stop: threading.Event | None = None
+) -> dict | None:
     """Service start-up: seed an empty store, and train the MLP when it has no checkpoint."""
     model = served_models(settings)[0]
     report = None

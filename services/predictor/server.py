@@ -6,6 +6,7 @@ the store is empty - seeds it from the ShareGPT train split in a background thre
 answers meanwhile from what is there, the MLP, or the prior). `await handle.wait_seeded()`
 waits for that.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +16,16 @@ from dataclasses import dataclass, field
 
 from services.common.grpc_server import GrpcServer, start_server
 from services.common.settings import PredictorSettings
-from services.predictor.build import (SeedCancelled, build_predictor, seed_if_empty,
-                                      served_models)
+from services.predictor.build import SeedCancelled, build_predictor, seed_if_empty, served_models
 from services.predictor.core import LengthPredictor
 from services.predictor.embedder import Embedder
-from services.predictor.servicer import (SERVICE_NAME, ObserveQueue, PredictorMetrics,
-                                         PredictorServicer, add_to_server)
+from services.predictor.servicer import (
+    SERVICE_NAME,
+    ObserveQueue,
+    PredictorMetrics,
+    PredictorServicer,
+    add_to_server,
+)
 from services.predictor.store_base import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -55,8 +60,13 @@ class PredictorHandle:
         await asyncio.to_thread(self.predictor.store.close)
 
 
-async def _seed(settings: PredictorSettings, predictor: LengthPredictor,
-                metrics: PredictorMetrics, model: str, stop: threading.Event) -> dict | None:
+async def _seed(
+    settings: PredictorSettings,
+    predictor: LengthPredictor,
+    metrics: PredictorMetrics,
+    model: str,
+    stop: threading.Event,
+) -> dict | None:
     try:
         report = await asyncio.to_thread(seed_if_empty, settings, predictor, stop)
         metrics.store_size.labels(model).set(await asyncio.to_thread(predictor.store.count, model))
@@ -68,8 +78,9 @@ async def _seed(settings: PredictorSettings, predictor: LengthPredictor,
     return None
 
 
-async def start_predictor(settings: PredictorSettings,
-                          embedder: Embedder | None = None) -> PredictorHandle:
+async def start_predictor(
+    settings: PredictorSettings, embedder: Embedder | None = None
+) -> PredictorHandle:
     """Serve on settings.predictor_host:predictor_port (port 0 = a free one).
 
     `embedder`: an already loaded one to reuse (tests); default = load settings.embedder.
@@ -78,17 +89,27 @@ async def start_predictor(settings: PredictorSettings,
     models = served_models(settings)
     metrics = PredictorMetrics()
     observer = ObserveQueue(predictor, metrics)
-    servicer = PredictorServicer(predictor, models, metrics, observer,
-                                 settings.predictor_max_prompt_chars,
-                                 settings.predictor_max_batch)
-    server = await start_server([(add_to_server, servicer, SERVICE_NAME)],
-                                f"{settings.predictor_host}:{settings.predictor_port}")
+    servicer = PredictorServicer(
+        predictor,
+        models,
+        metrics,
+        observer,
+        settings.predictor_max_prompt_chars,
+        settings.predictor_max_batch,
+    )
+    server = await start_server(
+        [(add_to_server, servicer, SERVICE_NAME)],
+        f"{settings.predictor_host}:{settings.predictor_port}",
+    )
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
     handle = PredictorHandle(server, predictor, observer, metrics, models)
     if settings.predictor_seed:
         handle.seeding = asyncio.create_task(
-            _seed(settings, predictor, metrics, models[0], handle.stop_seeding))
-    log.info("predictor serving", extra={"port": server.port, "models": models,
-                                         "store": predictor.store.backend})
+            _seed(settings, predictor, metrics, models[0], handle.stop_seeding)
+        )
+    log.info(
+        "predictor serving",
+        extra={"port": server.port, "models": models, "store": predictor.store.backend},
+    )
     return handle

@@ -4,6 +4,7 @@ Predict runs the (CPU-bound) prediction in a worker thread. Observe only validat
 queues: `ObserveQueue` drains in the background, so learning never delays a prediction, and
 drops request ids it has already queued (the store itself also recognises them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,15 +31,19 @@ _M = TypeVar("_M", bound=Message)
 class PredictorMetrics(Metrics):
     def __init__(self) -> None:
         super().__init__()
-        self.latency = self.histogram("predictor_request_latency_seconds",
-                                      "Predict latency (whole batch).")
-        self.predictions = self.counter("predictor_predictions_total",
-                                        "Predictions by source.", ("source",))
-        self.observations = self.counter("predictor_observations_total",
-                                         "Observations by outcome.", ("outcome",))
+        self.latency = self.histogram(
+            "predictor_request_latency_seconds", "Predict latency (whole batch)."
+        )
+        self.predictions = self.counter(
+            "predictor_predictions_total", "Predictions by source.", ("source",)
+        )
+        self.observations = self.counter(
+            "predictor_observations_total", "Observations by outcome.", ("outcome",)
+        )
         self.store_size = self.gauge("predictor_store_points", "Points per model.", ("model",))
-        self.queue_depth = self.gauge("predictor_observe_queue_depth",
-                                      "Observations waiting to be learned.")
+        self.queue_depth = self.gauge(
+            "predictor_observe_queue_depth", "Observations waiting to be learned."
+        )
 
 
 class Malformed:
@@ -50,11 +55,13 @@ class Malformed:
 
 def tolerant(message_cls: type[_M]) -> Callable[[bytes], _M | Malformed]:
     """A request deserializer that hands over undecodable bytes as `Malformed`."""
+
     def parse(data: bytes) -> _M | Malformed:
         try:
             return message_cls.FromString(data)
         except DecodeError as exc:
             return Malformed(exc)
+
     return parse
 
 
@@ -63,21 +70,29 @@ def add_to_server(servicer: PredictorServicer, server: grpc.aio.Server) -> None:
     servicer (as `Malformed`) so they get INVALID_ARGUMENT instead of INTERNAL."""
     handlers = {
         "Predict": grpc.unary_unary_rpc_method_handler(
-            servicer.Predict, request_deserializer=tolerant(predictor_pb2.PredictRequest),
-            response_serializer=predictor_pb2.PredictResponse.SerializeToString),
+            servicer.Predict,
+            request_deserializer=tolerant(predictor_pb2.PredictRequest),
+            response_serializer=predictor_pb2.PredictResponse.SerializeToString,
+        ),
         "Observe": grpc.unary_unary_rpc_method_handler(
-            servicer.Observe, request_deserializer=tolerant(predictor_pb2.ObserveRequest),
-            response_serializer=predictor_pb2.ObserveResponse.SerializeToString),
+            servicer.Observe,
+            request_deserializer=tolerant(predictor_pb2.ObserveRequest),
+            response_serializer=predictor_pb2.ObserveResponse.SerializeToString,
+        ),
     }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 class ObserveQueue:
     """Background learner: batches of (model, observations), processed one at a time."""
 
-    def __init__(self, predictor: LengthPredictor, metrics: PredictorMetrics,
-                 remember: int = 100_000, chunk: int = 8) -> None:
+    def __init__(
+        self,
+        predictor: LengthPredictor,
+        metrics: PredictorMetrics,
+        remember: int = 100_000,
+        chunk: int = 8,
+    ) -> None:
         self.predictor, self.metrics, self.chunk = predictor, metrics, chunk
         self.queue: asyncio.Queue[tuple[str, list[Observation]]] = asyncio.Queue()
         self.seen: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -96,7 +111,7 @@ class ObserveQueue:
         while len(self.seen) > self.remember:
             self.seen.popitem(last=False)
         for start in range(0, len(fresh), self.chunk):
-            self.queue.put_nowait((model, fresh[start:start + self.chunk]))
+            self.queue.put_nowait((model, fresh[start : start + self.chunk]))
         self.metrics.queue_depth.inc(len(fresh))
         return len(fresh)
 
@@ -109,7 +124,7 @@ class ObserveQueue:
                 self.metrics.observations.labels("already_stored").inc(len(batch) - changed)
                 size = await asyncio.to_thread(self.predictor.store.count, model)
                 self.metrics.store_size.labels(model).set(size)
-            except Exception:  # noqa: BLE001 - keep learning after a failed batch
+            except Exception:
                 log.exception("observe batch failed")
                 self.metrics.observations.labels("failed").inc(len(batch))
             finally:
@@ -127,8 +142,15 @@ _Request = predictor_pb2.PredictRequest | predictor_pb2.ObserveRequest | Malform
 
 
 class PredictorServicer:
-    def __init__(self, predictor: LengthPredictor, models: list[str], metrics: PredictorMetrics,
-                 observer: ObserveQueue, max_prompt_chars: int, max_batch: int) -> None:
+    def __init__(
+        self,
+        predictor: LengthPredictor,
+        models: list[str],
+        metrics: PredictorMetrics,
+        observer: ObserveQueue,
+        max_prompt_chars: int,
+        max_batch: int,
+    ) -> None:
         self.predictor, self.models, self.metrics = predictor, set(models), metrics
         self.observer = observer
         self.max_prompt_chars, self.max_batch = max_prompt_chars, max_batch
@@ -147,11 +169,13 @@ class PredictorServicer:
         if not prompt.strip():
             raise invalid(f"{where}: empty prompt")
         if len(prompt) > self.max_prompt_chars:
-            raise invalid(f"{where}: prompt of {len(prompt)} characters exceeds "
-                          f"{self.max_prompt_chars}")
+            raise invalid(
+                f"{where}: prompt of {len(prompt)} characters exceeds {self.max_prompt_chars}"
+            )
 
-    async def Predict(self, request: predictor_pb2.PredictRequest | Malformed,
-                      context: grpc.aio.ServicerContext) -> predictor_pb2.PredictResponse:
+    async def Predict(
+        self, request: predictor_pb2.PredictRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> predictor_pb2.PredictResponse:
         prompts = [] if isinstance(request, Malformed) else list(request.prompts)
         self._check_common(request, prompts, "prompts")
         for i, prompt in enumerate(prompts):
@@ -161,12 +185,18 @@ class PredictorServicer:
         self.metrics.latency.observe(time.perf_counter() - t0)
         for p in preds:
             self.metrics.predictions.labels(p.source).inc()
-        return predictor_pb2.PredictResponse(predictions=[
-            common_pb2.Prediction(length=p.length, source=p.source, similarity=p.similarity,
-                                  neighbors=p.neighbors) for p in preds])
+        return predictor_pb2.PredictResponse(
+            predictions=[
+                common_pb2.Prediction(
+                    length=p.length, source=p.source, similarity=p.similarity, neighbors=p.neighbors
+                )
+                for p in preds
+            ]
+        )
 
-    async def Observe(self, request: predictor_pb2.ObserveRequest | Malformed,
-                      context: grpc.aio.ServicerContext) -> predictor_pb2.ObserveResponse:
+    async def Observe(
+        self, request: predictor_pb2.ObserveRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> predictor_pb2.ObserveResponse:
         items = [] if isinstance(request, Malformed) else list(request.observations)
         self._check_common(request, items, "observations")
         for i, o in enumerate(items):
@@ -175,6 +205,7 @@ class PredictorServicer:
             if o.true_length < 0:
                 raise invalid(f"observations[{i}]: negative true_length {o.true_length}")
             self._check_prompt(o.prompt, f"observations[{i}]")
-        accepted = self.observer.submit(request.model, [
-            Observation(o.request_id, o.prompt, o.true_length) for o in items])
+        accepted = self.observer.submit(
+            request.model, [Observation(o.request_id, o.prompt, o.true_length) for o in items]
+        )
         return predictor_pb2.ObserveResponse(accepted=accepted)

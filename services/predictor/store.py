@@ -5,6 +5,7 @@ Backends (same interface):
   or its local mode (`path=`), which searches by brute force;
 - `EdgeStore` (store_edge.py): Qdrant Edge, an in-process engine with an HNSW index.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

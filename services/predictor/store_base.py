@@ -10,6 +10,7 @@ an existing point updates that point's running mean instead of adding one, and p
 This module holds the interface and the types every backend shares; `store.py` picks a
 backend.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,15 +22,15 @@ from typing import Any
 
 import numpy as np
 
-MAX_RIDS = 16          # request ids remembered per point (idempotent Observe)
+MAX_RIDS = 16  # request ids remembered per point (idempotent Observe)
 EVICT_FRACTION = 0.05  # share of capacity freed per eviction pass
 
 
 @dataclass(frozen=True)
 class Neighbor:
     id: str
-    score: float       # cosine similarity
-    length: float      # running mean of merged true lengths
+    score: float  # cosine similarity
+    length: float  # running mean of merged true lengths
     count: int = 1
     rids: tuple[str, ...] = ()
 
@@ -37,6 +38,7 @@ class Neighbor:
 @dataclass
 class Record:
     """A point to write."""
+
     id: str
     vector: np.ndarray | None  # [D]; None = update the payload of an existing point
     length: float
@@ -62,21 +64,31 @@ def point_id(model: str, key: str) -> str:
 
 
 def payload_of(model: str, rec: Record) -> dict[str, Any]:
-    return {"length": float(rec.length), "count": int(rec.count), "model": model,
-            "time": float(rec.time or time.time()), "rids": list(rec.rids[-MAX_RIDS:])}
+    return {
+        "length": float(rec.length),
+        "count": int(rec.count),
+        "model": model,
+        "time": float(rec.time or time.time()),
+        "rids": list(rec.rids[-MAX_RIDS:]),
+    }
 
 
 def neighbor_of(pid: object, score: float, payload: dict[str, Any] | None) -> Neighbor:
     payload = payload or {}
-    return Neighbor(str(pid), float(score), float(payload.get("length", 0.0)),
-                    int(payload.get("count", 1)), tuple(payload.get("rids", ())))
+    return Neighbor(
+        str(pid),
+        float(score),
+        float(payload.get("length", 0.0)),
+        int(payload.get("count", 1)),
+        tuple(payload.get("rids", ())),
+    )
 
 
 class LengthStore:
     """Interface every backend implements (all methods are blocking)."""
 
     backend = "abstract"
-    space = ""       # embedding space id (Embedder.space); part of every collection name
+    space = ""  # embedding space id (Embedder.space); part of every collection name
 
     def collection(self, model: str) -> str:
         return collection_name(model, self.space)

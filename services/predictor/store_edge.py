@@ -3,6 +3,7 @@
 One shard directory per serving model under `root/<collection>/`. The shard keeps a
 write-ahead log, so upserts survive a crash; `flush()` also writes segments out.
 """
+
 from __future__ import annotations
 
 import threading
@@ -11,18 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.store_base import (
-    LengthStore,
-    Neighbor,
-    Record,
-    neighbor_of,
-    payload_of,
-)
+from services.predictor.store_base import LengthStore, Neighbor, Record, neighbor_of, payload_of
 
 HNSW_M = 16
 HNSW_EF_CONSTRUCT = 100
-FULL_SCAN_THRESHOLD_KB = 1000   # smaller segments are searched exactly
-INDEXING_THRESHOLD_KB = 2000    # segments past this get an HNSW index
+FULL_SCAN_THRESHOLD_KB = 1000  # smaller segments are searched exactly
+INDEXING_THRESHOLD_KB = 2000  # segments past this get an HNSW index
 
 
 class EdgeStore(LengthStore):
@@ -47,9 +42,11 @@ class EdgeStore(LengthStore):
 
         return EdgeConfig(
             vectors=EdgeVectorParams(size=self.dim, distance=Distance.Cosine),
-            hnsw_config=HnswIndexConfig(m=HNSW_M, ef_construct=HNSW_EF_CONSTRUCT,
-                                        full_scan_threshold=FULL_SCAN_THRESHOLD_KB),
-            optimizers=EdgeOptimizersConfig(indexing_threshold=INDEXING_THRESHOLD_KB))
+            hnsw_config=HnswIndexConfig(
+                m=HNSW_M, ef_construct=HNSW_EF_CONSTRUCT, full_scan_threshold=FULL_SCAN_THRESHOLD_KB
+            ),
+            optimizers=EdgeOptimizersConfig(indexing_threshold=INDEXING_THRESHOLD_KB),
+        )
 
     def _shard(self, model: str):
         from qdrant_edge import EdgeShard
@@ -62,8 +59,11 @@ class EdgeStore(LengthStore):
                 if shard is None:
                     path = self.root / name
                     exists = path.exists() and any(path.iterdir())
-                    shard = (EdgeShard.load(str(path)) if exists
-                             else EdgeShard.create(str(path), self._config()))
+                    shard = (
+                        EdgeShard.load(str(path))
+                        if exists
+                        else EdgeShard.create(str(path), self._config())
+                    )
                     self._shards[name] = shard
         return shard
 
@@ -73,8 +73,10 @@ class EdgeStore(LengthStore):
         if len(vectors) == 0:
             return []
         params = SearchParams(hnsw_ef=max(self.hnsw_ef, k))
-        requests = [QueryRequest(limit=k, query=Query.Nearest(v.tolist()), with_payload=True,
-                                 params=params) for v in vectors]
+        requests = [
+            QueryRequest(limit=k, query=Query.Nearest(v.tolist()), with_payload=True, params=params)
+            for v in vectors
+        ]
         results = self._shard(model).query_batch(QueryBatchRequest(requests))
         return [[neighbor_of(p.id, p.score, p.payload) for p in r] for r in results]
 
@@ -85,10 +87,13 @@ class EdgeStore(LengthStore):
         for r in records:
             if r.vector is None:
                 shard.update(UpdateOperation.set_payload([r.id], payload_of(model, r)))
-        points = [Point(r.id, np.asarray(r.vector).tolist(), payload_of(model, r))
-                  for r in records if r.vector is not None]
+        points = [
+            Point(r.id, np.asarray(r.vector).tolist(), payload_of(model, r))
+            for r in records
+            if r.vector is not None
+        ]
         for start in range(0, len(points), 1024):
-            shard.update(UpdateOperation.upsert_points(points[start:start + 1024]))
+            shard.update(UpdateOperation.upsert_points(points[start : start + 1024]))
 
     def count(self, model: str) -> int:
         from qdrant_edge import CountRequest
@@ -100,8 +105,9 @@ class EdgeStore(LengthStore):
 
         shard, rows, offset = self._shard(model), [], None
         while True:
-            page, offset = shard.scroll(ScrollRequest(offset=offset, limit=4096,
-                                                      with_payload=["time"], with_vector=False))
+            page, offset = shard.scroll(
+                ScrollRequest(offset=offset, limit=4096, with_payload=["time"], with_vector=False)
+            )
             rows.extend(((p.payload or {}).get("time", 0.0), str(p.id)) for p in page)
             if offset is None:
                 break

@@ -4,6 +4,7 @@ Every 10th train sample is held out; the rest is the database and trains the MLP
 come from an exact dot-product search (the embeddings are unit vectors). Reports Kendall tau
 and mean relative error of Algorithm 1 for each (k, s0), and the pair with the best tau.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ KS = (1, 2, 4, 8, 16, 32)
 THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
 
-def exact_topk(queries: np.ndarray, base: np.ndarray, lengths: np.ndarray,
-               k: int) -> list[list[Neighbor]]:
+def exact_topk(
+    queries: np.ndarray, base: np.ndarray, lengths: np.ndarray, k: int
+) -> list[list[Neighbor]]:
     scores = queries @ base.T  # [Q, N]
     top = np.argpartition(-scores, k, axis=1)[:, :k]  # [Q, k] unordered
     out = []
@@ -53,12 +55,21 @@ def sweep(settings: PredictorSettings, args: argparse.Namespace) -> dict:
         for s0 in THRESHOLDS:
             preds = [decide(n[:k], m, prior, s0) for n, m in zip(neighbors, mlp_pred)]
             acc = accuracy(np.array([p.length for p in preds]), y[val])
-            rows.append({"k": k, "s0": s0, "kendall_tau": round(acc["kendall_tau"], 4),
-                         "mean_relative_error": round(acc["mean_relative_error"], 4),
-                         "hit_rate": round(float(np.mean([p.source == "retrieval"
-                                                          for p in preds])), 4)})
+            rows.append(
+                {
+                    "k": k,
+                    "s0": s0,
+                    "kendall_tau": round(acc["kendall_tau"], 4),
+                    "mean_relative_error": round(acc["mean_relative_error"], 4),
+                    "hit_rate": round(float(np.mean([p.source == "retrieval" for p in preds])), 4),
+                }
+            )
     mlp_acc = accuracy(np.round(mlp_pred), y[val])
     best = max(rows, key=lambda r: r["kendall_tau"])
-    return {"validation": int(val.sum()), "mlp_kendall_tau": round(mlp_acc["kendall_tau"], 4),
-            "mlp_mean_relative_error": round(mlp_acc["mean_relative_error"], 4),
-            "best_by_tau": best, "grid": rows}
+    return {
+        "validation": int(val.sum()),
+        "mlp_kendall_tau": round(mlp_acc["kendall_tau"], 4),
+        "mlp_mean_relative_error": round(mlp_acc["mean_relative_error"], 4),
+        "best_by_tau": best,
+        "grid": rows,
+    }

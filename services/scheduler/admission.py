@@ -4,6 +4,7 @@ waiting for an executor (pending), and their placement on the executors that are
 Placement is the core's rule (`core/placement.py`) through the `Placer`'s cached outstanding
 work; a request no executor takes within the grace period is failed by the service's sweep.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -35,15 +36,20 @@ def fit_to_executor(req: Request, info: ExecutorInfo) -> None:
 
 
 class Admission:
-    def __init__(self, settings: SchedulerSettings, metrics: SchedulerMetrics,
-                 up_executors: UpExecutors, on_placed: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        metrics: SchedulerMetrics,
+        up_executors: UpExecutors,
+        on_placed: Callable[[str], None],
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.up_executors = up_executors
-        self.on_placed = on_placed             # wakes the loop of the executor chosen
+        self.on_placed = on_placed  # wakes the loop of the executor chosen
         self.placer = Placer()
-        self.pending: dict[str, Entry] = {}    # waiting for an executor
-        self.backlog: dict[str, int] = {}      # admitted, never scheduled: rid -> prompt tokens
+        self.pending: dict[str, Entry] = {}  # waiting for an executor
+        self.backlog: dict[str, int] = {}  # admitted, never scheduled: rid -> prompt tokens
         self.backlog_tokens = 0
 
     # -- backpressure ------------------------------------------------------------------------
@@ -52,14 +58,17 @@ class Admission:
         s = self.settings
         if len(self.backlog) + 1 > s.max_waiting_requests:
             self.metrics.rejected.labels("waiting_requests").inc()
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{len(self.backlog)} requests waiting (max "
-                               f"{s.max_waiting_requests}); retry later")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self.backlog)} requests waiting (max {s.max_waiting_requests}); retry later",
+            )
         if self.backlog_tokens + prompt_tokens > s.max_waiting_tokens:
             self.metrics.rejected.labels("waiting_tokens").inc()
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{self.backlog_tokens} prompt tokens waiting (max "
-                               f"{s.max_waiting_tokens}); retry later")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.backlog_tokens} prompt tokens waiting (max "
+                f"{s.max_waiting_tokens}); retry later",
+            )
 
     def backlog_add(self, rid: str, tokens: int) -> None:
         if rid not in self.backlog:
@@ -87,7 +96,7 @@ class Admission:
         fit_to_executor(entry.req, info)
         self.pending.pop(entry.req.request_id, None)
         entry.executor, entry.pending_since = addr, None
-        sched.admit(entry.req)           # also a re-admitted request, with its output
+        sched.admit(entry.req)  # also a re-admitted request, with its output
         self.placer.placed(addr, sched, entry.req)
         self.on_placed(addr)
         return True
@@ -106,5 +115,8 @@ class Admission:
     def expired(self, now: float) -> list[Entry]:
         """Pending requests that no executor took within `executor_grace_s`."""
         grace = self.settings.executor_grace_s
-        return [e for e in self.pending.values()
-                if not e.final and e.pending_since is not None and now - e.pending_since > grace]
+        return [
+            e
+            for e in self.pending.values()
+            if not e.final and e.pending_since is not None and now - e.pending_since > grace
+        ]

@@ -1,4 +1,5 @@
 """`alise scheduler serve`: run the scheduler service until SIGINT/SIGTERM (ALISE_* settings)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,9 @@ def _serve(args: argparse.Namespace) -> int:
     from services.common.settings import SchedulerSettings
     from services.scheduler.server import start_scheduler
 
-    overrides = {k: v for k, v in (("policy", args.policy), ("scheduler_port", args.port))
-                 if v is not None}
+    overrides = {
+        k: v for k, v in (("policy", args.policy), ("scheduler_port", args.port)) if v is not None
+    }
     if args.executors:
         overrides["executors"] = args.executors.split(",")
     settings = SchedulerSettings(**overrides)
@@ -19,8 +21,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     return run_until_signal(
         lambda: start_scheduler(settings),
-        lambda handle: f"scheduler listening on {settings.scheduler_host}:{handle.port} "
-                       f"(policy {settings.policy}, executors {','.join(settings.executors)})")
+        lambda handle: (
+            f"scheduler listening on {settings.scheduler_host}:{handle.port} "
+            f"(policy {settings.policy}, executors {','.join(settings.executors)})"
+        ),
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

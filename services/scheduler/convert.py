@@ -3,6 +3,7 @@
 `step_request` turns a core `SchedulerOutput` into the executor's `StepRequest` (1:1);
 `step_outcome` turns a `StepResult` back into a core `StepOutcome`.
 """
+
 from __future__ import annotations
 
 from services.common import sampling_pb
@@ -12,9 +13,11 @@ from services.scheduler.core.request import Slo
 
 
 def slo_from_pb(pb: common_pb2.Slo) -> Slo:
-    return Slo(ttft_s=pb.ttft_s if pb.HasField("ttft_s") else None,
-               tbt_s=pb.tbt_s if pb.HasField("tbt_s") else None,
-               deadline_s=pb.deadline_s if pb.HasField("deadline_s") else None)
+    return Slo(
+        ttft_s=pb.ttft_s if pb.HasField("ttft_s") else None,
+        tbt_s=pb.tbt_s if pb.HasField("tbt_s") else None,
+        deadline_s=pb.deadline_s if pb.HasField("deadline_s") else None,
+    )
 
 
 def step_request(out: SchedulerOutput) -> executor_pb2.StepRequest:
@@ -24,8 +27,12 @@ def step_request(out: SchedulerOutput) -> executor_pb2.StepRequest:
     pb = executor_pb2.StepRequest(step_id=out.step_id)
     add_new = pb.new_requests.add
     for new in out.new_requests:
-        add_new(request_id=new.request_id, token_ids=new.token_ids,
-                sampling=sampling_pb.to_pb(new.sampling), num_output_tokens=new.num_output_tokens)
+        add_new(
+            request_id=new.request_id,
+            token_ids=new.token_ids,
+            sampling=sampling_pb.to_pb(new.sampling),
+            num_output_tokens=new.num_output_tokens,
+        )
     add_table = pb.block_tables.add
     for rid, (block_ids, replace) in out.block_tables.items():
         add_table(request_id=rid, block_ids=block_ids, replace=replace)
@@ -45,7 +52,8 @@ def step_outcome(result: executor_pb2.StepResult) -> StepOutcome:
     return StepOutcome(
         step_id=result.step_id,
         sampled={s.request_id: (s.token_id, s.logprob) for s in result.sampled},
-        elapsed_s=result.timings.total_s)
+        elapsed_s=result.timings.total_s,
+    )
 
 
 def prediction_pb(length: int | None, source: str) -> common_pb2.Prediction | None:
@@ -54,11 +62,20 @@ def prediction_pb(length: int | None, source: str) -> common_pb2.Prediction | No
     return common_pb2.Prediction(length=int(length), source=source)
 
 
-def usage_pb(prompt_tokens: int, completion_tokens: int, arrival: float,
-             first_scheduled: float | None, first_token: float | None, finished: float,
-             num_preemptions: int) -> scheduler_pb2.Usage:
+def usage_pb(
+    prompt_tokens: int,
+    completion_tokens: int,
+    arrival: float,
+    first_scheduled: float | None,
+    first_token: float | None,
+    finished: float,
+    num_preemptions: int,
+) -> scheduler_pb2.Usage:
     return scheduler_pb2.Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
         queue_time_s=(first_scheduled - arrival) if first_scheduled else 0.0,
         ttft_s=(first_token - arrival) if first_token else 0.0,
-        e2e_s=max(0.0, finished - arrival), num_preemptions=num_preemptions)
+        e2e_s=max(0.0, finished - arrival),
+        num_preemptions=num_preemptions,
+    )

@@ -6,6 +6,7 @@ apart). Any failure of a streamed Step (an error status, a timeout, the executor
 stream) drops the stream, so a late reply can never be read as the next Step's; the next Step
 opens a new one. `step()` stays a unary call for one-off Steps.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,16 +31,18 @@ class StepStreamClosed(ConnectionError):
 class ExecutorClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address,
-                                                 options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(
+            address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS
+        )
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self._stream = None
 
     async def describe(self, timeout: float = 2.0) -> executor_pb2.ExecutorInfo:
         return await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=timeout)
 
-    async def step(self, request: executor_pb2.StepRequest,
-                   timeout: float) -> executor_pb2.StepResult:
+    async def step(
+        self, request: executor_pb2.StepRequest, timeout: float
+    ) -> executor_pb2.StepResult:
         return await self.stub.Step(request, timeout=timeout)
 
     def start_step(self, request: executor_pb2.StepRequest, timeout: float) -> asyncio.Task:
@@ -58,7 +61,7 @@ class ExecutorClient:
         except (grpc.aio.AioRpcError, TimeoutError, asyncio.CancelledError):
             self._drop(stream)
             raise
-        except Exception as exc:     # noqa: BLE001 - e.g. writing to a finished call
+        except Exception as exc:
             self._drop(stream)
             raise StepStreamClosed(f"step stream failed: {type(exc).__name__}: {exc}") from exc
         if result is grpc.aio.EOF:

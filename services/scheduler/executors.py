@@ -1,4 +1,5 @@
 """A core `Scheduler` for an executor as it describes itself (its KV pool, limits, profile)."""
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,18 @@ def cost_model_for(info: ExecutorInfo) -> CostModel:
         try:
             profile = json.loads(info.profile_json)
             # the pool this executor has now, not the one it had when it was profiled
-            pool = {"block_size": info.block_size, "num_device_blocks": info.num_device_blocks,
-                    "num_host_blocks": info.num_host_blocks}
+            pool = {
+                "block_size": info.block_size,
+                "num_device_blocks": info.num_device_blocks,
+                "num_host_blocks": info.num_host_blocks,
+            }
             profile.update({k: v for k, v in pool.items() if v})
             return CostModel.from_profile(profile)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("executor profile unusable, using defaults", extra={"error": str(exc)})
-    return CostModel(**DEFAULT_COSTS, block_size=info.block_size,
-                     num_device_blocks=info.num_device_blocks)
+    return CostModel(
+        **DEFAULT_COSTS, block_size=info.block_size, num_device_blocks=info.num_device_blocks
+    )
 
 
 def make_scheduler(policy: str, knobs: dict[str, Any], info: ExecutorInfo) -> Scheduler:

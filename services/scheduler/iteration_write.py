@@ -1,6 +1,7 @@
 """`IterationWrite`: everything one loop iteration changed, as the store commits it, and the
 Redis value formats it shares with the store (store.py) and the Lua commit (store_script.py).
 """
+
 from __future__ import annotations
 
 import struct
@@ -49,5 +50,13 @@ class IterationWrite:
 
     @property
     def empty(self) -> bool:
-        return not (self.fields or self.tokens or self.queue or self.held_add
-                    or self.held_remove or self.executors or self.counters or self.callbacks)
+        return not (
+            self.fields
+            or self.tokens
+            or self.queue
+            or self.held_add
+            or self.held_remove
+            or self.executors
+            or self.counters
+            or self.callbacks
+        )

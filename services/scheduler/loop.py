@@ -6,6 +6,7 @@ events, metrics) runs while the next Step is already in flight, or before the lo
 failed or timed-out Step marks the executor down; its host then recomputes its requests
 elsewhere. The loop knows its host only through the `LoopHost` protocol.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,20 +58,21 @@ class LoopHost(Protocol):
 @dataclass(frozen=True)
 class LoopTiming:
     step_timeout_s: float = 30.0
-    step_spin_ms: float = 3.0          # hybrid polling window before a Step's expected end
-    poll_interval_s: float = 0.5       # reconnect attempts while down
-    health_interval_s: float = 2.0     # health checks while idle
+    step_spin_ms: float = 3.0  # hybrid polling window before a Step's expected end
+    poll_interval_s: float = 0.5  # reconnect attempts while down
+    health_interval_s: float = 2.0  # health checks while idle
     max_backoff_s: float = 5.0
 
 
 class ExecutorLoop:
-    def __init__(self, address: str, host: LoopHost, timing: LoopTiming,
-                 stale: Iterable[str] = ()) -> None:
+    def __init__(
+        self, address: str, host: LoopHost, timing: LoopTiming, stale: Iterable[str] = ()
+    ) -> None:
         self.address = address
         self.host = host
         self.timing = timing
         self.client = ExecutorClient(address)
-        self.sched: Scheduler | None = None   # core scheduler while up, None while down
+        self.sched: Scheduler | None = None  # core scheduler while up, None while down
         self.info: executor_pb2.ExecutorInfo | None = None
         self.up = False
         self.down_since: float | None = time.time()
@@ -80,14 +82,14 @@ class ExecutorLoop:
         #  schedule, encoding), for the overhead benchmark and metric
         self.overheads: deque[tuple[float, int, float]] = deque(maxlen=100_000)
         self.steps = 0
-        self.failures = 0                  # consecutive failed attempts (reconnect backoff)
+        self.failures = 0  # consecutive failed attempts (reconnect backoff)
         self._wake = asyncio.Event()
         self._last_send: float | None = None
         self._last_exec_s = 0.0
         self._last_batch = 0
         self._last_compute = 0.0
-        self._model_ratio = 1.0              # measured / cost-model step time, smoothed
-        self._deferred: CompletedStep | None = None   # the last Step, not yet recorded
+        self._model_ratio = 1.0  # measured / cost-model step time, smoothed
+        self._deferred: CompletedStep | None = None  # the last Step, not yet recorded
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -114,15 +116,15 @@ class ExecutorLoop:
                     await self._iterate()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a bug in one iteration must not kill the loop
+            except Exception:
                 log.exception("executor loop iteration failed", extra={"executor": self.address})
                 self._deferred = None
                 self._down("internal error in the loop")
 
     # -- connecting and health ---------------------------------------------------------------
     async def _connect(self) -> None:
-        if self.failures:       # back off from an executor that keeps failing
-            await self._sleep(min(self.timing.max_backoff_s, 0.05 * 2 ** self.failures))
+        if self.failures:  # back off from an executor that keeps failing
+            await self._sleep(min(self.timing.max_backoff_s, 0.05 * 2**self.failures))
         try:
             info = await self.client.describe(timeout=2.0)
         except (grpc.aio.AioRpcError, TimeoutError):
@@ -136,8 +138,14 @@ class ExecutorLoop:
         self.sched = self.host.make_scheduler(info)
         self.up, self.down_since, self._last_send = True, None, None
         self.failures = 0
-        log.info("executor up", extra={"executor": self.address, "instance": info.instance_id,
-                                       "blocks": info.num_device_blocks})
+        log.info(
+            "executor up",
+            extra={
+                "executor": self.address,
+                "instance": info.instance_id,
+                "blocks": info.num_device_blocks,
+            },
+        )
         self.host.executor_up(self)
 
     async def _free_stale(self) -> bool:
@@ -147,12 +155,15 @@ class ExecutorLoop:
             return True
         stale = sorted(self.stale)
         try:
-            await self.client.step(executor_pb2.StepRequest(free_request_ids=stale),
-                                   timeout=self.timing.step_timeout_s)
+            await self.client.step(
+                executor_pb2.StepRequest(free_request_ids=stale), timeout=self.timing.step_timeout_s
+            )
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             self.failures += 1
-            log.warning("freeing stale requests failed", extra={
-                "executor": self.address, "error": _brief(exc)})
+            log.warning(
+                "freeing stale requests failed",
+                extra={"executor": self.address, "error": _brief(exc)},
+            )
             return False
         self.stale.difference_update(stale)
         self.host.stale_freed(self, stale)
@@ -192,8 +203,13 @@ class ExecutorLoop:
         t_start = time.perf_counter()
         now = time.time()
         out = self.sched.schedule(now)
-        if not (out.num_scheduled_tokens or out.swap_out or out.swap_in
-                or out.free_request_ids or out.new_requests):
+        if not (
+            out.num_scheduled_tokens
+            or out.swap_out
+            or out.swap_in
+            or out.free_request_ids
+            or out.new_requests
+        ):
             self._flush_record()
             self._last_send = None
             if not await self._sleep(self.timing.health_interval_s):
@@ -207,28 +223,29 @@ class ExecutorLoop:
             self.overheads.append((overhead, self._last_batch, compute))
             self.host.step_overhead(max(0.0, overhead))
         call = self.client.start_step(pb, timeout=self.timing.step_timeout_s)
-        await asyncio.sleep(0)      # the Step goes out; the previous one is recorded meanwhile
+        await asyncio.sleep(0)  # the Step goes out; the previous one is recorded meanwhile
         self._flush_record()
         estimate = self.sched.cost_model.output_time(out)
         try:
             await self._wait_hot(call, t_send + estimate * self._model_ratio)
             result = await call
         except asyncio.CancelledError:
-            call.cancel()           # stopping: the Step in flight goes with the loop
+            call.cancel()  # stopping: the Step in flight goes with the loop
             raise
         except (grpc.aio.AioRpcError, TimeoutError, ConnectionError) as exc:
             self.failures += 1
             self._down(f"Step failed: {_brief(exc)}")
             return
         self._last_send, self._last_exec_s = t_send, result.timings.total_s
-        if estimate > 0 and result.timings.total_s > 0:   # how far off the cost model runs
+        if estimate > 0 and result.timings.total_s > 0:  # how far off the cost model runs
             self._model_ratio += 0.2 * (result.timings.total_s / estimate - self._model_ratio)
         self._last_batch = len(out.num_scheduled_tokens)
         self.steps += 1
         t_recv = time.perf_counter()
         updates = self.sched.update(step_outcome(result), time.time())
-        self._deferred = CompletedStep(out, updates, result, now + (t_send - t_start), estimate,
-                                       t_recv - t_send)
+        self._deferred = CompletedStep(
+            out, updates, result, now + (t_send - t_start), estimate, t_recv - t_send
+        )
         self._last_compute = time.perf_counter() - t_recv
 
     async def _wait_hot(self, call: asyncio.Future, expected_end: float) -> None:

@@ -1,4 +1,5 @@
 """Scheduler metrics, named as vLLM names them, under the `alise:` prefix."""
+
 from __future__ import annotations
 
 from services.common.metrics import TOKEN_BUCKETS, Metrics
@@ -14,8 +15,9 @@ class SchedulerMetrics(Metrics):
         self.waiting = self.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.running = self.gauge("num_requests_running", "Requests with KV on a device.")
         self.swapped = self.gauge("num_requests_swapped", "Requests with KV in host memory.")
-        self.kv_usage = self.gauge("kv_cache_usage_perc",
-                                   "Fraction of device KV blocks in use (0-1).", e)
+        self.kv_usage = self.gauge(
+            "kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1).", e
+        )
         self.executor_up = self.gauge("executor_up", "1 while the executor answers.", e)
         self.preemptions = self.counter("num_preemptions", "Preemptions (recompute or swap).")
         self.swap_out = self.counter("swap_out_blocks", "KV blocks swapped device -> host.")
@@ -24,24 +26,32 @@ class SchedulerMetrics(Metrics):
         self.generation_tokens = self.counter("generation_tokens", "Output tokens generated.")
         self.success = self.counter("request_success", "Finished requests.", ("finished_reason",))
         self.rejected = self.counter("request_rejected", "Generate calls refused.", ("reason",))
-        self.queue_time = self.histogram("request_queue_time_seconds",
-                                         "Arrival to first scheduled.")
+        self.queue_time = self.histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled."
+        )
         self.ttft = self.histogram("time_to_first_token_seconds", "Arrival to first token.")
-        self.itl = self.histogram("inter_token_latency_seconds",
-                                  "Gap between consecutive tokens of a request.")
+        self.itl = self.histogram(
+            "inter_token_latency_seconds", "Gap between consecutive tokens of a request."
+        )
         self.e2e = self.histogram("e2e_request_latency_seconds", "Arrival to finish.")
-        self.iteration_tokens = self.histogram("iteration_tokens_total",
-                                               "Tokens computed per iteration.", TOKEN_BUCKETS)
+        self.iteration_tokens = self.histogram(
+            "iteration_tokens_total", "Tokens computed per iteration.", TOKEN_BUCKETS
+        )
         self.prediction_error = self.histogram(
-            "prediction_error_tokens", "|predicted - true| output length (finished on a stop).",
-            TOKEN_BUCKETS)
+            "prediction_error_tokens",
+            "|predicted - true| output length (finished on a stop).",
+            TOKEN_BUCKETS,
+        )
         self.prediction_relative_error = self.histogram(
-            "prediction_relative_error", "|predicted - true| / true output length.",
-            RELATIVE_BUCKETS)
+            "prediction_relative_error",
+            "|predicted - true| / true output length.",
+            RELATIVE_BUCKETS,
+        )
         self.overhead = self.histogram(
             "scheduler_iteration_overhead_seconds",
             "Wall time between consecutive Steps minus the executor's step time.",
-            OVERHEAD_BUCKETS)
+            OVERHEAD_BUCKETS,
+        )
 
     def observe_finish(self, req, finish_reason: str, now: float) -> None:
         """Record a finished request's latencies and, on a natural stop, prediction error."""

@@ -2,6 +2,7 @@
 work among the executors that can admit the request, ties to the first name) with each
 executor's outstanding work cached for `refresh_s` and bumped by every placement in between,
 so admitting or re-placing N requests costs O(N), not O(N x requests queued)."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 class Placer:
     def __init__(self, refresh_s: float = 0.05) -> None:
         self.refresh_s = refresh_s
-        self._work: dict[str, tuple[float, float]] = {}   # address -> (computed at, seconds)
+        self._work: dict[str, tuple[float, float]] = {}  # address -> (computed at, seconds)
 
     def choose(self, schedulers: Mapping[str, Scheduler], req: Request, now: float) -> str | None:
         """Address of the scheduler to admit `req` to, or None when none can hold it."""
@@ -28,8 +29,10 @@ class Placer:
         """Count the work `req` adds until the next refresh."""
         if address in self._work:
             at, work = self._work[address]
-            self._work[address] = (at, work + sched.cost_model.remaining_time(
-                req, sched.predicted_len(req)))
+            self._work[address] = (
+                at,
+                work + sched.cost_model.remaining_time(req, sched.predicted_len(req)),
+            )
 
     def forget(self, address: str) -> None:
         self._work.pop(address, None)

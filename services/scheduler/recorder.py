@@ -4,6 +4,7 @@ events and metrics; and finishing a request.
 Token events and final events are published from the write's callbacks, i.e. only after Redis
 committed them.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.convert import usage_pb
 from services.scheduler.core.request import FINISH_REASON_STATUS
-from services.scheduler.records import queue_of
 from services.scheduler.iteration_write import IterationWrite
+from services.scheduler.records import queue_of
 from services.scheduler.streams import final_event
 
 if TYPE_CHECKING:
@@ -33,26 +34,31 @@ if TYPE_CHECKING:
 @dataclass
 class CompletedStep:
     """One Step as the loop saw it: what was sent, what came back, what the core made of it."""
+
     out: SchedulerOutput
     updates: list[RequestUpdate]
     result: StepResult
-    sent_at: float          # wall-clock time the Step went out
-    estimate_s: float       # the cost model's estimate of its time
-    round_trip_s: float     # send to result
+    sent_at: float  # wall-clock time the Step went out
+    estimate_s: float  # the cost model's estimate of its time
+    round_trip_s: float  # send to result
 
 
 def executor_fields(loop: ExecutorLoop) -> dict[str, str | int | float]:
     """The executor's hash in Redis: up, instance and KV budget (total and free blocks)."""
     info, sched = loop.info, loop.sched
     fields: dict[str, str | int | float] = {
-        "up": int(loop.up), "instance_id": info.instance_id if info else "",
-        "updated": time.time()}
+        "up": int(loop.up),
+        "instance_id": info.instance_id if info else "",
+        "updated": time.time(),
+    }
     if info is not None:
         bm = sched.block_manager if sched is not None else None
         fields.update(
-            num_device_blocks=info.num_device_blocks, num_host_blocks=info.num_host_blocks,
+            num_device_blocks=info.num_device_blocks,
+            num_host_blocks=info.num_host_blocks,
             free_device_blocks=bm.num_free_device_blocks if bm else info.num_device_blocks,
-            free_host_blocks=bm.num_free_host_blocks if bm else info.num_host_blocks)
+            free_host_blocks=bm.num_free_host_blocks if bm else info.num_host_blocks,
+        )
     return fields
 
 
@@ -66,8 +72,14 @@ def write_status(entry: Entry, w: IterationWrite) -> None:
 
 
 class StepRecorder:
-    def __init__(self, entries: Entries, admission: Admission, metrics: SchedulerMetrics,
-                 writer: StoreWriter, step_trace: StepTrace | None = None) -> None:
+    def __init__(
+        self,
+        entries: Entries,
+        admission: Admission,
+        metrics: SchedulerMetrics,
+        writer: StoreWriter,
+        step_trace: StepTrace | None = None,
+    ) -> None:
         self.entries = entries
         self.admission = admission
         self.metrics = metrics
@@ -80,16 +92,23 @@ class StepRecorder:
         w.executors[loop.address] = executor_fields(loop)
         self.writer.submit(w)
         if self.step_trace is not None:
-            self.step_trace.write(loop.address, step.sent_at, step.out, step.result,
-                                  step.estimate_s, step.round_trip_s)
+            self.step_trace.write(
+                loop.address,
+                step.sent_at,
+                step.out,
+                step.result,
+                step.estimate_s,
+                step.round_trip_s,
+            )
 
     def executor_state(self, loop: ExecutorLoop) -> IterationWrite:
         w = IterationWrite()
         w.executors[loop.address] = executor_fields(loop)
         return w
 
-    def record(self, addr: str, out: SchedulerOutput,
-               updates: list[RequestUpdate]) -> IterationWrite:
+    def record(
+        self, addr: str, out: SchedulerOutput, updates: list[RequestUpdate]
+    ) -> IterationWrite:
         """The Redis write (and metrics) of one completed Step on executor `addr`."""
         w, now = IterationWrite(), time.time()
         new_ids = {nr.request_id for nr in out.new_requests}
@@ -153,21 +172,33 @@ class StepRecorder:
                 m.itl.observe(max(0.0, t - times[index - 1]))
         m.generation_tokens.inc(gained)
 
-    def finalize(self, entry: Entry, reason: str, w: IterationWrite, now: float,
-                 error: str = "") -> None:
+    def finalize(
+        self, entry: Entry, reason: str, w: IterationWrite, now: float, error: str = ""
+    ) -> None:
         """Write the final state; publish the final event and forget the entry after commit."""
         entry.final = True
         req, rid = entry.req, entry.req.request_id
         self.admission.forget(rid)
-        n_out = entry.n_out      # tokens recorded; an abort may land before a Step is recorded
-        w.set(rid, status=FINISH_REASON_STATUS[reason].value, finish_reason=reason,
-              finished_at=now, error=error, num_preemptions=req.num_preemptions)
+        n_out = entry.n_out  # tokens recorded; an abort may land before a Step is recorded
+        w.set(
+            rid,
+            status=FINISH_REASON_STATUS[reason].value,
+            finish_reason=reason,
+            finished_at=now,
+            error=error,
+            num_preemptions=req.num_preemptions,
+        )
         w.finish(rid)
         w.counters["aborted" if reason == "abort" else "finished"] += 1
-        usage = usage_pb(req.num_prompt_tokens, n_out, req.arrival_time,
-                         req.first_scheduled_time,
-                         req.token_times[0] if req.token_times else None, now,
-                         req.num_preemptions)
+        usage = usage_pb(
+            req.num_prompt_tokens,
+            n_out,
+            req.arrival_time,
+            req.first_scheduled_time,
+            req.token_times[0] if req.token_times else None,
+            now,
+            req.num_preemptions,
+        )
         event = final_event(rid, n_out, reason, usage, error)
         entries = self.entries
 

@@ -9,6 +9,7 @@
 Without `redis_url` an embedded redis-server is started under `data_dir/redis` (and stopped
 with the handle). `metrics_port` > 0 serves Prometheus text on that port.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,12 +57,18 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
         settings = settings.model_copy(update={"redis_url": embedded.url})
     service = None
     try:
-        service = SchedulerService(settings)   # unknown policy or knob: ValueError
+        service = SchedulerService(settings)  # unknown policy or knob: ValueError
         await service.start()
         server = await start_server(
-            [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(service),
-              "alise.v1.Scheduler")],
-            f"{settings.scheduler_host}:{settings.scheduler_port}")
+            [
+                (
+                    scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+                    SchedulerServicer(service),
+                    "alise.v1.Scheduler",
+                )
+            ],
+            f"{settings.scheduler_host}:{settings.scheduler_port}",
+        )
     except BaseException:
         if service is not None:
             await service.stop()
@@ -72,9 +79,16 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        metrics_server, _ = start_http_server(settings.metrics_port,
-                                              registry=service.metrics.registry)
-    log.info("scheduler serving", extra={"port": server.port, "policy": settings.policy,
-                                         "policy_config": settings.policy_config,
-                                         "executors": settings.executors})
+        metrics_server, _ = start_http_server(
+            settings.metrics_port, registry=service.metrics.registry
+        )
+    log.info(
+        "scheduler serving",
+        extra={
+            "port": server.port,
+            "policy": settings.policy,
+            "policy_config": settings.policy_config,
+            "executors": settings.executors,
+        },
+    )
     return SchedulerHandle(server.port, service, server, metrics_server, embedded)

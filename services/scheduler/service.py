@@ -8,6 +8,7 @@ events and metrics of each completed Step; finishing requests) and one `Executor
 executor, which reports back through the `LoopHost` protocol this class implements.
 Everything runs on one asyncio event loop, so no locks are needed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,12 +28,12 @@ from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, RequestStatus
 from services.scheduler.entry import Entries, Entry
 from services.scheduler.executors import make_scheduler
+from services.scheduler.iteration_write import IterationWrite
 from services.scheduler.loop import ExecutorLoop, LoopTiming
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recorder import CompletedStep, StepRecorder, executor_fields, write_status
 from services.scheduler.records import new_record, recompute_copy, request_from_record
 from services.scheduler.step_trace import StepTrace
-from services.scheduler.iteration_write import IterationWrite
 from services.scheduler.store import Store, StoreWriter
 from services.scheduler.streams import RequestStream
 from services.scheduler.validation import ModelLimits
@@ -57,8 +58,9 @@ def parse_policy_config(text: str) -> dict[str, Any]:
 
 
 class SchedulerService:
-    def __init__(self, settings: SchedulerSettings,
-                 metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(
+        self, settings: SchedulerSettings, metrics: SchedulerMetrics | None = None
+    ) -> None:
         self.settings = settings
         self.knobs = parse_policy_config(settings.policy_config)
         self.probe = make_policy(settings.policy, **self.knobs)  # unknown policy/knob: error
@@ -70,8 +72,7 @@ class SchedulerService:
         self.limits = ModelLimits()
         self.admission = Admission(settings, self.metrics, self._up_executors, self._wake)
         trace = StepTrace(settings.step_trace) if settings.step_trace else None
-        self.recorder = StepRecorder(self.entries, self.admission, self.metrics, self.writer,
-                                     trace)
+        self.recorder = StepRecorder(self.entries, self.admission, self.metrics, self.writer, trace)
         self.stopping = False
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -81,8 +82,11 @@ class SchedulerService:
         await self._recover()
         self.writer.start()
         s = self.settings
-        timing = LoopTiming(step_timeout_s=s.step_timeout_s, step_spin_ms=s.step_spin_ms,
-                            poll_interval_s=s.health_poll_s)
+        timing = LoopTiming(
+            step_timeout_s=s.step_timeout_s,
+            step_spin_ms=s.step_spin_ms,
+            poll_interval_s=s.health_poll_s,
+        )
         for addr in s.executors:
             # Any recovered request may still live on any executor (its placement may not have
             # reached Redis): the first Step frees them all before they are sent again.
@@ -113,9 +117,13 @@ class SchedulerService:
                 continue
             record, tokens = loaded
             req = request_from_record(rid, record, tokens)
-            entry = Entry(req, RequestStream(rid, tokens, self.prediction_used(req)),
-                          written_status=RequestStatus(record["status"]), n_out=len(tokens),
-                          first_sched_written=req.first_scheduled_time is not None)
+            entry = Entry(
+                req,
+                RequestStream(rid, tokens, self.prediction_used(req)),
+                written_status=RequestStatus(record["status"]),
+                n_out=len(tokens),
+                first_sched_written=req.first_scheduled_time is not None,
+            )
             self.entries[rid] = entry
             self.admission.to_pending(entry, now)
             if req.first_scheduled_time is None:
@@ -129,8 +137,10 @@ class SchedulerService:
         if self.stopping:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down")
         if rid in self.entries or await self.store.exists(rid) or rid in self.entries:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request {rid!r} exists; pass resume_from to re-attach")
+            raise ServiceError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {rid!r} exists; pass resume_from to re-attach",
+            )
         self.admission.check_backpressure(req.num_prompt_tokens)
         entry = Entry(req, RequestStream(rid, prediction=self.prediction_used(req)))
         self.entries[rid] = entry
@@ -138,7 +148,8 @@ class SchedulerService:
         # The record is written even if the client hangs up meanwhile (then it is aborted), so
         # Redis never holds a record that no one will finish.
         create = asyncio.ensure_future(
-            self.store.create(rid, new_record(req, self.model_name), req.arrival_time))
+            self.store.create(rid, new_record(req, self.model_name), req.arrival_time)
+        )
         try:
             await asyncio.shield(create)
         except asyncio.CancelledError:
@@ -172,8 +183,11 @@ class SchedulerService:
         return infos[0].model if infos else self.settings.model
 
     def _up_executors(self) -> Mapping[str, tuple[Scheduler, ExecutorInfo]]:
-        return {a: (lp.sched, lp.info) for a, lp in self.loops.items()
-                if lp.up and lp.sched is not None and lp.info is not None}
+        return {
+            a: (lp.sched, lp.info)
+            for a, lp in self.loops.items()
+            if lp.up and lp.sched is not None and lp.info is not None
+        }
 
     def _wake(self, address: str) -> None:
         self.loops[address].wake()
@@ -184,9 +198,11 @@ class SchedulerService:
 
     def executor_up(self, loop: ExecutorLoop) -> None:
         infos = [lp.info for lp in self.loops.values() if lp.info is not None]
-        self.limits = ModelLimits(max_model_len=min(i.max_model_len for i in infos),
-                                  vocab_size=min(i.vocab_size for i in infos),
-                                  eos_token_ids=tuple(infos[0].eos_token_ids))
+        self.limits = ModelLimits(
+            max_model_len=min(i.max_model_len for i in infos),
+            vocab_size=min(i.vocab_size for i in infos),
+            eos_token_ids=tuple(infos[0].eos_token_ids),
+        )
         self.metrics.executor_up.labels(loop.address).set(1)
         self.admission.placer.forget(loop.address)
         self._write_executor(loop)
@@ -207,20 +223,28 @@ class SchedulerService:
                 continue
             moved += self._readmit(entry, req, w, now, reason)
         self.writer.submit(w)
-        log.warning("requests of a down executor rescheduled",
-                    extra={"executor": loop.address, "requests": moved, "reason": reason})
+        log.warning(
+            "requests of a down executor rescheduled",
+            extra={"executor": loop.address, "requests": moved, "reason": reason},
+        )
         self.admission.place_pending(now)
 
-    def _readmit(self, entry: Entry, req: Request, w: IterationWrite, now: float,
-                 reason: str) -> bool:
+    def _readmit(
+        self, entry: Entry, req: Request, w: IterationWrite, now: float, reason: str
+    ) -> bool:
         """Queue a request whose executor failed for placement again, output kept; fail it
         after `request_max_failures` lost KVs."""
         had_kv = req.status is not RequestStatus.WAITING
         entry.req = recompute_copy(req, preempted=had_kv)
         entry.failures += had_kv
         if entry.failures >= self.settings.request_max_failures:
-            self.recorder.finalize(entry, "error", w, now,
-                                   f"failed on executors {entry.failures} times; last: {reason}")
+            self.recorder.finalize(
+                entry,
+                "error",
+                w,
+                now,
+                f"failed on executors {entry.failures} times; last: {reason}",
+            )
             return False
         write_status(entry, w)
         w.set(req.request_id, executor="", num_preemptions=entry.req.num_preemptions)
@@ -273,7 +297,10 @@ class SchedulerService:
             await asyncio.sleep(0.2)
             for entry in self.admission.expired(time.time()):
                 down = [a for a, lp in self.loops.items() if not lp.up]
-                self.abort(entry.req.request_id, "error",
-                           f"no executor could take the request within {grace:g}s "
-                           f"(down: {', '.join(down) or 'none'})")
+                self.abort(
+                    entry.req.request_id,
+                    "error",
+                    f"no executor could take the request within {grace:g}s "
+                    f"(down: {', '.join(down) or 'none'})",
+                )
             self.recorder.refresh_gauges(self.loops.values())

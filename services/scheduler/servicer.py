@@ -3,6 +3,7 @@
 Thin: validate -> service -> stream. Errors are raised as exceptions and mapped to status codes
 by the shared interceptor (ValueError / ServiceError(INVALID_ARGUMENT) -> INVALID_ARGUMENT).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, service: SchedulerService) -> None:
         self.service = service
 
-    async def Generate(self, request: scheduler_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[
-                           scheduler_pb2.TokenEvent]:
+    async def Generate(
+        self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         stream, start = await self._open(request)
         # Accepted: tell the client now (headers), so it can start its response before the
         # first token while refusals above stay proper status codes.
@@ -60,32 +61,40 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if entry is not None:
             return entry.stream
         loaded = await self.service.store.load(rid)
-        entry = self.service.entries.get(rid)   # it may have appeared while we read
+        entry = self.service.entries.get(rid)  # it may have appeared while we read
         if entry is not None:
             return entry.stream
         if loaded is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"unknown request {rid!r} (never submitted, or expired after "
-                               f"the retention window)")
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown request {rid!r} (never submitted, or expired after the retention window)",
+            )
         record, tokens = loaded
         if not record.get("finish_reason"):
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"request {rid!r} is not loaded yet; retry")
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"request {rid!r} is not loaded yet; retry"
+            )
         return stream_from_record(rid, record, tokens)
 
-    async def Abort(self, request: scheduler_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+    async def Abort(
+        self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.AbortResponse:
         return scheduler_pb2.AbortResponse(found=self.service.abort(request.request_id))
 
-    async def Stats(self, request: scheduler_pb2.StatsRequest,
-                    context: grpc.aio.ServicerContext) -> scheduler_pb2.StatsResponse:
+    async def Stats(
+        self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.StatsResponse:
         service = self.service
         counters = await service.store.stats()
         reply = scheduler_pb2.StatsResponse(
-            policy=service.settings.policy, waiting=len(service.admission.pending),
-            finished=counters.get("finished", 0), aborted=counters.get("aborted", 0),
-            preemptions=counters.get("preemptions", 0), model=service.model_name,
-            max_model_len=service.limits.max_model_len or 0)
+            policy=service.settings.policy,
+            waiting=len(service.admission.pending),
+            finished=counters.get("finished", 0),
+            aborted=counters.get("aborted", 0),
+            preemptions=counters.get("preemptions", 0),
+            model=service.model_name,
+            max_model_len=service.limits.max_model_len or 0,
+        )
         for addr, loop in service.loops.items():
             reply.executors.append(executor_stats(addr, loop))
             if loop.sched is not None:
@@ -109,8 +118,9 @@ def executor_stats(addr: str, loop: ExecutorLoop) -> scheduler_pb2.ExecutorStats
     return stats
 
 
-def stream_from_record(rid: str, record: dict[str, str],
-                       tokens: list[tuple[int, float, float]]) -> RequestStream:
+def stream_from_record(
+    rid: str, record: dict[str, str], tokens: list[tuple[int, float, float]]
+) -> RequestStream:
     """A finished request read back from Redis, replayable like a live one."""
     params = json.loads(record["params"])
     stream = RequestStream(rid, tokens)
@@ -118,9 +128,16 @@ def stream_from_record(rid: str, record: dict[str, str],
     def num(name: str) -> float | None:
         return float(record[name]) if record.get(name) else None
 
-    usage = usage_pb(len(params["prompt"]), len(tokens), num("arrival"), num("first_scheduled"),
-                     tokens[0][2] if tokens else None, num("finished_at") or 0.0,
-                     int(record.get("num_preemptions", 0)))
-    stream.finish(final_event(rid, len(tokens), record["finish_reason"], usage,
-                              record.get("error", "")))
+    usage = usage_pb(
+        len(params["prompt"]),
+        len(tokens),
+        num("arrival"),
+        num("first_scheduled"),
+        tokens[0][2] if tokens else None,
+        num("finished_at") or 0.0,
+        int(record.get("num_preemptions", 0)),
+    )
+    stream.finish(
+        final_event(rid, len(tokens), record["finish_reason"], usage, record.get("error", ""))
+    )
     return stream

@@ -5,6 +5,7 @@ It is how a live run is compared with the simulator step by step (the cost model
 an idle machine; this shows what each shape costs under real load). The file is line-buffered
 (one write per Step, a few microseconds), so it can be followed while the server runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,19 +18,33 @@ class StepTrace:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
 
-    def write(self, executor: str, sent_at: float, out, result, estimate_s: float,
-              round_trip_s: float) -> None:
+    def write(
+        self, executor: str, sent_at: float, out, result, estimate_s: float, round_trip_s: float
+    ) -> None:
         """`sent_at`: wall-clock time the Step went out; `round_trip_s`: send to result."""
         t = result.timings
-        self._file.write(json.dumps({
-            "t": round(sent_at, 6), "executor": executor, "step_id": out.step_id,
-            "prefill": out.num_prefill_tokens, "decode": out.num_decode_tokens,
-            "context": out.num_context_tokens, "seqs": len(out.num_scheduled_tokens),
-            "budget": out.token_budget, "swap_out": len(out.swap_out),
-            "swap_in": len(out.swap_in), "preempted": len(out.preempted_request_ids),
-            "estimate_s": round(estimate_s, 6), "exec_s": round(t.total_s, 6),
-            "forward_s": round(t.forward_s, 6), "round_trip_s": round(round_trip_s, 6),
-        }) + "\n")
+        self._file.write(
+            json.dumps(
+                {
+                    "t": round(sent_at, 6),
+                    "executor": executor,
+                    "step_id": out.step_id,
+                    "prefill": out.num_prefill_tokens,
+                    "decode": out.num_decode_tokens,
+                    "context": out.num_context_tokens,
+                    "seqs": len(out.num_scheduled_tokens),
+                    "budget": out.token_budget,
+                    "swap_out": len(out.swap_out),
+                    "swap_in": len(out.swap_in),
+                    "preempted": len(out.preempted_request_ids),
+                    "estimate_s": round(estimate_s, 6),
+                    "exec_s": round(t.total_s, 6),
+                    "forward_s": round(t.forward_s, 6),
+                    "round_trip_s": round(round_trip_s, 6),
+                }
+            )
+            + "\n"
+        )
 
     def close(self) -> None:
         self._file.close()

@@ -18,6 +18,7 @@ writes' callbacks (which publish token events). So a client never sees a token t
 not hold, and a crash leaves Redis at an iteration boundary. `IterationWrite` and the value
 formats live in iteration_write.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,8 +111,9 @@ class Store:
         """Every request in some queue (not finished), oldest first."""
         scored: dict[str, float] = {}
         for name in QUEUES:
-            for member, score in await self.client.zrange(self.keys.queue(name), 0, -1,
-                                                          withscores=True):
+            for member, score in await self.client.zrange(
+                self.keys.queue(name), 0, -1, withscores=True
+            ):
                 scored[_text(member)] = score
         return sorted(scored, key=lambda rid: (scored[rid], rid))
 
@@ -181,8 +183,9 @@ class StoreWriter:
         try:
             await asyncio.wait_for(self.flush(), timeout=5.0)
         except TimeoutError:
-            log.error("store writer could not flush before closing",
-                      extra={"pending": len(self._pending)})
+            log.error(
+                "store writer could not flush before closing", extra={"pending": len(self._pending)}
+            )
         await cancel_and_wait(self._task)
         self._task = None
 
@@ -204,8 +207,9 @@ class StoreWriter:
                 break
             except (RedisError, OSError) as exc:
                 self.errors += 1
-                log.warning("redis commit failed, retrying", extra={"error": str(exc),
-                                                                    "writes": len(batch)})
+                log.warning(
+                    "redis commit failed, retrying", extra={"error": str(exc), "writes": len(batch)}
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
         self.commits += 1

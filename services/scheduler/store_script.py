@@ -13,6 +13,7 @@ ARGV[1] is JSON: [ns, ttl_ms, queues, writes]; each write is
 Every command is idempotent given the same arguments (SETRANGE at fixed offsets, HSET, ZADD,
 SADD/SREM), so a retried commit is harmless.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def _write_json(w: IterationWrite, blobs: list[bytes]) -> dict:
     tokens = []
     for rid, (start, buf) in w.tokens.items():
         blobs.append(bytes(buf))
-        tokens.append([rid, start, len(blobs) + 1])       # ARGV index (ARGV[1] is the JSON)
+        tokens.append([rid, start, len(blobs) + 1])  # ARGV index (ARGV[1] is the JSON)
     return {
         "t": tokens,
         "f": [_flat(rid, values) for rid, values in w.fields.items() if values],

@@ -6,6 +6,7 @@ slow client only falls behind, it never fills a buffer or blocks anyone, and a c
 re-attaches with `resume_from` reads the same log from that index: no duplicates, no gaps.
 Only tokens already committed to Redis are published (the store writer publishes after commit).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,12 @@ from services.common.pb import common_pb2, scheduler_pb2
 
 
 class RequestStream:
-    def __init__(self, request_id: str, tokens: list[tuple[int, float, float]] | None = None,
-                 prediction: common_pb2.Prediction | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        tokens: list[tuple[int, float, float]] | None = None,
+        prediction: common_pb2.Prediction | None = None,
+    ) -> None:
         self.request_id = request_id
         self.tokens: list[tuple[int, float, float]] = list(tokens or [])  # (id, logprob, time)
         self.final: scheduler_pb2.TokenEvent | None = None
@@ -33,8 +38,9 @@ class RequestStream:
         if self.final is not None:
             return
         if start > len(self.tokens):
-            raise ValueError(f"{self.request_id}: token {start} published after "
-                             f"{len(self.tokens)} tokens (gap)")
+            raise ValueError(
+                f"{self.request_id}: token {start} published after {len(self.tokens)} tokens (gap)"
+            )
         skip = len(self.tokens) - start
         if skip < len(items):
             self.tokens.extend(items[skip:])
@@ -52,8 +58,9 @@ class RequestStream:
 
     def _event(self, index: int) -> scheduler_pb2.TokenEvent:
         token_id, logprob, t = self.tokens[index]
-        return scheduler_pb2.TokenEvent(request_id=self.request_id, index=index,
-                                        token_id=token_id, logprob=logprob, time=t)
+        return scheduler_pb2.TokenEvent(
+            request_id=self.request_id, index=index, token_id=token_id, logprob=logprob, time=t
+        )
 
     async def events(self, start: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         """Token events from output index `start`, then the final event; ends after it."""
@@ -80,7 +87,14 @@ class RequestStream:
             self.readers -= 1
 
 
-def final_event(request_id: str, n_out: int, finish_reason: str, usage: scheduler_pb2.Usage,
-                error: str = "") -> scheduler_pb2.TokenEvent:
-    return scheduler_pb2.TokenEvent(request_id=request_id, index=n_out, finished=True,
-                                    finish_reason=finish_reason, usage=usage, error=error)
+def final_event(
+    request_id: str, n_out: int, finish_reason: str, usage: scheduler_pb2.Usage, error: str = ""
+) -> scheduler_pb2.TokenEvent:
+    return scheduler_pb2.TokenEvent(
+        request_id=request_id,
+        index=n_out,
+        finished=True,
+        finish_reason=finish_reason,
+        usage=usage,
+        error=error,
+    )

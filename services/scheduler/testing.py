@@ -1,9 +1,10 @@
 """Helpers for tests and benchmarks that run the scheduler for real (not used in serving).
 
-    async with running_scheduler(redis_url, [executor_address], policy="fcfs") as handle:
-        async with aio_channel(handle.address) as ch:
-            events = await generate(SchedulerStub(ch), gen_request("r1", [1, 2, 3], 8))
+async with running_scheduler(redis_url, [executor_address], policy="fcfs") as handle:
+    async with aio_channel(handle.address) as ch:
+        events = await generate(SchedulerStub(ch), gen_request("r1", [1, 2, 3], 8))
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,19 +26,32 @@ from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
 
 
-def gen_request(rid: str, prompt: list[int], max_tokens: int, *, seed: int | None = None,
-                temperature: float = 0.0, ignore_eos: bool = True,
-                **fields) -> scheduler_pb2.GenerateRequest:
+def gen_request(
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    seed: int | None = None,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    **fields,
+) -> scheduler_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=temperature)
     if seed is not None:
         sampling.seed = seed
-    return scheduler_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
-                                         max_tokens=max_tokens, sampling=sampling,
-                                         ignore_eos=ignore_eos, **fields)
+    return scheduler_pb2.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        ignore_eos=ignore_eos,
+        **fields,
+    )
 
 
-async def generate(stub, request: scheduler_pb2.GenerateRequest,
-                   timeout: float = 60.0) -> list[scheduler_pb2.TokenEvent]:
+async def generate(
+    stub, request: scheduler_pb2.GenerateRequest, timeout: float = 60.0
+) -> list[scheduler_pb2.TokenEvent]:
     """Every event of one Generate stream (raises grpc.aio.AioRpcError on a status)."""
     return [event async for event in stub.Generate(request, timeout=timeout)]
 
@@ -60,34 +74,42 @@ async def running_scheduler(redis_url: str, executors: list[str], **settings):
     """An in-process scheduler service on a free loopback port."""
     from services.scheduler.server import start_scheduler
 
-    handle = await start_scheduler(SchedulerSettings(
-        redis_url=redis_url, executors=executors, scheduler_port=0, **settings))
+    handle = await start_scheduler(
+        SchedulerSettings(redis_url=redis_url, executors=executors, scheduler_port=0, **settings)
+    )
     try:
         yield handle
     finally:
         await handle.stop()
 
 
-def core_request(pb: scheduler_pb2.GenerateRequest, eos_token_ids=(), now: float | None = None,
-                 max_model_len: int | None = None) -> Request:
+def core_request(
+    pb: scheduler_pb2.GenerateRequest,
+    eos_token_ids=(),
+    now: float | None = None,
+    max_model_len: int | None = None,
+) -> Request:
     from services.scheduler.validation import ModelLimits, request_from_pb
 
     limits = ModelLimits(max_model_len=max_model_len, eos_token_ids=tuple(eos_token_ids))
     return request_from_pb(pb, pb.request_id, time.time() if now is None else now, limits)
 
 
-def reference_run(engine, requests: list[Request], policy: str = "fcfs",
-                  knobs: dict | None = None) -> dict[str, list[int]]:
+def reference_run(
+    engine, requests: list[Request], policy: str = "fcfs", knobs: dict | None = None
+) -> dict[str, list[int]]:
     """Drive an in-process Engine with the core Scheduler directly (no service, no gRPC):
     the output tokens each request gets."""
-    from services.scheduler.executors import cost_model_for
     from services.common.pb import executor_pb2
+    from services.scheduler.executors import cost_model_for
 
-    info = executor_pb2.ExecutorInfo(block_size=engine.block_size,
-                                     num_device_blocks=engine.num_device_blocks)
+    info = executor_pb2.ExecutorInfo(
+        block_size=engine.block_size, num_device_blocks=engine.num_device_blocks
+    )
     bm = BlockManager(engine.num_device_blocks, engine.num_host_blocks, engine.block_size)
-    sched = Scheduler(make_policy(policy, **(knobs or {})), bm, cost_model_for(info),
-                      engine.max_model_len)
+    sched = Scheduler(
+        make_policy(policy, **(knobs or {})), bm, cost_model_for(info), engine.max_model_len
+    )
     for req in requests:
         sched.admit(req)
     while True:
@@ -100,17 +122,32 @@ def reference_run(engine, requests: list[Request], policy: str = "fcfs",
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
-async def start_tiny_executor(model_dir, num_device_blocks: int = 256, num_host_blocks: int = 64,
-                              block_size: int = 16, port: int = 0):
+async def start_tiny_executor(
+    model_dir,
+    num_device_blocks: int = 256,
+    num_host_blocks: int = 64,
+    block_size: int = 16,
+    port: int = 0,
+):
     """A real executor gRPC server on loopback serving the model in `model_dir` on CPU."""
     from services.common.settings import ExecutorSettings
     from services.executor.engine import Engine
     from services.executor.server import start_executor
 
-    engine = Engine(model_dir, device="cpu", block_size=block_size,
-                    num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks)
-    settings = ExecutorSettings(model=str(model_dir), executor_host="127.0.0.1",
-                                executor_port=port, device="cpu", block_size=block_size)
+    engine = Engine(
+        model_dir,
+        device="cpu",
+        block_size=block_size,
+        num_device_blocks=num_device_blocks,
+        num_host_blocks=num_host_blocks,
+    )
+    settings = ExecutorSettings(
+        model=str(model_dir),
+        executor_host="127.0.0.1",
+        executor_port=port,
+        device="cpu",
+        block_size=block_size,
+    )
     return await start_executor(settings, engine=engine)
 
 
@@ -127,7 +164,7 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
     tiny.make_tiny_model(staging / "model", arch, seed=seed)
     try:
         os.rename(staging / "model", path)
-    except OSError:            # another process won the race: use its copy
+    except OSError:  # another process won the race: use its copy
         pass
     shutil.rmtree(staging, ignore_errors=True)
     return path

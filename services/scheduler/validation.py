@@ -1,4 +1,5 @@
 """GenerateRequest -> core Request, refusing malformed input with INVALID_ARGUMENT."""
+
 from __future__ import annotations
 
 import uuid
@@ -17,6 +18,7 @@ MAX_REQUEST_ID_LEN = 256
 @dataclass
 class ModelLimits:
     """What the executors told us about the model (None until one answered Describe)."""
+
     max_model_len: int | None = None
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -33,12 +35,15 @@ def _check_prompt(prompt: list[int], limits: ModelLimits) -> None:
     if not prompt:
         raise invalid("prompt_token_ids is empty")
     if limits.max_model_len is not None and len(prompt) >= limits.max_model_len:
-        raise invalid(f"prompt has {len(prompt)} tokens; the model's maximum length is "
-                      f"{limits.max_model_len} (prompt + at least one output token)")
+        raise invalid(
+            f"prompt has {len(prompt)} tokens; the model's maximum length is "
+            f"{limits.max_model_len} (prompt + at least one output token)"
+        )
     bad = [t for t in prompt if t < 0 or (limits.vocab_size and t >= limits.vocab_size)]
     if bad:
-        raise invalid(f"prompt token id {bad[0]} is outside the vocabulary "
-                      f"[0, {limits.vocab_size})")
+        raise invalid(
+            f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
+        )
 
 
 def _sampling(pb: scheduler_pb2.GenerateRequest) -> SamplingParams:
@@ -62,8 +67,9 @@ def _check_limits(pb: scheduler_pb2.GenerateRequest) -> None:
             raise invalid(f"slo.{name} must be > 0 seconds, got {getattr(pb.slo, name)}")
 
 
-def request_from_pb(pb: scheduler_pb2.GenerateRequest, rid: str, now: float,
-                    limits: ModelLimits) -> Request:
+def request_from_pb(
+    pb: scheduler_pb2.GenerateRequest, rid: str, now: float, limits: ModelLimits
+) -> Request:
     """A validated core Request. Without a prediction (or with length 0) `predicted_len` stays
     None and the policy applies its prior (`Policy.predicted_len`). A prediction is capped at
     max_tokens: no answer is longer, whatever similar prompts got. (The core does not cap:
@@ -77,9 +83,18 @@ def request_from_pb(pb: scheduler_pb2.GenerateRequest, rid: str, now: float,
         predicted, source = pb.prediction.length, pb.prediction.source or "client"
         predicted = min(predicted, pb.max_tokens)
     return Request(
-        request_id=rid, prompt_token_ids=prompt, max_tokens=pb.max_tokens, arrival_time=now,
-        min_tokens=pb.min_tokens, stop_token_ids=tuple(pb.stop_token_ids),
-        eos_token_ids=limits.eos_token_ids, ignore_eos=pb.ignore_eos,
-        priority=pb.priority if pb.HasField("priority") else 0, slo=slo_from_pb(pb.slo),
-        sampling=sampling, predicted_len=predicted,
-        prediction_source=source, max_model_len=limits.max_model_len)
+        request_id=rid,
+        prompt_token_ids=prompt,
+        max_tokens=pb.max_tokens,
+        arrival_time=now,
+        min_tokens=pb.min_tokens,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        eos_token_ids=limits.eos_token_ids,
+        ignore_eos=pb.ignore_eos,
+        priority=pb.priority if pb.HasField("priority") else 0,
+        slo=slo_from_pb(pb.slo),
+        sampling=sampling,
+        predicted_len=predicted,
+        prediction_source=source,
+        max_model_len=limits.max_model_len,
+    )

@@ -7,6 +7,7 @@ The search is a bisection on rate between a passing and a failing rate; evaluati
 cached by rate, and `bisect_many` advances several searches together so a caller can run each
 round's probes in parallel.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,12 +33,20 @@ class Criterion:
             value = summary.get("mean_normalized_latency")
             return value is not None and value <= self.bound
         tbt, delay = summary.get("p99_tbt"), summary.get("median_scheduling_delay")
-        return (tbt is not None and tbt <= self.bound and delay is not None
-                and delay <= self.max_scheduling_delay_s)
+        return (
+            tbt is not None
+            and tbt <= self.bound
+            and delay is not None
+            and delay <= self.max_scheduling_delay_s
+        )
 
 
-def sarathi_tbt_slo(iteration_time: Callable[[int, int, int], float], factor: float = 5.0,
-                    batch: int = 32, prompt_len: int = 4096) -> float:
+def sarathi_tbt_slo(
+    iteration_time: Callable[[int, int, int], float],
+    factor: float = 5.0,
+    batch: int = 32,
+    prompt_len: int = 4096,
+) -> float:
     """Sarathi-Serve's P99 TBT SLO: `factor` (5 strict, 25 relaxed) x the time of a decode
     iteration of `batch` requests with `prompt_len` tokens of context each, uncontended."""
     return factor * iteration_time(0, batch, batch * prompt_len)
@@ -46,6 +55,7 @@ def sarathi_tbt_slo(iteration_time: Callable[[int, int, int], float], factor: fl
 @dataclass
 class Search:
     """Bisection state for one (key, criterion): `lo` passes (or None), `hi` fails (or None)."""
+
     key: str
     criterion: Criterion
     lo: float | None = None
@@ -71,13 +81,20 @@ class Search:
     def result(self) -> dict:
         """capacity = highest passing rate; `bounded` false when even the top rate passed
         (capacity >= it) or nothing passed (capacity < the lowest rate probed)."""
-        return {"capacity": self.lo if self.lo is not None else 0.0,
-                "bounded": self.lo is not None and self.hi is not None,
-                "lowest_failing": self.hi, "probes": sorted(self.probes)}
+        return {
+            "capacity": self.lo if self.lo is not None else 0.0,
+            "bounded": self.lo is not None and self.hi is not None,
+            "lowest_failing": self.hi,
+            "probes": sorted(self.probes),
+        }
 
 
-def bisect_many(searches: list[Search], evaluate_all: Callable[[list[tuple[str, float]]], dict],
-                rel_tol: float = 0.05, max_rounds: int = 6) -> None:
+def bisect_many(
+    searches: list[Search],
+    evaluate_all: Callable[[list[tuple[str, float]]], dict],
+    rel_tol: float = 0.05,
+    max_rounds: int = 6,
+) -> None:
     """Refine every search; `evaluate_all([(key, rate)]) -> {(key, rate): summary}`."""
     for _ in range(max_rounds):
         wanted = {}

@@ -20,6 +20,7 @@ seconds. Definitions (docs/workloads.md, "Metrics"):
   the budget being a reference forward size when given (the profile's pivot, AccelGen's S_pf)
   and each iteration's own budget for `budget_utilization`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -80,6 +81,7 @@ class IterationRecord:
 
 # --- per-request metrics --------------------------------------------------------------
 
+
 def ttft(r: RequestRecord) -> float | None:
     return r.token_times[0] - r.arrival_s if r.token_times else None
 
@@ -129,6 +131,7 @@ def iteration_slo_hits(r: RequestRecord) -> tuple[int, int]:
 
 # --- aggregates -------------------------------------------------------------------------
 
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default, as vLLM); None when empty."""
     return float(np.percentile(values, q)) if len(values) else None
@@ -151,13 +154,17 @@ def kv_utilization(iterations: Sequence[IterationRecord]) -> float | None:
     return float(np.average([it.kv_utilization for it in iterations], weights=weights))
 
 
-def compute_utilization(iterations: Sequence[IterationRecord],
-                        reference_tokens: int | None = None) -> float | None:
+def compute_utilization(
+    iterations: Sequence[IterationRecord], reference_tokens: int | None = None
+) -> float | None:
     """Mean over iterations of min(1, tokens / budget): the budget is `reference_tokens` when
     given (e.g. the profile's pivot forward size, comparable across policies), else each
     iteration's own token budget (iterations without one are skipped)."""
-    shares = [min(it.num_tokens / b, 1.0) for it in iterations
-              if (b := reference_tokens or it.token_budget)]
+    shares = [
+        min(it.num_tokens / b, 1.0)
+        for it in iterations
+        if (b := reference_tokens or it.token_budget)
+    ]
     return mean(shares)
 
 
@@ -169,19 +176,31 @@ def duration(records: Sequence[RequestRecord]) -> float:
     return max(ends) - min(r.arrival_s for r in records)
 
 
-def summarize(records: Iterable[RequestRecord], iterations: Sequence[IterationRecord] = (),
-              duration_s: float | None = None, reference_tokens: int | None = None) -> dict:
+def summarize(
+    records: Iterable[RequestRecord],
+    iterations: Sequence[IterationRecord] = (),
+    duration_s: float | None = None,
+    reference_tokens: int | None = None,
+) -> dict:
     records = list(records)
     done = [r for r in records if r.completed and r.token_times]
     span = duration(records) if duration_s is None else duration_s
     per_s = (lambda x: x / span) if span > 0 else (lambda x: None)
-    out = {"num_requests": len(records), "completed": len(done), "duration_s": span,
-           "request_throughput": per_s(len(done)),
-           "throughput_tok_s": per_s(sum(r.output_len for r in done)),
-           "total_throughput_tok_s": per_s(sum(r.output_len + r.prompt_len for r in done))}
-    for name, fn in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e),
-                     ("normalized_latency", normalized_latency),
-                     ("scheduling_delay", scheduling_delay)):
+    out = {
+        "num_requests": len(records),
+        "completed": len(done),
+        "duration_s": span,
+        "request_throughput": per_s(len(done)),
+        "throughput_tok_s": per_s(sum(r.output_len for r in done)),
+        "total_throughput_tok_s": per_s(sum(r.output_len + r.prompt_len for r in done)),
+    }
+    for name, fn in (
+        ("ttft", ttft),
+        ("tpot", tpot),
+        ("e2e", e2e),
+        ("normalized_latency", normalized_latency),
+        ("scheduling_delay", scheduling_delay),
+    ):
         _describe(name, [v for r in done if (v := fn(r)) is not None], out)
     _describe("tbt", [g for r in done for g in tbts(r)], out)
     good = sum(meets_slo(r) for r in records)

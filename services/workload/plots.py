@@ -6,6 +6,7 @@
   (AccelGen);
 - latency_cdf.png: CDFs of normalized latency and TTFT at one rate.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -63,17 +64,37 @@ def plot_results(results: dict, out_dir: str | Path) -> list[Path]:
     nl_bound = crit.get("normalized_latency", {}).get("bound")
     tbt_slo = crit.get("p99_tbt", {}).get("bound")
     paths = [
-        _figure([lambda ax: _panel(ax, pts, "mean_normalized_latency",
-                                   "mean normalized latency (s/token)", True, nl_bound)],
-                out / "normalized_latency.png", "Normalized latency vs rate"),
-        _figure([lambda ax: _panel(ax, pts, "p99_tbt", "P99 TBT (s)", True, tbt_slo),
-                 lambda ax: _panel(ax, pts, "median_ttft", "median TTFT (s)", True)],
-                out / "tbt_ttft.png", "Tail TBT and median TTFT vs rate"),
-        _figure([lambda ax: _panel(ax, pts, "iteration_slo_attainment",
-                                   "iteration SLO attainment"),
-                 lambda ax: _panel(ax, pts, "slo_attainment", "request SLO attainment"),
-                 lambda ax: _panel(ax, pts, "goodput", "goodput (req/s)")],
-                out / "slo_goodput.png", "SLO attainment and goodput vs rate"),
+        _figure(
+            [
+                lambda ax: _panel(
+                    ax,
+                    pts,
+                    "mean_normalized_latency",
+                    "mean normalized latency (s/token)",
+                    True,
+                    nl_bound,
+                )
+            ],
+            out / "normalized_latency.png",
+            "Normalized latency vs rate",
+        ),
+        _figure(
+            [
+                lambda ax: _panel(ax, pts, "p99_tbt", "P99 TBT (s)", True, tbt_slo),
+                lambda ax: _panel(ax, pts, "median_ttft", "median TTFT (s)", True),
+            ],
+            out / "tbt_ttft.png",
+            "Tail TBT and median TTFT vs rate",
+        ),
+        _figure(
+            [
+                lambda ax: _panel(ax, pts, "iteration_slo_attainment", "iteration SLO attainment"),
+                lambda ax: _panel(ax, pts, "slo_attainment", "request SLO attainment"),
+                lambda ax: _panel(ax, pts, "goodput", "goodput (req/s)"),
+            ],
+            out / "slo_goodput.png",
+            "SLO attainment and goodput vs rate",
+        ),
     ]
     if results.get("cdf"):
         paths.append(_cdf(results["cdf"], out / "latency_cdf.png"))
@@ -91,8 +112,12 @@ def _cdf(cdf: dict, path: Path) -> Path:
             ax.set_xlabel(xlabel)
             ax.set_ylabel("CDF")
             ax.grid(True, alpha=0.3)
+
         return panel
 
     rate = next(iter(cdf.values()))["rate"]
-    return _figure([draw("normalized_latency", "normalized latency (s/token)"),
-                    draw("ttft", "TTFT (s)")], path, f"Latency CDFs at {rate} req/s")
+    return _figure(
+        [draw("normalized_latency", "normalized latency (s/token)"), draw("ttft", "TTFT (s)")],
+        path,
+        f"Latency CDFs at {rate} req/s",
+    )

@@ -1,4 +1,5 @@
 """How every benchmark reports: the figures as indented JSON on stdout, and in a file too."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Where a Docker engine is reachable: build the images, start the compose stack and stream
 one answer through the gateway. Skips with the reason where there is no engine (the
 development machine and CI have only the docker client)."""
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,13 @@ def _engine_or_skip():
     try:
         client = docker.from_env(timeout=5)
         client.ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means "no engine here"
+    except Exception as exc:
         pytest.skip(f"no Docker engine reachable ({type(exc).__name__}: {exc})")
-    compose = ["docker", "compose"] if subprocess.run(
-        ["docker", "compose", "version"], capture_output=True).returncode == 0 else (
-        ["docker-compose"] if shutil.which("docker-compose") else None)
+    compose = (
+        ["docker", "compose"]
+        if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+        else (["docker-compose"] if shutil.which("docker-compose") else None)
+    )
     if compose is None:
         pytest.skip("a Docker engine is reachable but no compose CLI is installed")
     gpus = client.info().get("Runtimes", {})
@@ -49,11 +52,16 @@ def test_compose_stack_streams_an_answer():
             time.sleep(5)
         else:
             pytest.fail("the compose stack's gateway never became healthy")
-        body = {"stream": True, "max_tokens": 24, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        body = {
+            "stream": True,
+            "max_tokens": 24,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
         text = []
-        with httpx.stream("POST", "http://127.0.0.1:8000/v1/chat/completions", json=body,
-                          timeout=120) as response:
+        with httpx.stream(
+            "POST", "http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=120
+        ) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":

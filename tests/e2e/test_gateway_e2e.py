@@ -1,6 +1,7 @@
 """End to end with the real bundled SmolLM2 model: gateway -> predictor -> scheduler ->
 executor, through the official openai client and a headless Chromium on the playground.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,14 @@ from services.gateway.testing import inprocess_backend, running_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +32,27 @@ def stack(tmp_path_factory):
     from services.predictor.server import start_predictor
 
     run_dir = tmp_path_factory.mktemp("gw-e2e")
-    with EmbeddedRedis(run_dir / "redis") as redis, \
-            inprocess_backend(run_dir, "smollm2-135m-instruct", redis.url,
-                              executor_kw={"data_dir": PredictorSettings().data_dir,
-                                           "kv_memory_gb": 0.25}) as backend:
+    with (
+        EmbeddedRedis(run_dir / "redis") as redis,
+        inprocess_backend(
+            run_dir,
+            "smollm2-135m-instruct",
+            redis.url,
+            executor_kw={"data_dir": PredictorSettings().data_dir, "kv_memory_gb": 0.25},
+        ) as backend,
+    ):
         loop = backend["loop"]
-        predictor = loop.run(start_predictor(PredictorSettings(
-            data_dir=run_dir, predictor_port=0, predictor_seed=False)))
+        predictor = loop.run(
+            start_predictor(
+                PredictorSettings(data_dir=run_dir, predictor_port=0, predictor_seed=False)
+            )
+        )
         try:
-            settings = GatewaySettings(scheduler_address=backend["address"],
-                                       predictor_addresses=[f"127.0.0.1:{predictor.port}"],
-                                       predictor_timeout_ms=2000)
+            settings = GatewaySettings(
+                scheduler_address=backend["address"],
+                predictor_addresses=[f"127.0.0.1:{predictor.port}"],
+                predictor_timeout_ms=2000,
+            )
             with running_gateway(settings) as url:
                 yield {"url": url, "predictor": predictor, **backend}
         finally:
@@ -57,13 +74,16 @@ def stored(stack) -> int:
 def test_chat_answers_the_capital_of_france_and_teaches_the_predictor(stack, client):
     before = stored(stack)
     raw = client.chat.completions.with_raw_response.create(
-        model="smollm2-135m-instruct", temperature=0, max_tokens=48,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
+        model="smollm2-135m-instruct",
+        temperature=0,
+        max_tokens=48,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     prediction = raw.headers["x-alise-prediction"]
     assert prediction.startswith("length=") and "source=" in prediction
     answer = raw.parse()
     assert "Paris" in answer.choices[0].message.content, answer.choices[0].message.content
-    assert answer.choices[0].finish_reason == "stop"      # ended on EOS: a true length
+    assert answer.choices[0].finish_reason == "stop"  # ended on EOS: a true length
     deadline = time.monotonic() + 30
     while stored(stack) <= before and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -73,8 +93,11 @@ def test_chat_answers_the_capital_of_france_and_teaches_the_predictor(stack, cli
 def test_requests_cut_by_max_tokens_are_not_observed(stack, client):
     before = stored(stack)
     out = client.chat.completions.create(
-        model="smollm2-135m-instruct", max_tokens=3, temperature=0,
-        messages=[{"role": "user", "content": "Write a long poem about the sea."}])
+        model="smollm2-135m-instruct",
+        max_tokens=3,
+        temperature=0,
+        messages=[{"role": "user", "content": "Write a long poem about the sea."}],
+    )
     assert out.choices[0].finish_reason == "length"
     time.sleep(2.0)
     assert stored(stack) == before
@@ -92,7 +115,8 @@ def aborted(stack) -> int:
     async def ask():
         async with aio_channel(stack["address"]) as channel:
             return await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
-                scheduler_pb2.StatsRequest(), timeout=5)
+                scheduler_pb2.StatsRequest(), timeout=5
+            )
 
     return stack["loop"].run(ask()).aborted
 
@@ -106,8 +130,12 @@ def wait_until(predicate, timeout: float = 30.0) -> bool:
 
 def test_requests_ended_by_a_stop_string_or_an_abort_are_not_observed(stack, client):
     ids = {kind: f"{kind}-{uuid.uuid4().hex[:12]}" for kind in ("stop", "stream", "abort", "eos")}
-    ask = dict(model="smollm2-135m-instruct", temperature=0, max_tokens=48,
-               messages=[{"role": "user", "content": "What is the capital of France?"}])
+    ask = dict(
+        model="smollm2-135m-instruct",
+        temperature=0,
+        max_tokens=48,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
 
     def headers(kind: str) -> dict:
         return {"X-Request-Id": ids[kind]}
@@ -116,18 +144,30 @@ def test_requests_ended_by_a_stop_string_or_an_abort_are_not_observed(stack, cli
     cut = client.chat.completions.create(**ask, stop=["Paris"], extra_headers=headers("stop"))
     assert cut.choices[0].finish_reason == "stop"
     assert "Paris" not in cut.choices[0].message.content
-    chunks = list(client.chat.completions.create(**ask, stop=["Paris"], stream=True,
-                                                 extra_headers=headers("stream")))
+    chunks = list(
+        client.chat.completions.create(
+            **ask, stop=["Paris"], stream=True, extra_headers=headers("stream")
+        )
+    )
     assert "Paris" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
     # Both were aborted upstream at the match (background calls: wait for them).
     assert wait_until(lambda: aborted(stack) >= start + 2)
     before = aborted(stack)
-    body = {**ask, "max_tokens": 400, "stream": True,
-            "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
-    with httpx.stream("POST", stack["url"] + "/v1/chat/completions", json=body, timeout=180,
-                      headers=headers("abort")) as response:
+    body = {
+        **ask,
+        "max_tokens": 400,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+    }
+    with httpx.stream(
+        "POST",
+        stack["url"] + "/v1/chat/completions",
+        json=body,
+        timeout=180,
+        headers=headers("abort"),
+    ) as response:
         assert next(line for line in response.iter_lines() if '"content":"' in line)
     assert wait_until(lambda: aborted(stack) > before), "the dropped stream was not aborted"
 
@@ -142,12 +182,16 @@ def test_requests_ended_by_a_stop_string_or_an_abort_are_not_observed(stack, cli
 
 def test_multibyte_answer_streams_valid_text(stack, client):
     stream = client.chat.completions.create(
-        model="smollm2-135m-instruct", stream=True, temperature=0, max_tokens=40,
-        messages=[{"role": "user", "content": "Repeat exactly: café, naïve, 東京, 😀"}])
+        model="smollm2-135m-instruct",
+        stream=True,
+        temperature=0,
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Repeat exactly: café, naïve, 東京, 😀"}],
+    )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     text = "".join(pieces)
     assert "\ufffd" not in text
-    assert "東京" in text or "😀" in text, text       # 3- and 4-byte characters came through
+    assert "東京" in text or "😀" in text, text  # 3- and 4-byte characters came through
     assert len([p for p in pieces if p]) > 3
 
 
@@ -166,10 +210,12 @@ def test_playground_streams_an_answer_in_headless_chromium(stack):
             page.fill("#max_tokens", "32")
             page.fill("#ttft_ms", "5000")
             page.click("#send")
-            page.wait_for_function("document.getElementById('output').textContent.length > 0",
-                                   timeout=120_000)
-            page.wait_for_function("document.getElementById('output').dataset.state === 'done'",
-                                   timeout=120_000)
+            page.wait_for_function(
+                "document.getElementById('output').textContent.length > 0", timeout=120_000
+            )
+            page.wait_for_function(
+                "document.getElementById('output').dataset.state === 'done'", timeout=120_000
+            )
             page.screenshot(path=str(artifacts / "gateway_playground.png"), full_page=True)
             output = page.text_content("#output")
             ttft = page.text_content("#ttft")

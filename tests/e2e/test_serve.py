@@ -1,5 +1,6 @@
 """`alise serve` end to end: the whole stack with the real bundled model, through the official
 openai client; the launcher restarts a killed executor; shutdown leaves no process behind."""
+
 from __future__ import annotations
 
 import os
@@ -36,12 +37,23 @@ def _children(pid: int) -> set[int]:
 def stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("serve")
     port = free_port()
-    env = {**os.environ, "ALISE_RUN_DIR": str(run_dir), "ALISE_GATEWAY_PORT": str(port),
-           "ALISE_KV_MEMORY_GB": "0.25", "ALISE_SWAP_MEMORY_GB": "0.25",
-           "ALISE_NUM_EXECUTORS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "ALISE_RUN_DIR": str(run_dir),
+        "ALISE_GATEWAY_PORT": str(port),
+        "ALISE_KV_MEMORY_GB": "0.25",
+        "ALISE_SWAP_MEMORY_GB": "0.25",
+        "ALISE_NUM_EXECUTORS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     log = open(run_dir / "launcher.out", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 420
     while time.monotonic() < deadline:
@@ -66,8 +78,12 @@ def _chat(url: str, content: str, max_tokens: int = 24) -> str:
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
-        model=model, stream=True, max_tokens=max_tokens, temperature=0,
-        messages=[{"role": "user", "content": content}])
+        model=model,
+        stream=True,
+        max_tokens=max_tokens,
+        temperature=0,
+        messages=[{"role": "user", "content": content}],
+    )
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
@@ -76,8 +92,11 @@ def test_streaming_chat_answers_sensibly_and_shows_in_metrics(stack):
     assert "Paris" in text, text
     metrics = httpx.get(f"{stack['url']}/metrics", timeout=10).text
     assert "alise:" in metrics
-    served = [line for line in metrics.splitlines()
-              if line.startswith("alise:") and "request" in line and not line.endswith(" 0.0")]
+    served = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("alise:") and "request" in line and not line.endswith(" 0.0")
+    ]
     assert served, "no request metric recorded"
 
 
@@ -90,8 +109,11 @@ def test_killed_executor_is_restarted_and_inflight_requests_complete(stack):
             executor_pid = pid
     assert executor_pid, "no executor process found under the launcher"
     results: list[str] = []
-    worker = threading.Thread(target=lambda: results.append(
-        _chat(stack["url"], "Name three colours of the rainbow.", max_tokens=48)))
+    worker = threading.Thread(
+        target=lambda: results.append(
+            _chat(stack["url"], "Name three colours of the rainbow.", max_tokens=48)
+        )
+    )
     worker.start()
     time.sleep(1.0)
     os.kill(executor_pid, signal.SIGKILL)

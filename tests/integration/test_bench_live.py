@@ -1,6 +1,7 @@
 """The live load generator against a real gateway + scheduler + executor (tiny model):
 every request of a trace arrives on time, streams exactly its max_tokens (ignore_eos), and
 the records turn into the shared metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,14 +26,24 @@ def gateway_url(tmp_path_factory, trace_path):
     from services.scheduler.testing import cached_tiny_model
 
     model = cached_tiny_model()
-    with inprocess_stack(tmp_path_factory.mktemp("bench-live"), model,
-                         scheduler_kw={"step_trace": trace_path}) as stack:
+    with inprocess_stack(
+        tmp_path_factory.mktemp("bench-live"), model, scheduler_kw={"step_trace": trace_path}
+    ) as stack:
         yield stack["url"]
 
 
 def test_trace_replays_with_exact_token_counts_and_metrics(gateway_url):
-    items = [TraceItem(f"r{i}", 0.2 * i, 8, 5 + i, prompt=f"Count to {i + 3}.",
-                       slo=SloSpec(ttft_s=60.0, tbt_s=30.0)) for i in range(4)]
+    items = [
+        TraceItem(
+            f"r{i}",
+            0.2 * i,
+            8,
+            5 + i,
+            prompt=f"Count to {i + 3}.",
+            slo=SloSpec(ttft_s=60.0, tbt_s=30.0),
+        )
+        for i in range(4)
+    ]
     model = asyncio.run(served_model(gateway_url))
     results = asyncio.run(run_trace(gateway_url, items, model, ignore_eos=True))
     assert [r.error for r in results] == [None] * 4
@@ -59,8 +70,7 @@ def test_refused_requests_are_recorded_as_errors(gateway_url):
 def test_detailed_point_and_step_trace(gateway_url, trace_path):
     items = [TraceItem(f"d{i}", 0.1 * i, 8, 3 + 2 * i, prompt=f"Say {i}.") for i in range(3)]
     before = len(trace_path.read_text().splitlines()) if trace_path.exists() else 0
-    summary = run_point(gateway_url, items, ignore_eos=True, max_concurrency=None,
-                        detailed=True)
+    summary = run_point(gateway_url, items, ignore_eos=True, max_concurrency=None, detailed=True)
     rows = summary["requests"]
     assert [r["request_id"] for r in rows] == ["d0", "d1", "d2"]
     assert [r["output_len"] for r in rows] == [3, 5, 7]

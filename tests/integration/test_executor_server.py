@@ -1,4 +1,5 @@
 """The executor gRPC service over real loopback gRPC, serving a tiny random-weight model."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,15 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture
 async def executor(tiny_dir, tmp_path):
     profile = tmp_path / "profile.json"
-    settings = ExecutorSettings(model=str(tiny_dir), executor_port=0, device="cpu",
-                                kv_memory_gb=0.01, swap_memory_gb=0.002,
-                                profile_path=profile, data_dir=tmp_path)
+    settings = ExecutorSettings(
+        model=str(tiny_dir),
+        executor_port=0,
+        device="cpu",
+        kv_memory_gb=0.01,
+        swap_memory_gb=0.002,
+        profile_path=profile,
+        data_dir=tmp_path,
+    )
     handle = await start_executor(settings)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
     yield handle, executor_pb2_grpc.ExecutorStub(channel), profile
@@ -33,10 +40,14 @@ async def executor(tiny_dir, tmp_path):
 def _prefill(rid: str, ids: list[int], blocks: list[int], **sampling):
     return executor_pb2.StepRequest(
         step_id=1,
-        new_requests=[executor_pb2.NewRequest(request_id=rid, token_ids=ids,
-                                              sampling=common_pb2.SamplingParams(**sampling))],
+        new_requests=[
+            executor_pb2.NewRequest(
+                request_id=rid, token_ids=ids, sampling=common_pb2.SamplingParams(**sampling)
+            )
+        ],
         block_tables=[executor_pb2.BlockTableUpdate(request_id=rid, block_ids=blocks)],
-        scheduled=[executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=len(ids))])
+        scheduled=[executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=len(ids))],
+    )
 
 
 async def test_describe_reports_budget_derived_blocks(executor):
@@ -44,8 +55,8 @@ async def test_describe_reports_budget_derived_blocks(executor):
     info = await stub.Describe(executor_pb2.DescribeRequest())
     assert info.architecture == "llama" and info.block_size == 16
     assert info.bytes_per_block == handle.engine.cache.bytes_per_block
-    assert info.num_device_blocks == int(0.01 * 2 ** 30 // info.bytes_per_block)
-    assert info.num_host_blocks == int(0.002 * 2 ** 30 // info.bytes_per_block)
+    assert info.num_device_blocks == int(0.01 * 2**30 // info.bytes_per_block)
+    assert info.num_host_blocks == int(0.002 * 2**30 // info.bytes_per_block)
     assert info.eos_token_ids and info.max_model_len == 2048 and info.profile_json == ""
     assert len(info.instance_id) == 32
 
@@ -56,10 +67,11 @@ async def test_step_decodes_and_rejects_malformed(executor):
     assert [s.request_id for s in result.sampled] == ["a"]
     assert result.num_prefill_tokens == 20 and result.timings.total_s > 0
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Step(_prefill("b", [1, 2, 3], [1]))          # block 1 belongs to "a"
+        await stub.Step(_prefill("b", [1, 2, 3], [1]))  # block 1 belongs to "a"
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    decode = executor_pb2.StepRequest(step_id=2, scheduled=[
-        executor_pb2.ScheduledTokens(request_id="a", num_new_tokens=1)])
+    decode = executor_pb2.StepRequest(
+        step_id=2, scheduled=[executor_pb2.ScheduledTokens(request_id="a", num_new_tokens=1)]
+    )
     result = await stub.Step(decode)
     assert result.num_decode_tokens == 1 and result.sampled[0].logprob <= 0
 
@@ -84,8 +96,9 @@ async def test_profile_quick_writes_profile_and_describe_reports_it(executor):
 
 
 def _decode(step_id: int, rid: str) -> executor_pb2.StepRequest:
-    return executor_pb2.StepRequest(step_id=step_id, scheduled=[
-        executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=1)])
+    return executor_pb2.StepRequest(
+        step_id=step_id, scheduled=[executor_pb2.ScheduledTokens(request_id=rid, num_new_tokens=1)]
+    )
 
 
 async def test_step_stream_matches_unary_steps_and_ends_on_a_bad_step(executor):
@@ -100,7 +113,7 @@ async def test_step_stream_matches_unary_steps_and_ends_on_a_bad_step(executor):
         streamed.append(await stream.read())
     assert [r.step_id for r in streamed] == [1, 2, 3, 4, 5]
     assert [r.sampled[0].token_id for r in streamed] == [r.sampled[0].token_id for r in unary]
-    await stream.write(_prefill("t", [1, 2, 3], [2]))           # block 2 belongs to "s"
+    await stream.write(_prefill("t", [1, 2, 3], [2]))  # block 2 belongs to "s"
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stream.read()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -136,7 +149,8 @@ def _malformed(name: str, num_device_blocks: int) -> executor_pb2.StepRequest:
         "unknown request": {"scheduled": [_scheduled("nope", 1)]},
         "block id out of range": {
             "block_tables": [table(request_id="a", block_ids=[num_device_blocks])],
-            "scheduled": [_scheduled("a", 1)]},
+            "scheduled": [_scheduled("a", 1)],
+        },
         "negative block id": {"block_tables": [table(request_id="a", block_ids=[-1])]},
         "chunk past the request's tokens": {"scheduled": [_scheduled("a", 2)]},
     }
@@ -145,28 +159,44 @@ def _malformed(name: str, num_device_blocks: int) -> executor_pb2.StepRequest:
     return request
 
 
-@pytest.mark.parametrize("name", ["unknown request", "block id out of range",
-                                  "negative block id", "chunk past the request's tokens"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "unknown request",
+        "block id out of range",
+        "negative block id",
+        "chunk past the request's tokens",
+    ],
+)
 async def test_malformed_step_is_invalid_argument_and_changes_nothing(executor, name):
     handle, stub, _ = executor
     info = await stub.Describe(executor_pb2.DescribeRequest())
     ids = list(range(100, 120))
-    first = await stub.Step(executor_pb2.StepRequest(
-        step_id=1,
-        new_requests=[executor_pb2.NewRequest(request_id=r, token_ids=ids) for r in "ar"],
-        block_tables=[executor_pb2.BlockTableUpdate(request_id="a", block_ids=[0, 1]),
-                      executor_pb2.BlockTableUpdate(request_id="r", block_ids=[2, 3])],
-        scheduled=[_scheduled("a", 20), _scheduled("r", 20)]))
+    first = await stub.Step(
+        executor_pb2.StepRequest(
+            step_id=1,
+            new_requests=[executor_pb2.NewRequest(request_id=r, token_ids=ids) for r in "ar"],
+            block_tables=[
+                executor_pb2.BlockTableUpdate(request_id="a", block_ids=[0, 1]),
+                executor_pb2.BlockTableUpdate(request_id="r", block_ids=[2, 3]),
+            ],
+            scheduled=[_scheduled("a", 20), _scheduled("r", 20)],
+        )
+    )
     assert {s.request_id for s in first.sampled} == {"a", "r"}
     engine = handle.engine
-    before = {rid: (list(s.token_ids), s.num_computed, list(s.block_table))
-              for rid, s in engine.requests.items()}
+    before = {
+        rid: (list(s.token_ids), s.num_computed, list(s.block_table))
+        for rid, s in engine.requests.items()
+    }
     owner = dict(engine.owner)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Step(_malformed(name, info.num_device_blocks))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
-    assert {rid: (list(s.token_ids), s.num_computed, list(s.block_table))
-            for rid, s in engine.requests.items()} == before and engine.owner == owner
+    assert {
+        rid: (list(s.token_ids), s.num_computed, list(s.block_table))
+        for rid, s in engine.requests.items()
+    } == before and engine.owner == owner
     # the next valid steps work, and "a" (named by the bad step) continues exactly like "r"
     a = await stub.Step(_decode(3, "a"))
     r = await stub.Step(_decode(4, "r"))

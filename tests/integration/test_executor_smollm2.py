@@ -6,6 +6,7 @@
 - INT8 KV: perplexity on a fixed 512-token passage within 1% of full-precision KV, greedy
   agreement >= 90% of tokens, KV bytes per token (scales included) <= 0.3x fp32
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ from services.executor.quality import chat_prompts, passage
 from services.executor.testing import perplexity, teacher_forced_logits
 
 NEW_TOKENS = 64
-NEAR_TIE = 0.05   # logit gap under which fp32 rounding may flip the argmax
+NEAR_TIE = 0.05  # logit gap under which fp32 rounding may flip the argmax
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,8 +41,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return Engine(model_dir, device="cpu", dtype="fp32", num_device_blocks=400,
-                  num_host_blocks=8)
+    return Engine(model_dir, device="cpu", dtype="fp32", num_device_blocks=400, num_host_blocks=8)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +85,20 @@ def hf_greedy(hf, prompts):
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, eos_token_id=None,
-                                 return_dict_in_generate=True, output_logits=True)
-        refs.append((out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)))
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=None,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        refs.append((out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)))
     return refs
 
 
-@pytest.mark.slow   # about a minute: 8 x 64 generate steps on one thread
+@pytest.mark.slow  # about a minute: 8 x 64 generate steps on one thread
 def test_greedy_generation_matches_transformers(greedy_fp, hf_greedy):
     """At least 7 of 8 prompts give exactly transformers' tokens; where one differs, at the
     first difference our token's logit is within NEAR_TIE of transformers' choice in
@@ -111,8 +117,14 @@ def test_greedy_generation_matches_transformers(greedy_fp, hf_greedy):
 
 @pytest.fixture(scope="module")
 def int8_engine(model_dir):
-    return Engine(model_dir, device="cpu", dtype="fp32", kv_dtype="int8",
-                  num_device_blocks=400, num_host_blocks=8)
+    return Engine(
+        model_dir,
+        device="cpu",
+        dtype="fp32",
+        kv_dtype="int8",
+        num_device_blocks=400,
+        num_host_blocks=8,
+    )
 
 
 def test_int8_kv_perplexity_within_one_percent(engine, int8_engine, hf):

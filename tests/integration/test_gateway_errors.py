@@ -1,6 +1,7 @@
 """Error statuses, auth, request ids, CORS and limits of a real gateway (uvicorn on loopback)
 whose scheduler and predictor are down: the real gRPC channels fail as they would in production.
 """
+
 from __future__ import annotations
 
 import httpx
@@ -17,17 +18,19 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     settings = GatewaySettings(
-        scheduler_address=f"127.0.0.1:{free_port()}", predictor_addresses=[f"127.0.0.1:{free_port()}"],
-        api_keys=[KEY, "second-key"], cors_origins=["https://app.example"],
-        max_body_bytes=64 * 1024)
+        scheduler_address=f"127.0.0.1:{free_port()}",
+        predictor_addresses=[f"127.0.0.1:{free_port()}"],
+        api_keys=[KEY, "second-key"],
+        cors_origins=["https://app.example"],
+        max_body_bytes=64 * 1024,
+    )
     with running_gateway(settings) as base:
         yield base
 
 
 @pytest.fixture
 def client(url):
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=30) as c:
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
         yield c
 
 
@@ -60,8 +63,15 @@ def test_models_lists_the_served_model(client):
     assert data[0]["max_model_len"] > 0
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
-                                     {"Authorization": f"Basic {KEY}"}, {"Authorization": ""}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": ""},
+    ],
+)
 def test_missing_or_wrong_key_is_401(url, headers):
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
         response = httpx.request(method, url + path, headers=headers, json=CHAT)
@@ -70,48 +80,60 @@ def test_missing_or_wrong_key_is_401(url, headers):
 
 def test_second_key_works_and_health_needs_none(url):
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer second-key"}).is_success
-    assert httpx.get(url + "/health").status_code == 503   # not 401
+    assert httpx.get(url + "/health").status_code == 503  # not 401
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": ""}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 17}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "slo": {"ttft_ms": -5}}, "slo.ttft_ms"),
-    ({"messages": [{"role": "user", "content": "x"}], "slo": {"tbt": 5}}, "slo.tbt"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages.0"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "stream": "sometimes"}, "stream"),
-    ({"messages": "hi"}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ""}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 17}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "slo": {"ttft_ms": -5}}, "slo.ttft_ms"),
+        ({"messages": [{"role": "user", "content": "x"}], "slo": {"tbt": 5}}, "slo.tbt"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "sometimes"}, "stream"),
+        ({"messages": "hi"}, "messages"),
+    ],
+)
 def test_invalid_chat_parameters_are_400(client, body, param):
     assert_error(client.post("/v1/chat/completions", json=body), 400, param)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [1, 99_999_999]}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
-    ({}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, 99_999_999]}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+        ({}, "prompt"),
+    ],
+)
 def test_invalid_completion_parameters_are_400(client, body, param):
     assert_error(client.post("/v1/completions", json=body), 400, param)
 
 
 def test_malformed_json_and_bad_headers_are_400(client):
-    response = client.post("/v1/completions", content=b'{"prompt": ',
-                           headers={"Content-Type": "application/json"})
+    response = client.post(
+        "/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"}
+    )
     assert "invalid JSON" in assert_error(response, 400)["message"]
     for header in ("X-SLO-TTFT-MS", "X-SLO-TBT-MS", "X-SLO-Deadline-MS", "X-Priority"):
         response = client.post("/v1/completions", json={"prompt": "x"}, headers={header: "soon"})
@@ -132,7 +154,7 @@ def test_unknown_route_and_method_use_the_error_shape(client):
 
 def test_prompt_over_the_model_length_is_413(client):
     max_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
-    words = " ".join(["token"] * (max_len + 10))     # one token per word, well over the limit
+    words = " ".join(["token"] * (max_len + 10))  # one token per word, well over the limit
     error = assert_error(client.post("/v1/completions", json={"prompt": words[:60_000]}), 413)
     assert error["code"] == "context_length_exceeded"
 
@@ -147,14 +169,17 @@ def test_body_over_the_limit_is_413_declared_or_chunked(client):
             yield b"y" * 1000
         yield b'"}'
 
-    response = client.post("/v1/completions", content=chunks(),
-                           headers={"Content-Type": "application/json"})
+    response = client.post(
+        "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert assert_error(response, 413)["code"] == "body_too_large"
 
 
 def test_request_ids_are_echoed_or_made(client):
-    assert client.get("/v1/models", headers={"X-Request-Id": "abc-123"}).headers[
-        "x-request-id"] == "abc-123"
+    assert (
+        client.get("/v1/models", headers={"X-Request-Id": "abc-123"}).headers["x-request-id"]
+        == "abc-123"
+    )
     made = client.get("/v1/models", headers={"X-Request-Id": "bad id!"}).headers["x-request-id"]
     assert made != "bad id!" and len(made) == 32
     a, b = (client.post("/v1/completions", json={}).headers["x-request-id"] for _ in range(2))
@@ -162,12 +187,18 @@ def test_request_ids_are_echoed_or_made(client):
 
 
 def test_cors_preflight_allows_the_configured_origin_only(url):
-    ask = {"Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "authorization,content-type"}
-    ok = httpx.options(url + "/v1/chat/completions", headers={**ask, "Origin": "https://app.example"})
+    ask = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    ok = httpx.options(
+        url + "/v1/chat/completions", headers={**ask, "Origin": "https://app.example"}
+    )
     assert ok.status_code == 200
     assert ok.headers["access-control-allow-origin"] == "https://app.example"
-    denied = httpx.options(url + "/v1/chat/completions", headers={**ask, "Origin": "https://evil.example"})
+    denied = httpx.options(
+        url + "/v1/chat/completions", headers={**ask, "Origin": "https://evil.example"}
+    )
     assert "access-control-allow-origin" not in denied.headers
 
 

@@ -3,6 +3,7 @@
 The gateway is backed by the real scheduler and executor with a tiny random-weight model and
 a short maximum model length, so the valid requests that reach generation finish quickly.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -16,7 +17,7 @@ from schemathesis import GenerationMode
 
 from services.gateway.testing import inprocess_stack
 
-EXAMPLES_PER_MODE = 130   # x 2 modes x 2 POST operations, plus the GET operations
+EXAMPLES_PER_MODE = 130  # x 2 modes x 2 POST operations, plus the GET operations
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,9 @@ def url(tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("gw-fuzz")
     model = make_tiny_model(run_dir / "tiny")
-    with inprocess_stack(run_dir, model, executor_kw={"max_model_len": 64},
-                         request_timeout_s=60) as stack:
+    with inprocess_stack(
+        run_dir, model, executor_kw={"max_model_len": 64}, request_timeout_s=60
+    ) as stack:
         yield stack["url"]
 
 
@@ -50,15 +52,21 @@ def test_generated_requests_never_get_a_5xx(url):
 
 
 def run_operation(operation, mode, url, statuses, failures) -> None:
-    @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+    @settings(
+        max_examples=EXAMPLES_PER_MODE,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def check(case):
         response = case.call(base_url=url, timeout=60)
         statuses[(operation.path, response.status_code)] += 1
         if response.status_code >= 500:
-            failures.append((operation.path, response.status_code, response.text[:300],
-                             case.body, case.headers))
+            failures.append(
+                (operation.path, response.status_code, response.text[:300], case.body, case.headers)
+            )
 
     try:
         check()

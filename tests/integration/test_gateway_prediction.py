@@ -3,6 +3,7 @@ random-weight model): a predictor that never answers or is not there costs at mo
 predictor timeout and the request goes on without a prediction; several predictor addresses
 (host names) are used round-robin by real predictor services.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,17 +34,23 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def backend(tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gw-prediction")
-    with EmbeddedRedis(run_dir / "redis") as redis, \
-            inprocess_backend(run_dir, tiny_model, redis.url) as backend:
+    with (
+        EmbeddedRedis(run_dir / "redis") as redis,
+        inprocess_backend(run_dir, tiny_model, redis.url) as backend,
+    ):
         yield backend
 
 
 @contextmanager
-def gateway(tiny_model, backend, predictor_addresses: list[str],
-            timeout_ms: float = PREDICTOR_TIMEOUT_MS) -> Iterator[str]:
-    settings = GatewaySettings(model=str(tiny_model), scheduler_address=backend["address"],
-                               predictor_addresses=predictor_addresses,
-                               predictor_timeout_ms=timeout_ms)
+def gateway(
+    tiny_model, backend, predictor_addresses: list[str], timeout_ms: float = PREDICTOR_TIMEOUT_MS
+) -> Iterator[str]:
+    settings = GatewaySettings(
+        model=str(tiny_model),
+        scheduler_address=backend["address"],
+        predictor_addresses=predictor_addresses,
+        predictor_timeout_ms=timeout_ms,
+    )
     with running_gateway(settings) as url:
         yield url
 
@@ -86,8 +93,8 @@ def timed_completion(url: str, stream: bool = False) -> tuple[httpx.Response, fl
 
 def test_predictor_that_never_answers_costs_at_most_its_timeout(tiny_model, backend):
     timeout_s = PREDICTOR_TIMEOUT_MS / 1000
-    with gateway(tiny_model, backend, [f"127.0.0.1:{free_port()}"]) as url:   # closed port
-        timed_completion(url)   # warm-up: tokenizer, channels, the executor's first step
+    with gateway(tiny_model, backend, [f"127.0.0.1:{free_port()}"]) as url:  # closed port
+        timed_completion(url)  # warm-up: tokenizer, channels, the executor's first step
         closed = [timed_completion(url) for _ in range(3)]
     for response, _ in closed:
         assert response.status_code == 200, response.text
@@ -97,8 +104,10 @@ def test_predictor_that_never_answers_costs_at_most_its_timeout(tiny_model, back
     # A refused connection fails at once, well inside the predictor timeout.
     assert normal_s < timeout_s + 1.0, closed
 
-    with silent_server() as (port, accepted), \
-            gateway(tiny_model, backend, [f"127.0.0.1:{port}"]) as url:
+    with (
+        silent_server() as (port, accepted),
+        gateway(tiny_model, backend, [f"127.0.0.1:{port}"]) as url,
+    ):
         silent = [timed_completion(url), timed_completion(url, stream=True)]
         assert accepted, "the gateway never connected to the predictor"
     for response, seconds in silent:
@@ -111,15 +120,19 @@ def test_predictor_that_never_answers_costs_at_most_its_timeout(tiny_model, back
 
 
 def predictions_served(handle) -> float:
-    return sum(sample.value for family in handle.metrics.predictions.collect()
-               for sample in family.samples if sample.name.endswith("_total"))
+    return sum(
+        sample.value
+        for family in handle.metrics.predictions.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
 
 
 @pytest.fixture(scope="module")
 def embedder():
     from services.predictor.embedder import Embedder
 
-    return Embedder()      # one loaded model shared by every predictor replica here
+    return Embedder()  # one loaded model shared by every predictor replica here
 
 
 def start_predictor_on(backend, embedder, model_dir, data_dir, port: int = 0):
@@ -127,8 +140,12 @@ def start_predictor_on(backend, embedder, model_dir, data_dir, port: int = 0):
     from services.common.settings import PredictorSettings
     from services.predictor.server import start_predictor
 
-    settings = PredictorSettings(data_dir=data_dir, predictor_port=port, predictor_seed=False,
-                                 predictor_models=[served_model_id(str(model_dir))])
+    settings = PredictorSettings(
+        data_dir=data_dir,
+        predictor_port=port,
+        predictor_seed=False,
+        predictor_models=[served_model_id(str(model_dir))],
+    )
     return backend["loop"].run(start_predictor(settings, embedder=embedder))
 
 
@@ -150,15 +167,14 @@ def test_two_predictor_host_names_are_used_round_robin(tiny_model, backend, embe
         assert response.headers["x-alise-prediction"].startswith("length=")
     served = [predictions_served(h) for h in handles]
     assert sum(served) == 8
-    assert min(served) >= 2, served     # round-robin: both replicas answered
+    assert min(served) >= 2, served  # round-robin: both replicas answered
     assert health["predictor"] is True
 
 
-def test_predictions_resume_when_the_predictor_comes_up(tiny_model, backend, embedder,
-                                                        tmp_path):
+def test_predictions_resume_when_the_predictor_comes_up(tiny_model, backend, embedder, tmp_path):
     port = free_port()
     with gateway(tiny_model, backend, [f"127.0.0.1:{port}"], timeout_ms=10_000) as url:
-        for _ in range(3):   # down: no prediction (and no waiting for one)
+        for _ in range(3):  # down: no prediction (and no waiting for one)
             response, _ = timed_completion(url)
             assert response.status_code == 200
             assert response.headers["x-alise-prediction"] == "none"
@@ -178,16 +194,19 @@ def test_predictions_resume_when_the_predictor_comes_up(tiny_model, backend, emb
 async def test_unreachable_predictors_cost_no_retry_backoff():
     from services.gateway.upstream import Upstream
 
-    upstream = Upstream(GatewaySettings(
-        scheduler_address=f"127.0.0.1:{free_port()}",
-        predictor_addresses=[f"127.0.0.1:{free_port()}", f"localhost:{free_port()}"]))
+    upstream = Upstream(
+        GatewaySettings(
+            scheduler_address=f"127.0.0.1:{free_port()}",
+            predictor_addresses=[f"127.0.0.1:{free_port()}", f"localhost:{free_port()}"],
+        )
+    )
     try:
-        assert await upstream.predict("m", "hello") is None   # learns both are refused
+        assert await upstream.predict("m", "hello") is None  # learns both are refused
         for _ in range(5):
             started = time.monotonic()
             assert await upstream.predict("m", "hello") is None
             # Calling anyway would cost the retries' backoff, about 150 ms.
             assert time.monotonic() - started < 0.05
-            await asyncio.sleep(0.3)   # spans gRPC's first reconnect attempts (1 s backoff)
+            await asyncio.sleep(0.3)  # spans gRPC's first reconnect attempts (1 s backoff)
     finally:
         await upstream.close()

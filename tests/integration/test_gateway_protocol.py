@@ -2,6 +2,7 @@
 (tiny random-weight model with the bundled tokenizer). SSE framing byte-wise with httpx, the
 official openai client for every endpoint, stop strings, disconnect -> upstream abort, 429.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,8 @@ def stats(stack):
     async def ask():
         async with aio_channel(stack["address"]) as channel:
             return await scheduler_pb2_grpc.SchedulerStub(channel).Stats(
-                scheduler_pb2.StatsRequest(), timeout=5)
+                scheduler_pb2.StatsRequest(), timeout=5
+            )
 
     return stack["loop"].run(ask())
 
@@ -60,17 +62,24 @@ def sse_events(raw: bytes) -> list[bytes]:
     events = raw[:-2].split(b"\n\n")
     for event in events:
         assert event.startswith(b"data: ") and b"\n" not in event, event
-    return [e[len(b"data: "):] for e in events]
+    return [e[len(b"data: ") :] for e in events]
 
 
 def test_chat_sse_framing_is_byte_exact(stack, model):
-    body = {"model": model, "messages": CHAT, "stream": True, "max_tokens": 7,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", stack["url"] + "/v1/chat/completions", json=body,
-                      timeout=60) as response:
+    body = {
+        "model": model,
+        "messages": CHAT,
+        "stream": True,
+        "max_tokens": 7,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", stack["url"] + "/v1/chat/completions", json=body, timeout=60
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        assert response.headers["x-alise-prediction"] == "none"   # predictor is down
+        assert response.headers["x-alise-prediction"] == "none"  # predictor is down
         raw = b"".join(response.iter_raw())
     payloads = sse_events(raw)
     assert payloads[-1] == b"[DONE]"
@@ -81,15 +90,24 @@ def test_chat_sse_framing_is_byte_exact(stack, model):
     *content, final, usage = chunks[1:]
     assert content and all(c["choices"][0]["finish_reason"] is None for c in content)
     assert all(c["usage"] is None for c in chunks[:-1])
-    assert final["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                   "finish_reason": "length"}
+    assert final["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 7
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 7
 
 
 def test_completion_sse_without_usage_has_no_usage_chunk(stack, model):
-    body = {"model": model, "prompt": "Once upon a time", "stream": True, "max_tokens": 5,
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "Once upon a time",
+        "stream": True,
+        "max_tokens": 5,
+        "ignore_eos": True,
+    }
     raw = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=60).content
     payloads = sse_events(raw)
     chunks = [json.loads(p) for p in payloads[:-1]]
@@ -100,8 +118,9 @@ def test_completion_sse_without_usage_has_no_usage_chunk(stack, model):
 
 
 def test_openai_client_chat_streaming_matches_non_streaming(openai_client, model):
-    kwargs = dict(model=model, messages=CHAT, max_tokens=12, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=model, messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     full = openai_client.chat.completions.create(**kwargs)
     assert full.object == "chat.completion"
     assert full.choices[0].message.role == "assistant"
@@ -109,7 +128,8 @@ def test_openai_client_chat_streaming_matches_non_streaming(openai_client, model
     assert full.usage.completion_tokens == 12
     assert full.usage.prompt_tokens > 5
     stream = openai_client.chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True})
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -118,24 +138,38 @@ def test_openai_client_chat_streaming_matches_non_streaming(openai_client, model
 
 
 def test_openai_client_completions(openai_client, model):
-    full = openai_client.completions.create(model=model, prompt="The weather today",
-                                            max_tokens=9, temperature=0, seed=3,
-                                            extra_body={"ignore_eos": True})
+    full = openai_client.completions.create(
+        model=model,
+        prompt="The weather today",
+        max_tokens=9,
+        temperature=0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
     assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 9 and full.choices[0].text
-    pieces = list(openai_client.completions.create(
-        model=model, prompt="The weather today", max_tokens=9, temperature=0, seed=3,
-        stream=True, extra_body={"ignore_eos": True}))
+    pieces = list(
+        openai_client.completions.create(
+            model=model,
+            prompt="The weather today",
+            max_tokens=9,
+            temperature=0,
+            seed=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(p.choices[0].text for p in pieces) == full.choices[0].text
 
 
 def test_token_id_prompt_and_max_completion_tokens(openai_client, model):
-    out = openai_client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=3,
-                                           extra_body={"ignore_eos": True})
+    out = openai_client.completions.create(
+        model=model, prompt=[1, 2, 3, 4], max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 3
-    chat = openai_client.chat.completions.create(model=model, messages=CHAT,
-                                                 max_completion_tokens=4,
-                                                 extra_body={"ignore_eos": True})
+    chat = openai_client.chat.completions.create(
+        model=model, messages=CHAT, max_completion_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert chat.usage.completion_tokens == 4
 
 
@@ -146,26 +180,51 @@ def scheduler_params(stack, request_id: str) -> dict:
     return json.loads(loaded[0]["params"])
 
 
-@pytest.mark.parametrize("route,body,headers,priority,slo", [
-    ("chat", {"priority": 7, "slo": {"ttft_ms": 1500, "tbt_ms": 80, "deadline_ms": 20000}}, {},
-     7, (1.5, 0.08, 20.0)),
-    ("completion", {}, {"x-priority": "-3", "x-slo-ttft-ms": "2500", "x-slo-tbt-ms": "120",
-                        "x-slo-deadline-ms": "30000"}, -3, (2.5, 0.12, 30.0)),
-    # The body wins field by field; headers fill what it leaves out.
-    ("chat", {"priority": 5, "slo": {"ttft_ms": 1000}},
-     {"x-priority": "9", "x-slo-ttft-ms": "4000", "x-slo-tbt-ms": "50"}, 5, (1.0, 0.05, None)),
-    ("completion", {}, {}, 0, (None, None, None)),
-])
+@pytest.mark.parametrize(
+    "route,body,headers,priority,slo",
+    [
+        (
+            "chat",
+            {"priority": 7, "slo": {"ttft_ms": 1500, "tbt_ms": 80, "deadline_ms": 20000}},
+            {},
+            7,
+            (1.5, 0.08, 20.0),
+        ),
+        (
+            "completion",
+            {},
+            {
+                "x-priority": "-3",
+                "x-slo-ttft-ms": "2500",
+                "x-slo-tbt-ms": "120",
+                "x-slo-deadline-ms": "30000",
+            },
+            -3,
+            (2.5, 0.12, 30.0),
+        ),
+        # The body wins field by field; headers fill what it leaves out.
+        (
+            "chat",
+            {"priority": 5, "slo": {"ttft_ms": 1000}},
+            {"x-priority": "9", "x-slo-ttft-ms": "4000", "x-slo-tbt-ms": "50"},
+            5,
+            (1.0, 0.05, None),
+        ),
+        ("completion", {}, {}, 0, (None, None, None)),
+    ],
+)
 def test_priority_and_slo_reach_the_scheduler(stack, model, route, body, headers, priority, slo):
     request_id = f"prio-{uuid.uuid4().hex[:12]}"
     if route == "chat":
         path, base = "/v1/chat/completions", {"messages": CHAT}
     else:
         path, base = "/v1/completions", {"prompt": "Once upon a time"}
-    response = httpx.post(stack["url"] + path, timeout=60,
-                          headers={"X-Request-Id": request_id, **headers},
-                          json={"model": model, "max_tokens": 2, "ignore_eos": True,
-                                **base, **body})
+    response = httpx.post(
+        stack["url"] + path,
+        timeout=60,
+        headers={"X-Request-Id": request_id, **headers},
+        json={"model": model, "max_tokens": 2, "ignore_eos": True, **base, **body},
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == request_id
     params = scheduler_params(stack, request_id)
@@ -175,22 +234,25 @@ def test_priority_and_slo_reach_the_scheduler(stack, model, route, body, headers
 
 
 def test_stop_string_cuts_text_and_aborts_upstream(openai_client, model, stack):
-    kwargs = dict(model=model, prompt="Numbers:", temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(model=model, prompt="Numbers:", temperature=0, extra_body={"ignore_eos": True})
     reference = openai_client.completions.create(max_tokens=24, **kwargs).choices[0].text
-    stop = next(reference[i:i + 3] for i in range(4, len(reference) - 3)
-                if reference[i:i + 3].strip() and reference[i:i + 3] not in reference[:i + 2])
+    stop = next(
+        reference[i : i + 3]
+        for i in range(4, len(reference) - 3)
+        if reference[i : i + 3].strip() and reference[i : i + 3] not in reference[: i + 2]
+    )
     aborted = stats(stack).aborted
     for stream in (False, True):
-        result = openai_client.completions.create(max_tokens=24, stop=[stop, "\x00never"],
-                                                  stream=stream, **kwargs)
+        result = openai_client.completions.create(
+            max_tokens=24, stop=[stop, "\x00never"], stream=stream, **kwargs
+        )
         if stream:
             chunks = list(result)
             text = "".join(c.choices[0].text for c in chunks)
             reason = chunks[-1].choices[0].finish_reason
         else:
             text, reason = result.choices[0].text, result.choices[0].finish_reason
-        assert text == reference[:reference.index(stop)]
+        assert text == reference[: reference.index(stop)]
         assert reason == "stop"
     assert wait_for(lambda: stats(stack).aborted >= aborted + 2)
 
@@ -206,32 +268,42 @@ def wait_for(predicate, timeout: float = 20.0) -> bool:
 
 def test_client_disconnect_aborts_upstream_and_frees_kv(stack, model):
     before = stats(stack)
-    body = {"model": model, "prompt": "Go on forever", "stream": True, "max_tokens": 1000,
-            "ignore_eos": True}
-    with httpx.stream("POST", stack["url"] + "/v1/completions", json=body,
-                      timeout=60) as response:
+    body = {
+        "model": model,
+        "prompt": "Go on forever",
+        "stream": True,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", stack["url"] + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(l for l in lines if l.startswith("data: "))
         mid = stats(stack)
         assert mid.running >= 1
+
     # Leaving the block closed the connection mid-stream.
     def freed():
         now = stats(stack)
         ex = now.executors[0]
-        return (now.aborted > before.aborted and now.running == 0
-                and ex.free_device_blocks == ex.num_device_blocks)
+        return (
+            now.aborted > before.aborted
+            and now.running == 0
+            and ex.free_device_blocks == ex.num_device_blocks
+        )
+
     assert wait_for(freed), stats(stack)
 
 
 def test_full_queue_is_429_with_retry_after(tmp_path, model, redis_server):
     # A scheduler with room for one waiting request and no executor to drain it.
     with inprocess_backend(tmp_path, None, redis_server.url, max_waiting_requests=1) as backend:
-        settings = GatewaySettings(scheduler_address=backend["address"],
-                                   predictor_addresses=[f"127.0.0.1:{free_port()}"])
+        settings = GatewaySettings(
+            scheduler_address=backend["address"], predictor_addresses=[f"127.0.0.1:{free_port()}"]
+        )
         with running_gateway(settings) as url:
             body = {"prompt": "hello", "max_tokens": 4, "stream": True}
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as first:
-                assert first.status_code == 200   # accepted; waits in the queue
+                assert first.status_code == 200  # accepted; waits in the queue
                 second = httpx.post(url + "/v1/completions", json=body, timeout=30)
                 assert second.status_code == 429, second.text
                 assert int(second.headers["retry-after"]) >= 1
@@ -249,15 +321,19 @@ def test_health_and_metrics_with_scheduler_up(stack):
 def test_request_timeout_is_504_and_aborts_upstream(tmp_path, redis_server):
     # No executor: the request waits in the scheduler's queue until the gateway gives up.
     with inprocess_backend(tmp_path, None, redis_server.url) as backend:
-        settings = GatewaySettings(scheduler_address=backend["address"], request_timeout_s=1.5,
-                                   predictor_addresses=[f"127.0.0.1:{free_port()}"])
+        settings = GatewaySettings(
+            scheduler_address=backend["address"],
+            request_timeout_s=1.5,
+            predictor_addresses=[f"127.0.0.1:{free_port()}"],
+        )
         with running_gateway(settings) as url:
             body = {"prompt": "hello", "max_tokens": 4}
             response = httpx.post(url + "/v1/completions", json=body, timeout=30)
             assert response.status_code == 504, response.text
             assert response.json()["error"]["code"] == "timeout"
-            raw = httpx.post(url + "/v1/completions", json={**body, "stream": True},
-                             timeout=30).content
+            raw = httpx.post(
+                url + "/v1/completions", json={**body, "stream": True}, timeout=30
+            ).content
             payloads = sse_events(raw)
             assert payloads[-1] == b"[DONE]"
             assert json.loads(payloads[-2])["error"]["code"] == "timeout"

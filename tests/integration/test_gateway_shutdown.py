@@ -1,5 +1,6 @@
 """Stopping a gateway (SIGTERM, as `alise serve` does on Ctrl-C) drains open streams for a
 while, then ends the rest with a clear error event and aborts them upstream."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,18 @@ from tests.integration.test_gateway_protocol import sse_events, stats, wait_for
 def test_sigterm_ends_open_streams_with_an_error_and_aborts_them(tmp_path, redis_server):
     with inprocess_backend(tmp_path, None, redis_server.url) as backend:  # requests stay queued
         port = free_port()
-        env = {**os.environ, "ALISE_GATEWAY_PORT": str(port),
-               "ALISE_SCHEDULER_ADDRESS": backend["address"],
-               "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}"}
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "serve"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        env = {
+            **os.environ,
+            "ALISE_GATEWAY_PORT": str(port),
+            "ALISE_SCHEDULER_ADDRESS": backend["address"],
+            "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}",
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "gateway", "serve"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             assert wait_for(lambda: _up(url), timeout=120), "gateway did not start"

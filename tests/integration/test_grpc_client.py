@@ -1,6 +1,7 @@
 """Client channel helpers against real gRPC servers on loopback: targets for host names and
 IPv6 literals, round-robin over replicas, retries on UNAVAILABLE and the default deadline.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_client import (aio_channel, check_health, make_target,
-                                         service_config, split_host_port, sync_channel)
+from services.common.grpc_client import (
+    aio_channel,
+    check_health,
+    make_target,
+    service_config,
+    split_host_port,
+    sync_channel,
+)
 from services.common.grpc_server import ServiceError, start_server
 from services.common.pb import predictor_pb2, predictor_pb2_grpc
 from services.common.redis_runner import free_port
@@ -59,8 +66,8 @@ async def health_server(host: str = "127.0.0.1"):
 
 async def predictor_server(servicer: FlakyPredictor):
     return await start_server(
-        [(predictor_pb2_grpc.add_PredictorServicer_to_server, servicer, PREDICTOR)],
-        "127.0.0.1:0")
+        [(predictor_pb2_grpc.add_PredictorServicer_to_server, servicer, PREDICTOR)], "127.0.0.1:0"
+    )
 
 
 def predict_request() -> predictor_pb2.PredictRequest:
@@ -77,7 +84,7 @@ def ipv6_loopback() -> bool:
 
 
 def test_targets_for_names_literals_and_bad_addresses():
-    assert make_target(["localhost:5001"]) == "dns:///localhost:5001"   # left to gRPC
+    assert make_target(["localhost:5001"]) == "dns:///localhost:5001"  # left to gRPC
     assert make_target(["dns:///predictor:50052"]) == "dns:///predictor:50052"
     assert make_target(["localhost:5001", "127.0.0.1:5002"]) == "ipv4:127.0.0.1:5001,127.0.0.1:5002"
     assert make_target(["[::1]:5001", "[::1]:5002"]) == "ipv6:[::1]:5001,[::1]:5002"
@@ -101,7 +108,7 @@ def test_service_config_retries_named_services_only():
     assert method["name"] == [{"service": PREDICTOR}]
     assert method["retryPolicy"]["maxAttempts"] == 4
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
-    assert "timeout" not in method      # grpcio applies that one early; see the module
+    assert "timeout" not in method  # grpcio applies that one early; see the module
     assert "methodConfig" not in json.loads(service_config())
     with pytest.raises(ValueError):
         aio_channel("localhost:1", [PREDICTOR], timeout_s=0)
@@ -136,7 +143,7 @@ async def test_round_robin_over_ipv6_literals():
 async def test_a_replica_that_is_down_costs_no_failed_calls():
     up, count = await health_server()
     try:
-        addresses = [f"127.0.0.1:{free_port()}", f"localhost:{up.port}"]   # first: closed
+        addresses = [f"127.0.0.1:{free_port()}", f"localhost:{up.port}"]  # first: closed
         async with aio_channel(addresses) as channel:
             assert all([await check_health(channel) for _ in range(20)])
         assert count.calls[HEALTH_CHECK] == 20
@@ -147,8 +154,11 @@ async def test_a_replica_that_is_down_costs_no_failed_calls():
 def sync_check(addresses: list[str]) -> int:
     with sync_channel(addresses) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return sum(stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                   == health_pb2.HealthCheckResponse.SERVING for _ in range(10))
+        return sum(
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+            for _ in range(10)
+        )
 
 
 async def test_sync_channel_with_host_names():
@@ -175,13 +185,15 @@ async def test_unavailable_is_retried_for_named_services_only():
         flaky.attempts = 0
         async with aio_channel(address, idempotent_services=[PREDICTOR]) as retrying:
             reply = await predictor_pb2_grpc.PredictorStub(retrying).Predict(
-                predict_request(), timeout=5)
+                predict_request(), timeout=5
+            )
             assert reply.predictions[0].length == 7 and flaky.attempts == 2
 
-            flaky.attempts, flaky.failures = 0, 10   # more failures than the 3 attempts
+            flaky.attempts, flaky.failures = 0, 10  # more failures than the 3 attempts
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await predictor_pb2_grpc.PredictorStub(retrying).Predict(
-                    predict_request(), timeout=5)
+                    predict_request(), timeout=5
+                )
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and flaky.attempts == 3
     finally:
         await server.stop(0)
@@ -199,11 +211,13 @@ async def test_default_deadline_only_for_calls_that_set_none():
     server = await predictor_server(FlakyPredictor(delay_s=30.0))
     address = f"127.0.0.1:{server.port}"
     try:
-        async with aio_channel(address, idempotent_services=[PREDICTOR],
-                               timeout_s=0.3) as channel:
+        async with aio_channel(address, idempotent_services=[PREDICTOR], timeout_s=0.3) as channel:
             stub = predictor_pb2_grpc.PredictorStub(channel)
-            for call_timeout, low, high in ((None, 0.29, 1.5), (0.05, 0.04, 0.29),
-                                            (1.0, 0.99, 2.5)):   # a call's own one is kept
+            for call_timeout, low, high in (
+                (None, 0.29, 1.5),
+                (0.05, 0.04, 0.29),
+                (1.0, 0.99, 2.5),
+            ):  # a call's own one is kept
                 started = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await stub.Predict(predict_request(), timeout=call_timeout)

@@ -1,4 +1,5 @@
 """A real aio gRPC server on loopback: health, reflection and error mapping."""
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,11 +32,21 @@ class StreamingScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 @pytest.fixture
 async def server():
-    srv = await start_server([
-        (executor_pb2_grpc.add_ExecutorServicer_to_server, FailingExecutor(), "alise.v1.Executor"),
-        (scheduler_pb2_grpc.add_SchedulerServicer_to_server, StreamingScheduler(),
-         "alise.v1.Scheduler"),
-    ], "127.0.0.1:0")
+    srv = await start_server(
+        [
+            (
+                executor_pb2_grpc.add_ExecutorServicer_to_server,
+                FailingExecutor(),
+                "alise.v1.Executor",
+            ),
+            (
+                scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+                StreamingScheduler(),
+                "alise.v1.Scheduler",
+            ),
+        ],
+        "127.0.0.1:0",
+    )
     yield srv
     await srv.stop(0)
 
@@ -65,11 +76,14 @@ async def test_reflection_lists_services(server):
         assert {"alise.v1.Executor", "alise.v1.Scheduler", "grpc.health.v1.Health"} <= set(names)
 
 
-@pytest.mark.parametrize("step_id,code", [
-    (1, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (2, grpc.StatusCode.NOT_FOUND),
-    (3, grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "step_id,code",
+    [
+        (1, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (2, grpc.StatusCode.NOT_FOUND),
+        (3, grpc.StatusCode.INTERNAL),
+    ],
+)
 async def test_interceptor_maps_errors(server, step_id, code):
     async with aio_channel(f"127.0.0.1:{server.port}") as channel:
         stub = executor_pb2_grpc.ExecutorStub(channel)
@@ -89,7 +103,8 @@ async def test_interceptor_maps_value_error_and_stream_errors(server):
         events = []
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for event in scheduler_pb2_grpc.SchedulerStub(channel).Generate(
-                    scheduler_pb2.GenerateRequest(request_id="r1")):
+                scheduler_pb2.GenerateRequest(request_id="r1")
+            ):
                 events.append(event)
         assert [e.token_id for e in events] == [5]
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,5 +1,6 @@
 """The launcher starts a service again when it exits while starting (a port held for a
 moment), and still gives up with a clear error when it keeps failing."""
+
 from __future__ import annotations
 
 import socket
@@ -13,11 +14,17 @@ from services.launcher.topology import ServiceSpec
 
 
 def _scheduler_spec(port: int, redis_url: str) -> ServiceSpec:
-    return ServiceSpec("scheduler", ("scheduler", "serve"),
-                       {"ALISE_SCHEDULER_HOST": "127.0.0.1", "ALISE_SCHEDULER_PORT": str(port),
-                        "ALISE_EXECUTORS": f"127.0.0.1:{free_port()}",
-                        "ALISE_REDIS_URL": redis_url},
-                       ("grpc", f"127.0.0.1:{port}"))
+    return ServiceSpec(
+        "scheduler",
+        ("scheduler", "serve"),
+        {
+            "ALISE_SCHEDULER_HOST": "127.0.0.1",
+            "ALISE_SCHEDULER_PORT": str(port),
+            "ALISE_EXECUTORS": f"127.0.0.1:{free_port()}",
+            "ALISE_REDIS_URL": redis_url,
+        },
+        ("grpc", f"127.0.0.1:{port}"),
+    )
 
 
 def _hold(port: int) -> socket.socket:
@@ -30,9 +37,12 @@ def _hold(port: int) -> socket.socket:
 def test_service_whose_port_frees_up_is_started_again(tmp_path, redis_server):
     port = free_port()
     sock = _hold(port)
-    threading.Timer(2.0, sock.close).start()       # released while the first attempt fails
-    sup = Supervisor([_scheduler_spec(port, redis_server.url)], tmp_path / "run",
-                     base_env({"ALISE_DATA_DIR": str(tmp_path)}))
+    threading.Timer(2.0, sock.close).start()  # released while the first attempt fails
+    sup = Supervisor(
+        [_scheduler_spec(port, redis_server.url)],
+        tmp_path / "run",
+        base_env({"ALISE_DATA_DIR": str(tmp_path)}),
+    )
     try:
         sup.start_all(health_timeout=90)
         child = sup.child("scheduler")
@@ -44,8 +54,11 @@ def test_service_whose_port_frees_up_is_started_again(tmp_path, redis_server):
 def test_service_that_keeps_failing_gives_up(tmp_path, redis_server):
     port = free_port()
     sock = _hold(port)
-    sup = Supervisor([_scheduler_spec(port, redis_server.url)], tmp_path / "run",
-                     base_env({"ALISE_DATA_DIR": str(tmp_path)}))
+    sup = Supervisor(
+        [_scheduler_spec(port, redis_server.url)],
+        tmp_path / "run",
+        base_env({"ALISE_DATA_DIR": str(tmp_path)}),
+    )
     try:
         with pytest.raises(RuntimeError, match=r"scheduler exited .* \(3 attempts\)"):
             sup.start_all(health_timeout=90)

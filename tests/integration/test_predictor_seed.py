@@ -1,4 +1,5 @@
 """Seeding: bulk load with the on-disk embedding cache, then the MLP trained from it."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,11 +9,19 @@ from services.predictor.build import build_predictor, embedding_cache, seed, tra
 from services.workload.traces.sharegpt import Sample
 
 MODEL = "smollm2-135m-instruct"
-SAMPLES = [Sample(f"id{i}", text, "", 10, n) for i, (text, n) in enumerate([
-    ("Hi!", 9), ("What time is it in Tokyo?", 20), ("Write a sonnet about autumn.", 180),
-    ("Explain how TCP congestion control works in detail.", 700),
-    ("Translate 'thank you' to German.", 8), ("Give me a packing list for a ski trip.", 260),
-])]
+SAMPLES = [
+    Sample(f"id{i}", text, "", 10, n)
+    for i, (text, n) in enumerate(
+        [
+            ("Hi!", 9),
+            ("What time is it in Tokyo?", 20),
+            ("Write a sonnet about autumn.", 180),
+            ("Explain how TCP congestion control works in detail.", 700),
+            ("Translate 'thank you' to German.", 8),
+            ("Give me a packing list for a ski trip.", 260),
+        ]
+    )
+]
 
 
 def test_seed_uses_the_embedding_cache_and_trains_the_mlp(tmp_path):

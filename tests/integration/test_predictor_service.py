@@ -2,6 +2,7 @@
 
 Stores are seeded with a handful of prompts (not the train split) so the tests stay fast.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -27,12 +28,15 @@ SEEDED = {
 # Prompts with lengths for the tiny MLP: short questions short, "write/explain" long.
 MLP_DATA = [(f"What is {w}?", 15) for w in ("red", "a cat", "two plus two", "the time", "pi")] + [
     (f"Write a detailed essay explaining {w}.", 600)
-    for w in ("the history of Rome", "quantum computing", "climate change", "the French revolution")]
+    for w in ("the history of Rome", "quantum computing", "climate change", "the French revolution")
+]
 
 
 def chat(text: str) -> str:
-    return ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-            f"Face<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+    return (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        f"Face<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,14 @@ def embedder():
 
 
 def _settings(tmp_path, **kw) -> PredictorSettings:
-    base = dict(data_dir=tmp_path, predictor_port=0, predictor_seed=False,
-                predictor_threshold=0.8, predictor_top_k=4, predictor_max_prompt_chars=2000)
+    base = dict(
+        data_dir=tmp_path,
+        predictor_port=0,
+        predictor_seed=False,
+        predictor_threshold=0.8,
+        predictor_top_k=4,
+        predictor_max_prompt_chars=2000,
+    )
     return PredictorSettings(**{**base, **kw})
 
 
@@ -52,8 +62,15 @@ def _train_tiny_mlp(settings, embedder) -> None:
     texts = [t for t, _ in MLP_DATA]
     emb = embedder.embed(texts)
     lengths = np.array([n for _, n in MLP_DATA], np.float32)
-    mlp = train(emb, length_feature(embedder.prepare(texts)), lengths,
-                MlpConfig(dim=embedder.dim, hidden=32), epochs=60, val_fraction=0.2, log=None)
+    mlp = train(
+        emb,
+        length_feature(embedder.prepare(texts)),
+        lengths,
+        MlpConfig(dim=embedder.dim, hidden=32),
+        epochs=60,
+        val_fraction=0.2,
+        log=None,
+    )
     mlp.save(mlp_path(settings, MODEL, embedder.space))
 
 
@@ -61,9 +78,13 @@ async def _start(settings, embedder, seed=True):
     handle = await start_predictor(settings, embedder=embedder)
     if seed:
         vectors = embedder.embed(list(SEEDED))
-        handle.predictor.store.upsert(MODEL, [
-            Record(point_id(MODEL, f"seed{i}"), v, float(n)) for i, (v, n)
-            in enumerate(zip(vectors, SEEDED.values()))])
+        handle.predictor.store.upsert(
+            MODEL,
+            [
+                Record(point_id(MODEL, f"seed{i}"), v, float(n))
+                for i, (v, n) in enumerate(zip(vectors, SEEDED.values()))
+            ],
+        )
     return handle
 
 
@@ -94,8 +115,12 @@ async def test_retrieval_mlp_observe_and_restart(tmp_path, embedder):
         async with aio_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = predictor_pb2_grpc.PredictorStub(channel)
             obs = predictor_pb2.Observation(request_id="r1", prompt=chat(cricket), true_length=900)
-            first = await stub.Observe(predictor_pb2.ObserveRequest(model=MODEL, observations=[obs]))
-            again = await stub.Observe(predictor_pb2.ObserveRequest(model=MODEL, observations=[obs]))
+            first = await stub.Observe(
+                predictor_pb2.ObserveRequest(model=MODEL, observations=[obs])
+            )
+            again = await stub.Observe(
+                predictor_pb2.ObserveRequest(model=MODEL, observations=[obs])
+            )
         assert (first.accepted, again.accepted) == (1, 0)
         await handle.observer.drain()
         assert handle.predictor.store.count(MODEL) == len(SEEDED) + 1
@@ -141,14 +166,18 @@ async def test_bad_input_is_invalid_argument(tmp_path, embedder):
             assert await _code_of(stub.Predict(req(model=MODEL, prompts=["x" * 2001]))) == bad
             assert await _code_of(stub.Predict(req(model="gpt-9", prompts=["hi"]))) == bad
             obs = predictor_pb2.Observation
-            for o in (obs(request_id="", prompt="hi", true_length=3),
-                      obs(request_id="a", prompt="hi", true_length=-1),
-                      obs(request_id="a", prompt="", true_length=3)):
+            for o in (
+                obs(request_id="", prompt="hi", true_length=3),
+                obs(request_id="a", prompt="hi", true_length=-1),
+                obs(request_id="a", prompt="", true_length=3),
+            ):
                 call = stub.Observe(predictor_pb2.ObserveRequest(model=MODEL, observations=[o]))
                 assert await _code_of(call) == bad
-            raw = channel.unary_unary("/alise.v1.Predictor/Predict",
-                                      request_serializer=lambda b: b,
-                                      response_deserializer=lambda b: b)
+            raw = channel.unary_unary(
+                "/alise.v1.Predictor/Predict",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
             assert await _code_of(raw(b"\x0a\xff\xff\xff")) == bad  # truncated field
             ok = await stub.Predict(req(model=MODEL, prompts=["hello"]))
             assert ok.predictions[0].source == "prior"  # no MLP, empty store

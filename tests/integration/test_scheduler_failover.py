@@ -1,15 +1,23 @@
 """Executor failures: with two executors one is killed mid-run and every request still completes
 (recomputed on the other, same tokens); a restarted executor (new instance) is found again by
 health polling and takes the requests left when the other one dies too."""
+
 import asyncio
 
 import pytest
 
 from services.common.grpc_client import aio_channel
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.testing import (cached_tiny_model, core_request, gen_request, generate,
-                                        reference_run, running_scheduler, start_tiny_executor,
-                                        tokens_of)
+from services.scheduler.testing import (
+    cached_tiny_model,
+    core_request,
+    gen_request,
+    generate,
+    reference_run,
+    running_scheduler,
+    start_tiny_executor,
+    tokens_of,
+)
 
 POLICY = "hybrid"
 
@@ -39,8 +47,16 @@ async def wait_for(predicate, timeout: float = 15.0) -> None:
 
 
 def requests(prefix: str, n: int, max_tokens: int):
-    return [gen_request(f"{prefix}{i}", [(53 * i + j) % 4000 + 3 for j in range(6 + 7 * i)],
-                        max_tokens, temperature=0.7 if i % 2 else 0.0, seed=i) for i in range(n)]
+    return [
+        gen_request(
+            f"{prefix}{i}",
+            [(53 * i + j) % 4000 + 3 for j in range(6 + 7 * i)],
+            max_tokens,
+            temperature=0.7 if i % 2 else 0.0,
+            seed=i,
+        )
+        for i in range(n)
+    ]
 
 
 async def test_executor_failures_recompute_elsewhere(redis_server, tiny_model):
@@ -50,8 +66,13 @@ async def test_executor_failures_recompute_elsewhere(redis_server, tiny_model):
     first, second = requests("f", 12, 40), requests("s", 6, 40)
     revived = None
     try:
-        async with running_scheduler(redis_server.url, [addr_a, addr_b], policy=POLICY,
-                                     health_poll_s=0.1, executor_grace_s=30) as handle:
+        async with running_scheduler(
+            redis_server.url,
+            [addr_a, addr_b],
+            policy=POLICY,
+            health_poll_s=0.1,
+            executor_grace_s=30,
+        ) as handle:
             loops = handle.service.loops
             async with aio_channel(handle.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -78,14 +99,20 @@ async def test_executor_failures_recompute_elsewhere(redis_server, tiny_model):
 
     engine = Engine(tiny_model, device="cpu", num_device_blocks=256, num_host_blocks=64)
     pbs = first + second
-    ref = reference_run(engine, [core_request(pb, engine.spec.eos_token_ids, max_model_len=
-                                              engine.max_model_len) for pb in pbs], POLICY)
+    ref = reference_run(
+        engine,
+        [
+            core_request(pb, engine.spec.eos_token_ids, max_model_len=engine.max_model_len)
+            for pb in pbs
+        ],
+        POLICY,
+    )
     for pb, events in zip(pbs, first_results + second_results):
         assert events[-1].finish_reason == "length", (pb.request_id, events[-1])
         assert [e.index for e in events[:-1]] == list(range(40))
         assert tokens_of(events) == ref[pb.request_id], pb.request_id
     moved = [e[-1].usage.num_preemptions for e in first_results + second_results]
-    assert sum(1 for n in moved if n > 0) >= 2     # some requests really were recomputed
+    assert sum(1 for n in moved if n > 0) >= 2  # some requests really were recomputed
 
 
 async def _all_up(stub) -> bool:

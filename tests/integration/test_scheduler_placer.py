@@ -1,4 +1,5 @@
 """Placement with cached outstanding work: same choices as the core's rule, O(1) per request."""
+
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.placement import choose_executor
@@ -19,9 +20,9 @@ def req(rid: str, prompt: int, predicted: int) -> Request:
 def test_least_outstanding_work_and_capacity():
     schedulers = {"a": sched(), "b": sched(max_len=64)}
     schedulers["a"].admit(req("long", 100, 400))
-    placer = Placer(refresh_s=1e9)          # never refresh: only the increments move the cache
+    placer = Placer(refresh_s=1e9)  # never refresh: only the increments move the cache
     assert placer.choose(schedulers, req("x", 10, 10), 0.0) == "b"
-    assert placer.choose(schedulers, req("big", 100, 10), 0.0) == "a"   # b cannot hold it
+    assert placer.choose(schedulers, req("big", 100, 10), 0.0) == "a"  # b cannot hold it
     assert placer.choose({"b": schedulers["b"]}, req("big", 100, 10), 0.0) is None
     # Placing short requests on b raises b's cached work until a is the lighter one again,
     # matching the core's rule evaluated on the real queues after each placement.

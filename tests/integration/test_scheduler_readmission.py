@@ -6,6 +6,7 @@ has: `alise` doubles a prediction the output has outgrown at entry, and `hybrid`
 request like a core scheduler given the same request does (no TTFT urgency: its first token
 is behind it). A spy on the policy's `on_add` records what the live core saw at admission.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,12 @@ from services.scheduler.core.policies import make_policy
 from services.scheduler.executors import make_scheduler
 from services.scheduler.records import recompute_copy
 from services.scheduler.server import start_scheduler
-from services.scheduler.testing import (cached_tiny_model, gen_request, running_scheduler,
-                                        start_tiny_executor)
+from services.scheduler.testing import (
+    cached_tiny_model,
+    gen_request,
+    running_scheduler,
+    start_tiny_executor,
+)
 
 PREDICTED = 2
 MAX_TOKENS = 1000
@@ -41,7 +46,7 @@ class Admitted:
     demotions: int
     level: int
     ttft_urgent: bool
-    copy: object          # the request as admitted (for the core reference)
+    copy: object  # the request as admitted (for the core reference)
 
 
 def spy_on_add(monkeypatch, policy: str) -> list[Admitted]:
@@ -53,10 +58,17 @@ def spy_on_add(monkeypatch, policy: str) -> list[Admitted]:
     def on_add(self, req, now):
         original(self, req, now)
         heap = getattr(self, "ttft_heap", [])
-        seen.append(Admitted(
-            req.request_id, req.num_output_tokens, self.predicted_len(req),
-            self.demotions.get(req.request_id, 0), self.level_of(req),
-            any(rid == req.request_id for _, rid in heap), recompute_copy(req, False)))
+        seen.append(
+            Admitted(
+                req.request_id,
+                req.num_output_tokens,
+                self.predicted_len(req),
+                self.demotions.get(req.request_id, 0),
+                self.level_of(req),
+                any(rid == req.request_id for _, rid in heap),
+                recompute_copy(req, False),
+            )
+        )
 
     monkeypatch.setattr(cls, "on_add", on_add)
     return seen
@@ -84,7 +96,7 @@ async def until(predicate, timeout: float = 30.0) -> None:
 
 
 def assert_doubled_past_output(a: Admitted) -> None:
-    assert a.num_output_tokens > PREDICTED, a          # re-admitted with its output
+    assert a.num_output_tokens > PREDICTED, a  # re-admitted with its output
     expected = PREDICTED
     while expected <= a.num_output_tokens:
         expected *= 2
@@ -101,8 +113,12 @@ def assert_ranked_like_the_core(policy: str, a: Admitted, info) -> None:
 async def test_restarted_scheduler_readmits_with_output(redis_server, tiny_model, monkeypatch):
     seen = spy_on_add(monkeypatch, "alise")
     executor = await start_tiny_executor(tiny_model)
-    settings = SchedulerSettings(redis_url=redis_server.url, scheduler_port=0, policy="alise",
-                                 executors=[f"127.0.0.1:{executor.port}"])
+    settings = SchedulerSettings(
+        redis_url=redis_server.url,
+        scheduler_port=0,
+        policy="alise",
+        executors=[f"127.0.0.1:{executor.port}"],
+    )
     pb, received = long_request("restart"), []
     try:
         first = await start_scheduler(settings)
@@ -112,12 +128,13 @@ async def test_restarted_scheduler_readmits_with_output(redis_server, tiny_model
             try:
                 await until(lambda: len(received) >= 8)
             finally:
-                await first.stop()                 # unfinished requests stay in Redis
+                await first.stop()  # unfinished requests stay in Redis
             with pytest.raises(grpc.aio.AioRpcError):
                 await task
         assert not received[-1].finished
-        async with running_scheduler(redis_server.url, settings.executors,
-                                     policy="alise") as second:
+        async with running_scheduler(
+            redis_server.url, settings.executors, policy="alise"
+        ) as second:
             async with aio_channel(second.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 rest: list = []
@@ -140,14 +157,19 @@ async def test_failed_executor_readmits_with_output(redis_server, tiny_model, mo
     executors = {f"127.0.0.1:{a.port}": a, f"127.0.0.1:{b.port}": b}
     pb, received = long_request("failover", slo=common_pb2.Slo(ttft_s=5.0)), []
     try:
-        async with running_scheduler(redis_server.url, list(executors), policy="hybrid",
-                                     health_poll_s=0.1, executor_grace_s=30) as handle:
+        async with running_scheduler(
+            redis_server.url,
+            list(executors),
+            policy="hybrid",
+            health_poll_s=0.1,
+            executor_grace_s=30,
+        ) as handle:
             async with aio_channel(handle.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 task = asyncio.create_task(follow(stub, pb, received))
                 await until(lambda: len(received) >= 8)
                 victim = handle.service.entries["failover"].executor
-                await executors[victim].server.server.stop(0)    # crash: KV lost
+                await executors[victim].server.server.stop(0)  # crash: KV lost
                 await asyncio.to_thread(executors[victim].engine.close)
                 await task
             survivor = next(lp for addr, lp in handle.service.loops.items() if addr != victim)
@@ -158,6 +180,6 @@ async def test_failed_executor_readmits_with_output(redis_server, tiny_model, mo
     assert received[-1].finished and len(received) - 1 == MAX_TOKENS
     first_admission, readmission = seen
     assert first_admission.ttft_urgent and first_admission.num_output_tokens == 0
-    assert not readmission.ttft_urgent          # its first token is behind it
+    assert not readmission.ttft_urgent  # its first token is behind it
     assert_doubled_past_output(readmission)
     assert_ranked_like_the_core("hybrid", readmission, info)

@@ -1,6 +1,7 @@
 """Crash recovery: the scheduler process is SIGKILLed with requests in flight and started again.
 Every request not aborted completes; a client re-attaching with resume_from gets each token
 exactly once; the tokens equal an in-process run of the same requests."""
+
 import asyncio
 import os
 import signal
@@ -34,10 +35,20 @@ def tiny_model():
 
 
 async def spawn_scheduler(redis_url: str, executor: str, port: int, log_path) -> subprocess.Popen:
-    env = dict(os.environ, ALISE_REDIS_URL=redis_url, ALISE_EXECUTORS=executor,
-               ALISE_SCHEDULER_PORT=str(port), ALISE_POLICY=POLICY, ALISE_LOG_LEVEL="INFO")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler", "serve"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "ab"))
+    env = dict(
+        os.environ,
+        ALISE_REDIS_URL=redis_url,
+        ALISE_EXECUTORS=executor,
+        ALISE_SCHEDULER_PORT=str(port),
+        ALISE_POLICY=POLICY,
+        ALISE_LOG_LEVEL="INFO",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "scheduler", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log_path, "ab"),
+    )
     async with aio_channel(f"127.0.0.1:{port}") as channel:
         for _ in range(600):
             if await check_health(channel, timeout=0.5):
@@ -56,27 +67,44 @@ async def follow(stub, pb, received: list, abort_after: int | None = None) -> No
             if abort_after is not None and len(received) == abort_after:
                 await stub.Abort(scheduler_pb2.AbortRequest(request_id=pb.request_id))
     except grpc.aio.AioRpcError as exc:
-        assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                              grpc.StatusCode.INTERNAL), exc
+        assert exc.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.INTERNAL,
+        ), exc
 
 
 async def test_sigkill_and_restart_resumes_every_request(redis_server, tiny_model, tmp_path):
     executor = await start_tiny_executor(tiny_model, num_device_blocks=128)
     exec_addr, port = f"127.0.0.1:{executor.port}", free_port()
     log = tmp_path / "scheduler.log"
-    pbs = [gen_request(f"k{i}", [(37 * i + j) % 4000 + 3 for j in range(8 + 5 * i)], MAX_TOKENS,
-                       temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(10)]
+    pbs = [
+        gen_request(
+            f"k{i}",
+            [(37 * i + j) % 4000 + 3 for j in range(8 + 5 * i)],
+            MAX_TOKENS,
+            temperature=0.8 if i % 2 else 0.0,
+            seed=i,
+        )
+        for i in range(10)
+    ]
     aborted = {"k3", "k6"}
     received = {pb.request_id: [] for pb in pbs}
     proc = await spawn_scheduler(redis_server.url, exec_addr, port, log)
     try:
         async with aio_channel(f"127.0.0.1:{port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            tasks = [asyncio.create_task(follow(stub, pb, received[pb.request_id],
-                                                2 if pb.request_id in aborted else None))
-                     for pb in pbs]
-            while min(len(v) for k, v in received.items() if k not in aborted) < 4 or \
-                    any(not received[k] or not received[k][-1].finished for k in aborted):
+            tasks = [
+                asyncio.create_task(
+                    follow(
+                        stub, pb, received[pb.request_id], 2 if pb.request_id in aborted else None
+                    )
+                )
+                for pb in pbs
+            ]
+            while min(len(v) for k, v in received.items() if k not in aborted) < 4 or any(
+                not received[k] or not received[k][-1].finished for k in aborted
+            ):
                 await asyncio.sleep(0.005)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -86,9 +114,12 @@ async def test_sigkill_and_restart_resumes_every_request(redis_server, tiny_mode
         proc = await spawn_scheduler(redis_server.url, exec_addr, port, log)
         async with aio_channel(f"127.0.0.1:{port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            rest = await asyncio.gather(*[
-                generate(stub, gen_request(k, [], 0, resume_from=len(v)))
-                for k, v in received.items()])
+            rest = await asyncio.gather(
+                *[
+                    generate(stub, gen_request(k, [], 0, resume_from=len(v)))
+                    for k, v in received.items()
+                ]
+            )
             stats = await stub.Stats(scheduler_pb2.StatsRequest())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
@@ -98,12 +129,18 @@ async def test_sigkill_and_restart_resumes_every_request(redis_server, tiny_mode
         await executor.stop()
 
     engine = executor.engine
-    ref = reference_run(engine, [core_request(pb, engine.spec.eos_token_ids, max_model_len=
-                                              engine.max_model_len) for pb in pbs], POLICY)
+    ref = reference_run(
+        engine,
+        [
+            core_request(pb, engine.spec.eos_token_ids, max_model_len=engine.max_model_len)
+            for pb in pbs
+        ],
+        POLICY,
+    )
     for (rid, head), tail in zip(received.items(), rest):
         events = [e for e in head if not e.finished] + tail
         final = events[-1]
-        assert [e.index for e in events] == list(range(len(events))), rid   # once each
+        assert [e.index for e in events] == list(range(len(events))), rid  # once each
         if rid in aborted:
             assert final.finish_reason == "abort" and len(events) - 1 < MAX_TOKENS
             continue

@@ -1,4 +1,5 @@
 """The live scheduler over real gRPC, real Redis and a real executor serving a tiny model."""
+
 import asyncio
 import random
 
@@ -12,9 +13,17 @@ from services.common.redis_runner import free_port
 from services.common.settings import SchedulerSettings
 from services.scheduler.core.policies import available_policies
 from services.scheduler.server import start_scheduler
-from services.scheduler.testing import (cached_tiny_model, core_request, gen_request, generate, reference_run,
-                                        running_scheduler, start_tiny_executor, status_of,
-                                        tokens_of)
+from services.scheduler.testing import (
+    cached_tiny_model,
+    core_request,
+    gen_request,
+    generate,
+    reference_run,
+    running_scheduler,
+    start_tiny_executor,
+    status_of,
+    tokens_of,
+)
 
 POLICY = "hybrid" if "hybrid" in available_policies() else "fcfs"
 
@@ -54,24 +63,37 @@ def mixed_requests(n: int, seed: int, max_len: int = 16) -> list[scheduler_pb2.G
     for i in range(n):
         prompt = [rng.randrange(3, 500) for _ in range(rng.randint(4, 60))]
         sampled = i % 2 == 1
-        out.append(gen_request(f"m{i}", prompt, rng.randint(4, max_len),
-                               temperature=0.9 if sampled else 0.0,
-                               seed=1000 + i if sampled else None, ignore_eos=i % 3 != 0))
+        out.append(
+            gen_request(
+                f"m{i}",
+                prompt,
+                rng.randint(4, max_len),
+                temperature=0.9 if sampled else 0.0,
+                seed=1000 + i if sampled else None,
+                ignore_eos=i % 3 != 0,
+            )
+        )
     return out
 
 
 async def test_streams_equal_in_process_reference(redis_server, executor):
     pbs = mixed_requests(10, seed=1)
-    async with running_scheduler(redis_server.url, [f"127.0.0.1:{executor.port}"],
-                                 policy=POLICY) as handle:
-        async with aio_channel(handle.address) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            await wait_up(stub)
-            results = await asyncio.gather(*[generate(stub, pb) for pb in pbs])
+    async with (
+        running_scheduler(
+            redis_server.url, [f"127.0.0.1:{executor.port}"], policy=POLICY
+        ) as handle,
+        aio_channel(handle.address) as channel,
+    ):
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        await wait_up(stub)
+        results = await asyncio.gather(*[generate(stub, pb) for pb in pbs])
     engine = executor.engine
     eos = engine.spec.eos_token_ids
-    ref = reference_run(engine, [core_request(pb, eos, max_model_len=engine.max_model_len)
-                                 for pb in pbs], policy=POLICY)
+    ref = reference_run(
+        engine,
+        [core_request(pb, eos, max_model_len=engine.max_model_len) for pb in pbs],
+        policy=POLICY,
+    )
     for pb, events in zip(pbs, results):
         final = events[-1]
         assert final.finished and final.finish_reason in ("stop", "length")
@@ -83,62 +105,83 @@ async def test_streams_equal_in_process_reference(redis_server, executor):
 
 
 async def test_malformed_requests_are_invalid_argument(redis_server, executor):
-    async with running_scheduler(redis_server.url, [f"127.0.0.1:{executor.port}"],
-                                 policy=POLICY) as handle:
-        async with aio_channel(handle.address) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            max_len = (await wait_up(stub)).max_model_len
-            assert max_len == executor.engine.max_model_len
-            bad = [
-                gen_request("e1", [], 4),                          # empty prompt
-                gen_request("e2", [5] * max_len, 4),               # prompt too long
-                gen_request("e3", [5, 6], 0),                      # max_tokens 0
-                gen_request("e4", [5, 6], -2),
-                gen_request("e5", [5, 6], 4, temperature=-1.0),
-                gen_request("e6", [5, 10**6], 4),                  # outside the vocabulary
-                gen_request("e7", [5, 6], 4, min_tokens=9),
-                gen_request("e8", [5, 6], 4, resume_from=-1),
-            ]
-            bad[4].sampling.top_p = 0.5
-            slo = gen_request("e9", [5, 6], 4)
-            slo.slo.ttft_s = -1.0
-            bad.append(slo)
-            for pb in bad:
-                assert await status_of(stub, pb) == grpc.StatusCode.INVALID_ARGUMENT, pb
-            ok = await generate(stub, gen_request("fine", [5] * (max_len - 1), 4))
-            assert ok[-1].finish_reason == "length" and len(ok) == 2  # room for one token
+    async with (
+        running_scheduler(
+            redis_server.url, [f"127.0.0.1:{executor.port}"], policy=POLICY
+        ) as handle,
+        aio_channel(handle.address) as channel,
+    ):
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        max_len = (await wait_up(stub)).max_model_len
+        assert max_len == executor.engine.max_model_len
+        bad = [
+            gen_request("e1", [], 4),  # empty prompt
+            gen_request("e2", [5] * max_len, 4),  # prompt too long
+            gen_request("e3", [5, 6], 0),  # max_tokens 0
+            gen_request("e4", [5, 6], -2),
+            gen_request("e5", [5, 6], 4, temperature=-1.0),
+            gen_request("e6", [5, 10**6], 4),  # outside the vocabulary
+            gen_request("e7", [5, 6], 4, min_tokens=9),
+            gen_request("e8", [5, 6], 4, resume_from=-1),
+        ]
+        bad[4].sampling.top_p = 0.5
+        slo = gen_request("e9", [5, 6], 4)
+        slo.slo.ttft_s = -1.0
+        bad.append(slo)
+        for pb in bad:
+            assert await status_of(stub, pb) == grpc.StatusCode.INVALID_ARGUMENT, pb
+        ok = await generate(stub, gen_request("fine", [5] * (max_len - 1), 4))
+        assert ok[-1].finish_reason == "length" and len(ok) == 2  # room for one token
     with pytest.raises(ValueError, match="bogus"):
-        await start_scheduler(SchedulerSettings(redis_url=redis_server.url, scheduler_port=0,
-                                                policy=POLICY, policy_config='{"bogus": 1}'))
+        await start_scheduler(
+            SchedulerSettings(
+                redis_url=redis_server.url,
+                scheduler_port=0,
+                policy=POLICY,
+                policy_config='{"bogus": 1}',
+            )
+        )
     with pytest.raises(ValueError, match="unknown policy"):
-        await start_scheduler(SchedulerSettings(redis_url=redis_server.url, scheduler_port=0,
-                                                policy="nope"))
+        await start_scheduler(
+            SchedulerSettings(redis_url=redis_server.url, scheduler_port=0, policy="nope")
+        )
 
 
 async def test_full_queue_is_resource_exhausted(redis_server):
-    nowhere = f"127.0.0.1:{free_port()}"   # no executor: everything stays waiting
-    async with running_scheduler(redis_server.url, [nowhere], max_waiting_requests=3,
-                                 max_waiting_tokens=100, executor_grace_s=30) as handle:
-        async with aio_channel(handle.address) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            held = [asyncio.create_task(generate(stub, gen_request(f"w{i}", [7] * 30, 4)))
-                    for i in range(3)]
-            while len(handle.service.admission.backlog) < 3:
-                await asyncio.sleep(0.01)
-            assert await status_of(stub, gen_request("w3", [7], 4)) == \
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-            for task in held:
-                task.cancel()
-            await asyncio.gather(*held, return_exceptions=True)
-            while handle.service.admission.backlog:      # cancelled clients: their requests aborted
-                await asyncio.sleep(0.01)
-            first = asyncio.create_task(generate(stub, gen_request("t0", [7] * 60, 4)))
-            while not handle.service.admission.backlog:
-                await asyncio.sleep(0.01)
-            assert await status_of(stub, gen_request("t1", [7] * 60, 4)) == \
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
+    nowhere = f"127.0.0.1:{free_port()}"  # no executor: everything stays waiting
+    async with (
+        running_scheduler(
+            redis_server.url,
+            [nowhere],
+            max_waiting_requests=3,
+            max_waiting_tokens=100,
+            executor_grace_s=30,
+        ) as handle,
+        aio_channel(handle.address) as channel,
+    ):
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        held = [
+            asyncio.create_task(generate(stub, gen_request(f"w{i}", [7] * 30, 4))) for i in range(3)
+        ]
+        while len(handle.service.admission.backlog) < 3:
+            await asyncio.sleep(0.01)
+        assert (
+            await status_of(stub, gen_request("w3", [7], 4)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        while handle.service.admission.backlog:  # cancelled clients: their requests aborted
+            await asyncio.sleep(0.01)
+        first = asyncio.create_task(generate(stub, gen_request("t0", [7] * 60, 4)))
+        while not handle.service.admission.backlog:
+            await asyncio.sleep(0.01)
+        assert (
+            await status_of(stub, gen_request("t1", [7] * 60, 4))
+            == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
 
 
 async def test_no_executor_fails_after_grace(redis_server):
@@ -153,8 +196,9 @@ async def test_no_executor_fails_after_grace(redis_server):
 
 async def test_abort_disconnect_resume_and_metrics(redis_server, executor):
     metrics_port = free_port()
-    async with running_scheduler(redis_server.url, [f"127.0.0.1:{executor.port}"],
-                                 policy=POLICY, metrics_port=metrics_port) as handle:
+    async with running_scheduler(
+        redis_server.url, [f"127.0.0.1:{executor.port}"], policy=POLICY, metrics_port=metrics_port
+    ) as handle:
         store = handle.service.store
         async with aio_channel(handle.address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -189,21 +233,30 @@ async def test_abort_disconnect_resume_and_metrics(redis_server, executor):
             again = await generate(stub, gen_request("rs", [], 0, resume_from=10))
             assert tokens_of(again) == tokens_of(full)[10:]
             assert again[-1].usage.completion_tokens == 30 == full[-1].usage.completion_tokens
-            assert await status_of(stub, gen_request("rs", [1], 3)) == \
-                grpc.StatusCode.ALREADY_EXISTS
-            assert await status_of(stub, gen_request("never", [], 0, resume_from=0)) == \
-                grpc.StatusCode.NOT_FOUND
+            assert (
+                await status_of(stub, gen_request("rs", [1], 3)) == grpc.StatusCode.ALREADY_EXISTS
+            )
+            assert (
+                await status_of(stub, gen_request("never", [], 0, resume_from=0))
+                == grpc.StatusCode.NOT_FOUND
+            )
             stats = await stub.Stats(scheduler_pb2.StatsRequest())
             assert stats.aborted == 2 and stats.finished == 1
             assert stats.executors[0].free_device_blocks == stats.executors[0].num_device_blocks
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
-    for name in ("alise:num_requests_waiting", "alise:num_requests_running",
-                 "alise:num_requests_swapped", "alise:kv_cache_usage_perc",
-                 "alise:num_preemptions_total", "alise:swap_out_blocks_total",
-                 "alise:request_queue_time_seconds_bucket",
-                 "alise:inter_token_latency_seconds_bucket",
-                 "alise:iteration_tokens_total_bucket", "alise:prediction_error_tokens_bucket"):
+    for name in (
+        "alise:num_requests_waiting",
+        "alise:num_requests_running",
+        "alise:num_requests_swapped",
+        "alise:kv_cache_usage_perc",
+        "alise:num_preemptions_total",
+        "alise:swap_out_blocks_total",
+        "alise:request_queue_time_seconds_bucket",
+        "alise:inter_token_latency_seconds_bucket",
+        "alise:iteration_tokens_total_bucket",
+        "alise:prediction_error_tokens_bucket",
+    ):
         assert name in text, name
     assert 'alise:request_success_total{finished_reason="abort"} 2.0' in text
     assert "alise:time_to_first_token_seconds_count 3.0" in text

@@ -1,4 +1,5 @@
 """The scheduler's Redis store against a real embedded redis-server."""
+
 import asyncio
 
 from services.scheduler.iteration_write import IterationWrite

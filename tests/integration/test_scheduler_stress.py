@@ -1,5 +1,6 @@
 """300 requests, 30% aborted at random moments (API abort or client disconnect), `hybrid`:
 afterwards every KV budget in Redis is full, no record is left unfinished, no stream is open."""
+
 import asyncio
 import random
 
@@ -46,20 +47,32 @@ async def run_one(stub, pb, rng: random.Random, abort_mode: str | None):
 async def test_300_requests_with_random_aborts_leave_nothing_behind(redis_server, tiny_model):
     executor = await start_tiny_executor(tiny_model, num_device_blocks=96, num_host_blocks=48)
     rng = random.Random(7)
-    pbs = [gen_request(f"s{i}", [rng.randrange(3, 4000) for _ in range(rng.randint(4, 120))],
-                       rng.randint(2, 16), ignore_eos=rng.random() < 0.5,
-                       temperature=rng.choice([0.0, 0.8]), seed=i) for i in range(300)]
+    pbs = [
+        gen_request(
+            f"s{i}",
+            [rng.randrange(3, 4000) for _ in range(rng.randint(4, 120))],
+            rng.randint(2, 16),
+            ignore_eos=rng.random() < 0.5,
+            temperature=rng.choice([0.0, 0.8]),
+            seed=i,
+        )
+        for i in range(300)
+    ]
     modes = [rng.choice(["api", "hangup"]) if rng.random() < 0.3 else None for _ in pbs]
     try:
-        async with running_scheduler(redis_server.url, [f"127.0.0.1:{executor.port}"],
-                                     policy="hybrid") as handle:
+        async with running_scheduler(
+            redis_server.url, [f"127.0.0.1:{executor.port}"], policy="hybrid"
+        ) as handle:
             async with aio_channel(handle.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                results = await asyncio.gather(*[
-                    run_one(stub, pb, random.Random(i), mode)
-                    for i, (pb, mode) in enumerate(zip(pbs, modes))])
+                results = await asyncio.gather(
+                    *[
+                        run_one(stub, pb, random.Random(i), mode)
+                        for i, (pb, mode) in enumerate(zip(pbs, modes))
+                    ]
+                )
                 service = handle.service
-                for _ in range(500):           # the last frees reach the executor
+                for _ in range(500):  # the last frees reach the executor
                     held = [await service.store.held(a) for a in service.loops]
                     if not service.entries and not any(held):
                         break
@@ -74,8 +87,7 @@ async def test_300_requests_with_random_aborts_leave_nothing_behind(redis_server
             queued = [await client.zcard(keys.queue(q)) for q in QUEUES]
             open_streams = [e for e in service.entries.values()]
             core_left = [r for lp in service.loops.values() for r in lp.sched.requests]
-            swapped_out = service.metrics.registry.get_sample_value(
-                "alise:swap_out_blocks_total")
+            swapped_out = service.metrics.registry.get_sample_value("alise:swap_out_blocks_total")
     finally:
         await executor.stop()
 
@@ -104,5 +116,5 @@ async def test_300_requests_with_random_aborts_leave_nothing_behind(redis_server
                 assert len(events) - 1 == pb.max_tokens
         else:
             assert final.finish_reason in ("abort", "stop", "length")
-    assert held == [set()]            # the executor was told to free every request
-    assert stats.preemptions > 0 and swapped_out > 0   # the small KV pool forced preemptions
+    assert held == [set()]  # the executor was told to free every request
+    assert stats.preemptions > 0 and swapped_out > 0  # the small KV pool forced preemptions

@@ -8,8 +8,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module", ["services.common", "services.gateway", "services.predictor",
-                                    "services.scheduler", "services.executor", "bench"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "services.common",
+        "services.gateway",
+        "services.predictor",
+        "services.scheduler",
+        "services.executor",
+        "bench",
+    ],
+)
 def test_packages_import(module):
     assert importlib.import_module(module).__doc__
 
@@ -23,8 +32,10 @@ def test_alise_help_lists_existing_commands():
 
 
 def test_config_markdown_lists_settings():
+    import contextlib
+    import io
+
     from services.cli import main
-    import contextlib, io
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -33,7 +44,9 @@ def test_config_markdown_lists_settings():
 
 
 def test_config_policies_prints_each_policy_knobs_as_json():
-    import contextlib, io, json
+    import contextlib
+    import io
+    import json
 
     from services.cli import main
     from services.scheduler.core.policies import available_policies, policy_knobs

@@ -1,6 +1,7 @@
 """Code health, read from the source alone (AST and text; nothing here imports the project):
 layers that point one way, no private names across packages, short annotated functions.
 """
+
 from __future__ import annotations
 
 import ast
@@ -13,16 +14,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERED = ("services", "bench")          # the packages whose import graph is checked
+LAYERED = ("services", "bench")  # the packages whose import graph is checked
 CORE = "services.scheduler.core"
-GENERATED = "services.common.pb"         # protoc output: not ours to shape
+GENERATED = "services.common.pb"  # protoc output: not ours to shape
 MAX_FUNCTION_LINES = 60
 MAX_MEDIAN_FUNCTION_LINES = 12
-ANNOTATED = ("services.scheduler.core", "services.executor", "services.gateway",
-             "services.predictor", "services.common")
+ANNOTATED = (
+    "services.scheduler.core",
+    "services.executor",
+    "services.gateway",
+    "services.predictor",
+    "services.common",
+)
 
 
 # -- the modules and their imports -------------------------------------------------------------
+
 
 @cache
 def modules() -> dict[str, Path]:
@@ -52,7 +59,8 @@ def package_of(name: str) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 Function = ast.FunctionDef | ast.AsyncFunctionDef
@@ -79,7 +87,7 @@ def source_of(name: str, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     base = package_of(name).split(".")
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -100,8 +108,10 @@ def imported_modules(name: str, type_checking: bool = False) -> set[str]:
             targets = [alias.name for alias in node.names]
         else:
             source = source_of(name, node)
-            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules() else source
-                       for a in node.names]
+            targets = [
+                f"{source}.{a.name}" if f"{source}.{a.name}" in modules() else source
+                for a in node.names
+            ]
         out.update(t for t in map(_known, targets) if t is not None)
     out.discard(name)
     return out
@@ -120,7 +130,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     on_stack: set[str] = set()
     components: list[set[str]] = []
 
-    def visit(v: str) -> None:            # Tarjan; the graph has a few hundred nodes
+    def visit(v: str) -> None:  # Tarjan; the graph has a few hundred nodes
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
@@ -170,6 +180,7 @@ def _cycle_in(edges: dict[str, set[str]], component: set[str]) -> list[str]:
 
 # -- functions ---------------------------------------------------------------------------------
 
+
 def functions(node: ast.AST) -> Iterator[Function]:
     for child in ast.walk(node):
         if isinstance(child, Function):
@@ -185,6 +196,7 @@ def _blocks(stmt: ast.If | ast.Try) -> list[list[ast.stmt]]:
 def api_functions(module: ast.Module) -> Iterator[tuple[str, Function, bool]]:
     """(qualified name, def, is_method) of module-level functions and methods of module-level
     classes (nested classes included); functions local to a function are not API."""
+
     def walk(body: list[ast.stmt], prefix: str, in_class: bool):
         for stmt in body:
             if isinstance(stmt, Function):
@@ -204,8 +216,10 @@ def is_private(name: str) -> bool:
 
 def is_kernel(fn: Function) -> bool:
     """A `@triton.jit` kernel: Triton gives parameter annotations a meaning of their own."""
-    return any((d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", None)) == "jit"
-               for d in fn.decorator_list)
+    return any(
+        (d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", None)) == "jit"
+        for d in fn.decorator_list
+    )
 
 
 def missing_annotations(fn: Function, is_method: bool) -> list[str]:
@@ -224,11 +238,13 @@ def missing_annotations(fn: Function, is_method: bool) -> list[str]:
 
 # -- the checks --------------------------------------------------------------------------------
 
+
 def test_the_import_graph_has_no_cycle():
-    assert len(graph()) > 50 and any(graph().values())          # the walk found the code
+    assert len(graph()) > 50 and any(graph().values())  # the walk found the code
     found = cycles(graph())
     assert not found, "import cycles (excluding `if TYPE_CHECKING:` imports):\n" + "\n".join(
-        "  " + " -> ".join(c) for c in found)
+        "  " + " -> ".join(c) for c in found
+    )
 
 
 def test_the_cycle_finder_reports_a_cycle():
@@ -243,10 +259,14 @@ def test_services_never_import_bench():
         if not in_package(name, "services"):
             continue
         for node in import_nodes(tree(name), type_checking=True):
-            sources = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                       else [source_of(name, node)])
-            offenders += [f"{name}:{node.lineno} imports {s}" for s in sources
-                          if in_package(s, "bench")]
+            sources = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [source_of(name, node)]
+            )
+            offenders += [
+                f"{name}:{node.lineno} imports {s}" for s in sources if in_package(s, "bench")
+            ]
     assert not offenders, "services/ must not depend on bench/:\n  " + "\n  ".join(offenders)
 
 
@@ -260,10 +280,14 @@ def test_no_private_name_is_imported_from_another_package():
             home = _known(source)
             if home is not None and package_of(home) == package_of(name):
                 continue
-            offenders += [f"{name}:{node.lineno} imports {a.name} from {source}"
-                          for a in node.names if is_private(a.name)]
-    assert not offenders, ("private names imported across packages (make them public):\n  "
-                           + "\n  ".join(offenders))
+            offenders += [
+                f"{name}:{node.lineno} imports {a.name} from {source}"
+                for a in node.names
+                if is_private(a.name)
+            ]
+    assert not offenders, (
+        "private names imported across packages (make them public):\n  " + "\n  ".join(offenders)
+    )
 
 
 def core_private_names() -> set[str]:
@@ -276,11 +300,20 @@ def core_private_names() -> set[str]:
                 names.add(node.name)
                 if isinstance(node, ast.ClassDef):
                     for stmt in node.body:
-                        targets = (stmt.targets if isinstance(stmt, ast.Assign) else
-                                   [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+                        targets = (
+                            stmt.targets
+                            if isinstance(stmt, ast.Assign)
+                            else [stmt.target]
+                            if isinstance(stmt, ast.AnnAssign)
+                            else []
+                        )
                         names.update(t.id for t in targets if isinstance(t, ast.Name))
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                    and isinstance(node.value, ast.Name) and node.value.id == "self":
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
                 names.add(node.attr)
     return {n for n in names if is_private(n)}
 
@@ -290,32 +323,46 @@ def private_uses(name: str, module: ast.Module, private: set[str]) -> list[str]:
     a private name from the core."""
     found = []
     for node in ast.walk(module):
-        if isinstance(node, ast.Attribute) and node.attr in private and not (
-                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in private
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
             found.append(f"{name}:{node.lineno} uses .{node.attr}")
         elif isinstance(node, ast.ImportFrom) and in_package(source_of(name, node), CORE):
-            found += [f"{name}:{node.lineno} imports {a.name}"
-                      for a in node.names if is_private(a.name)]
+            found += [
+                f"{name}:{node.lineno} imports {a.name}" for a in node.names if is_private(a.name)
+            ]
     return found
 
 
 def test_the_private_use_check_sees_reaching_in():
-    module = ast.parse("from services.scheduler.core.batch import _helper\n"
-                       "def f(sched):\n    sched._inflight = None\n    self._inflight = 1\n"
-                       "    return sched.block_manager._free_dev, sched._mine\n")
+    module = ast.parse(
+        "from services.scheduler.core.batch import _helper\n"
+        "def f(sched):\n    sched._inflight = None\n    self._inflight = 1\n"
+        "    return sched.block_manager._free_dev, sched._mine\n"
+    )
     found = private_uses("services.scheduler.x", module, {"_inflight", "_free_dev"})
-    assert found == ["services.scheduler.x:1 imports _helper",
-                     "services.scheduler.x:3 uses ._inflight",
-                     "services.scheduler.x:5 uses ._free_dev"]
+    assert found == [
+        "services.scheduler.x:1 imports _helper",
+        "services.scheduler.x:3 uses ._inflight",
+        "services.scheduler.x:5 uses ._free_dev",
+    ]
 
 
 def test_nothing_outside_the_core_uses_its_private_names():
     private = core_private_names()
-    assert len(private) > 10                                  # the collection found them
-    offenders = [use for name in modules() if not in_package(name, CORE)
-                 for use in private_uses(name, tree(name), private)]
-    assert not offenders, ("private names of services/scheduler/core used outside it "
-                           "(give the core a public method):\n  " + "\n  ".join(offenders))
+    assert len(private) > 10  # the collection found them
+    offenders = [
+        use
+        for name in modules()
+        if not in_package(name, CORE)
+        for use in private_uses(name, tree(name), private)
+    ]
+    assert not offenders, (
+        "private names of services/scheduler/core used outside it "
+        "(give the core a public method):\n  " + "\n  ".join(offenders)
+    )
 
 
 def test_functions_are_short():
@@ -326,11 +373,13 @@ def test_functions_are_short():
         for fn in functions(tree(name)):
             lengths[f"{name}:{fn.lineno} {fn.name}"] = fn.end_lineno - fn.lineno + 1
     long = sorted((n, where) for where, n in lengths.items() if n > MAX_FUNCTION_LINES)
-    assert not long, (f"functions longer than {MAX_FUNCTION_LINES} lines:\n  "
-                      + "\n  ".join(f"{where}: {n}" for n, where in reversed(long)))
+    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(
+        f"{where}: {n}" for n, where in reversed(long)
+    )
     median = statistics.median(lengths.values())
     assert median < MAX_MEDIAN_FUNCTION_LINES, (
-        f"median function length {median} lines (want < {MAX_MEDIAN_FUNCTION_LINES})")
+        f"median function length {median} lines (want < {MAX_MEDIAN_FUNCTION_LINES})"
+    )
 
 
 def annotation_offenders() -> dict[str, list[str]]:
@@ -341,8 +390,11 @@ def annotation_offenders() -> dict[str, list[str]]:
         if package is None or in_package(name, GENERATED):
             continue
         for qualname, fn, is_method in api_functions(tree(name)):
-            if is_private(fn.name) or (fn.name.startswith("__") and fn.name != "__init__") \
-                    or is_kernel(fn):
+            if (
+                is_private(fn.name)
+                or (fn.name.startswith("__") and fn.name != "__init__")
+                or is_kernel(fn)
+            ):
                 continue
             missing = missing_annotations(fn, is_method)
             if missing:
@@ -352,15 +404,20 @@ def annotation_offenders() -> dict[str, list[str]]:
 
 def test_public_functions_are_annotated():
     offenders = annotation_offenders()
-    report = [f"  {package} ({len(found)}):\n    " + "\n    ".join(found)
-              for package, found in offenders.items() if found]
+    report = [
+        f"  {package} ({len(found)}):\n    " + "\n    ".join(found)
+        for package, found in offenders.items()
+        if found
+    ]
     assert not report, "public functions missing annotations:\n" + "\n".join(report)
 
 
 def test_the_annotation_check_sees_missing_annotations():
-    module = ast.parse("class A:\n    def f(self, x, *a: int, **k) -> None: ...\n"
-                       "    def __init__(self, y: int): ...\n"
-                       "def g(z: int): ...\n")
+    module = ast.parse(
+        "class A:\n    def f(self, x, *a: int, **k) -> None: ...\n"
+        "    def __init__(self, y: int): ...\n"
+        "def g(z: int): ...\n"
+    )
     found = {q: missing_annotations(fn, m) for q, fn, m in api_functions(module)}
     assert found == {"A.f": ["x", "k"], "A.__init__": [], "g": ["return"]}
 
@@ -378,5 +435,7 @@ def test_no_file_points_outside_the_repository_design_notes():
     files = [p for p in tracked_files() if p.is_file() and p != Path(__file__).resolve()]
     assert len(files) > 100
     offenders = [str(p.relative_to(ROOT)) for p in files if needle in p.read_bytes()]
-    assert not offenders, (f"{needle.decode()} is not in the repository; point at docs/ "
-                           "instead:\n  " + "\n  ".join(offenders))
+    assert not offenders, (
+        f"{needle.decode()} is not in the repository; point at docs/ "
+        "instead:\n  " + "\n  ".join(offenders)
+    )

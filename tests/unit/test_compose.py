@@ -1,4 +1,5 @@
 """docker-compose.yml and `alise serve` (services/launcher/topology.py) describe the same stack."""
+
 import shutil
 import subprocess
 from pathlib import Path
@@ -71,9 +72,13 @@ def test_predictor_replicas_and_gpu_reservation():
     assert SERVICES["gateway"]["ports"] == ["8000:8000"]
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None,
-                    reason="Debian's docker-compose is not installed")
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed"
+)
 def test_docker_compose_config_validates():
-    result = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"),
-                             "config", "-q"], capture_output=True, text=True)
+    result = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr

@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.scheduler.core.block_manager import BlockManager
 from tests.unit.test_core_util import req
@@ -10,7 +11,7 @@ def test_allocate_hands_out_lowest_ids_and_grows_by_blocks():
     r = req("a", 6, 10)
     assert bm.allocate(r, 6) == [0, 1]
     r.num_computed_tokens = 6
-    assert bm.allocate(r, 2) == []          # 8 tokens still fit 2 blocks
+    assert bm.allocate(r, 2) == []  # 8 tokens still fit 2 blocks
     assert bm.allocate(r, 3) == [2]
     assert bm.block_table("a") == [0, 1, 2]
     assert bm.num_free_device_blocks == 5
@@ -64,8 +65,14 @@ def test_bad_sizes_rejected(args):
         BlockManager(*args)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "free", "out", "in", "step"]),
-                         st.integers(0, 5), st.integers(1, 40)), max_size=60)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "append", "free", "out", "in", "step"]),
+        st.integers(0, 5),
+        st.integers(1, 40),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -88,7 +95,7 @@ def test_random_operations_keep_invariants(seq):
             else:
                 r.num_computed_tokens = min(r.num_computed_tokens + n, 80)
         elif op == "append" and bm.is_swapped(rid):
-            with pytest.raises(ValueError):        # a decode needs its KV on the device
+            with pytest.raises(ValueError):  # a decode needs its KV on the device
                 bm.allocate(r, 1)
             assert bm.num_free_device_blocks + bm.num_free_host_blocks == before
         elif op == "append":
@@ -96,7 +103,7 @@ def test_random_operations_keep_invariants(seq):
             table = bm.block_table(rid)
             got = bm.allocate(r, 1)
             assert (got is not None) == ok
-            if got is None:                         # only when a new block was needed
+            if got is None:  # only when a new block was needed
                 assert free == 0 and len(table) * 4 <= r.num_computed_tokens
                 assert bm.block_table(rid) == table and bm.num_free_device_blocks == 0
             else:

@@ -17,8 +17,14 @@ def _samples(c, noise=0.0, n=40, seed=0):
             d = 1
         ctx = p + d * rng.randint(10, 900)
         t = c[0] + c[1] * p + c[2] * d + c[3] * ctx
-        out.append({"prefill_tokens": p, "decode_tokens": d, "context_tokens": ctx,
-                    "time_s": t * (1 + rng.uniform(-noise, noise))})
+        out.append(
+            {
+                "prefill_tokens": p,
+                "decode_tokens": d,
+                "context_tokens": ctx,
+                "time_s": t * (1 + rng.uniform(-noise, noise)),
+            }
+        )
     return out
 
 
@@ -77,7 +83,7 @@ def test_token_budget_respects_tbt_and_tile():
     m = CostModel(c0=0.01, c_prefill=1e-4, c_decode=1e-4, c_context=0.0)
     b = m.token_budget(0.05, tile_size=64)
     assert b % 64 == 0 and m.iteration_time(b, 0, 0) <= 0.05 < m.iteration_time(b + 64, 0, 0)
-    assert m.token_budget(0.001, tile_size=32) == 32   # never below one tile
+    assert m.token_budget(0.001, tile_size=32) == 32  # never below one tile
     s_b = m.accelgen_budget(2 * m.pivot_time_s)
     assert s_b == pytest.approx(2 * m.pivot_tokens, abs=1)
 
@@ -106,19 +112,31 @@ def _curved_samples():
     c = (0.05, 0.003, 0.003, 3e-5)
     out = []
     for p in (16, 64, 256, 512):
-        out.append({"prefill_tokens": p, "decode_tokens": 0, "context_tokens": p,
-                    "time_s": c[0] + c[1] * p + c[3] * p})
+        out.append(
+            {
+                "prefill_tokens": p,
+                "decode_tokens": 0,
+                "context_tokens": p,
+                "time_s": c[0] + c[1] * p + c[3] * p,
+            }
+        )
     for d, ctx in ((1, 128), (1, 512), (4, 512), (8, 4096), (32, 16384), (64, 8192)):
         t = c[0] + c[2] * d + c[3] * ctx
-        out.append({"prefill_tokens": 0, "decode_tokens": d, "context_tokens": ctx,
-                    "time_s": t * (1.3 if d <= 4 else 1.0)})
+        out.append(
+            {
+                "prefill_tokens": 0,
+                "decode_tokens": d,
+                "context_tokens": ctx,
+                "time_s": t * (1.3 if d <= 4 else 1.0),
+            }
+        )
     return out
 
 
 def test_measured_time_follows_the_profile_samples():
     samples = _curved_samples()
     cost = CostModel.fit(samples)
-    for s in samples:       # at a measured shape: the measurement itself
+    for s in samples:  # at a measured shape: the measurement itself
         got = cost.measured_time(s["prefill_tokens"], s["decode_tokens"], s["context_tokens"])
         assert got == pytest.approx(s["time_s"], rel=1e-9)
     # a small decode step between measured ones takes the small decodes' ratio, which the

@@ -1,4 +1,5 @@
 """The scheduling core must stay free of torch, grpc, redis and asyncio (docs/scheduling.md)."""
+
 import json
 import subprocess
 import sys

@@ -1,4 +1,5 @@
 """Deterministic scenario tests pinning the behaviour each paper describes."""
+
 import pytest
 
 from services.scheduler.core.output import StepOutcome
@@ -55,8 +56,10 @@ def test_long_prompt_never_stalls_decodes(policy):
     # one budgeted iteration: a full 256-token batch with the whole KV context
     one_iteration = SIMPLE.iteration_time(budget, 0, 3000 + 4 * 216)
     assert worst <= one_iteration
-    chunked = [o.num_scheduled_tokens["big"] for _, _, o in trace if "big" in o.num_scheduled_tokens]
-    assert len(chunked) > 3000 // budget      # the prompt went in chunks
+    chunked = [
+        o.num_scheduled_tokens["big"] for _, _, o in trace if "big" in o.num_scheduled_tokens
+    ]
+    assert len(chunked) > 3000 // budget  # the prompt went in chunks
 
 
 def test_fcfs_stalls_decodes_for_a_long_prompt():
@@ -68,12 +71,18 @@ def test_alise_demotes_and_doubles_a_job_that_outlives_its_prediction():
     s = make_sched("alise", queue_base_s=0.003)
     job = req("j", 20, 40, predicted_len=5)
     levels, preds = [], []
-    drive(s, [job], on_step=lambda s, o: (levels.append(s.policy.q.level_of.get("j")),
-                                           preds.append(s.policy.pred.get("j"))))
-    assert s.policy.demotions["j"] == 3                # 5 -> 10 -> 20 -> 40
+    drive(
+        s,
+        [job],
+        on_step=lambda s, o: (
+            levels.append(s.policy.q.level_of.get("j")),
+            preds.append(s.policy.pred.get("j")),
+        ),
+    )
+    assert s.policy.demotions["j"] == 3  # 5 -> 10 -> 20 -> 40
     assert preds[3] == 5 and preds[5] == 10 and preds[11] == 20 and preds[21] == 40
     i = preds.index(10)
-    assert levels[i] > levels[i - 1]                    # doubling moved it down a queue
+    assert levels[i] > levels[i - 1]  # doubling moved it down a queue
 
 
 def _aging_run(threshold):
@@ -98,19 +107,29 @@ def test_aging_bounds_the_wait_of_a_long_job():
 def test_ewt_swap_offloads_the_highest_ewt_job_first():
     # 11 blocks of 4 tokens; three residents of 3 blocks each, predicted 3 / 30 / 12 tokens
     # (of at most 30); the new job needs 3 blocks, 2 are free
-    s = make_sched("alise", device_blocks=11, host_blocks=12, block_size=4, max_model_len=44,
-                   max_num_seqs=3, watermark=0.0, aging_threshold_s=None, queue_base_s=0.002)
+    s = make_sched(
+        "alise",
+        device_blocks=11,
+        host_blocks=12,
+        block_size=4,
+        max_model_len=44,
+        max_num_seqs=3,
+        watermark=0.0,
+        aging_threshold_s=None,
+        queue_base_s=0.002,
+    )
     a, b, c = (req(n, 12, 30, t=0.0, predicted_len=p) for n, p in (("a", 3), ("b", 30), ("c", 12)))
     for r in (a, b, c):
         s.admit(r)
     from services.scheduler.core.output import StepOutcome
+
     out = s.schedule(0.0)
     assert set(out.num_scheduled_tokens) == {"a", "b", "c"}
     s.update(StepOutcome(out.step_id, {k: (7, 0.0) for k in "abc"}), 0.01)
     s.admit(req("d", 12, 2, t=0.01, predicted_len=1))
     b_blocks = s.block_manager.block_table("b")
     out = s.schedule(0.01)
-    assert out.preempted_request_ids == ["b"]            # lowest priority = highest EWT
+    assert out.preempted_request_ids == ["b"]  # lowest priority = highest EWT
     assert [src for src, _ in out.swap_out] == b_blocks
     dsts = [dst for _, dst in out.swap_out]
     assert len(set(dsts)) == len(dsts) == s.block_manager.num_host_blocks_of("b")
@@ -120,9 +139,19 @@ def test_ewt_swap_offloads_the_highest_ewt_job_first():
 
 @pytest.mark.parametrize("mode,expect", [("recompute", "waiting"), ("defer", None)])
 def test_alise_strawmen(mode, expect):
-    s = make_sched("alise", device_blocks=11, host_blocks=12, block_size=4, max_model_len=44,
-                   max_num_seqs=3, watermark=0.0, memory_mode=mode, queue_base_s=0.002)
+    s = make_sched(
+        "alise",
+        device_blocks=11,
+        host_blocks=12,
+        block_size=4,
+        max_model_len=44,
+        max_num_seqs=3,
+        watermark=0.0,
+        memory_mode=mode,
+        queue_base_s=0.002,
+    )
     from services.scheduler.core.output import StepOutcome
+
     for n, p in (("a", 3), ("b", 30), ("c", 12)):
         s.admit(req(n, 12, 30, t=0.0, predicted_len=p))
     out = s.schedule(0.0)
@@ -133,7 +162,7 @@ def test_alise_strawmen(mode, expect):
     if expect:
         assert out.preempted_request_ids == ["b"] and s.requests["b"].status.value == expect
         assert "d" in out.num_scheduled_tokens
-    else:                                                # defer: the new job waits
+    else:  # defer: the new job waits
         assert "d" not in out.num_scheduled_tokens and not out.preempted_request_ids
 
 
@@ -145,11 +174,11 @@ def _accel(**knobs):
 
 def test_accelgen_picks_the_request_nearest_in_compute_and_kv():
     s = _accel()
-    s.block_manager.allocate(req("hog", 60 * 16, 1), 60 * 16)     # leave 4 free blocks = 64 tokens
+    s.block_manager.allocate(req("hog", 60 * 16, 1), 60 * 16)  # leave 4 free blocks = 64 tokens
     for rid, n in (("c20", 20), ("a60", 60), ("b48", 48), ("e64", 64)):
         s.admit(req(rid, n, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     out = s.schedule(0.0)
-    assert out.num_scheduled_tokens == {"e64": 64}      # fills both compute and KV exactly
+    assert out.num_scheduled_tokens == {"e64": 64}  # fills both compute and KV exactly
 
 
 def test_accelgen_forces_urgent_requests_in():
@@ -157,8 +186,8 @@ def test_accelgen_forces_urgent_requests_in():
     s.admit(req("x", 64, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     s.admit(req("u", 30, 2, t=0.0, slo=Slo(ttft_s=0.001)))
     out = s.schedule(0.0)
-    assert out.num_scheduled_tokens["u"] == 30          # urgent first, whole
-    assert out.num_scheduled_tokens.get("x", 0) == 34   # the rest chunked into the budget
+    assert out.num_scheduled_tokens["u"] == 30  # urgent first, whole
+    assert out.num_scheduled_tokens.get("x", 0) == 34  # the rest chunked into the budget
 
 
 def test_accelgen_budget_follows_tightest_slo():
@@ -185,10 +214,14 @@ def test_accelgen_era_serves_one_long_prompt_at_a_time():
     s.admit(req("L1", 300, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     s.admit(req("L2", 300, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     trace = drive(s, [])
-    started = {rid: min(i for i, (_, _, o) in enumerate(trace) if rid in o.num_scheduled_tokens)
-               for rid in ("L1", "L2")}
+    started = {
+        rid: min(i for i, (_, _, o) in enumerate(trace) if rid in o.num_scheduled_tokens)
+        for rid in ("L1", "L2")
+    }
     first, second = sorted(started, key=started.get)
-    done_first = max(i for i, (_, _, o) in enumerate(trace) if o.num_scheduled_tokens.get(first, 0) > 1)
+    done_first = max(
+        i for i, (_, _, o) in enumerate(trace) if o.num_scheduled_tokens.get(first, 0) > 1
+    )
     assert started[second] > done_first
 
 
@@ -196,8 +229,13 @@ def test_accelgen_era_holds_back_an_urgent_long_prompt():
     """ERA applies to urgent prompts too: a second long prompt, already past its TTFT
     objective, does not start while the first one is being prefilled."""
     s = _accel()
-    trace = drive(s, [req("L1", 300, 2, t=0.0, slo=Slo(ttft_s=0.001)),
-                      req("L2", 300, 2, t=0.0, slo=Slo(ttft_s=0.001))])
+    trace = drive(
+        s,
+        [
+            req("L1", 300, 2, t=0.0, slo=Slo(ttft_s=0.001)),
+            req("L2", 300, 2, t=0.0, slo=Slo(ttft_s=0.001)),
+        ],
+    )
     for _, _, o in trace:
         prefilling = [rid for rid, n in o.num_scheduled_tokens.items() if n > 1]
         assert len(prefilling) <= 1, o.num_scheduled_tokens
@@ -217,11 +255,11 @@ def test_accelgen_budget_counts_resident_decodes():
     s = make_sched("accelgen", t_max_s=0.001)
     tight = req("d", 10, 50, t=0.0, slo=Slo(ttft_s=1.0, tbt_s=0.03))
     s.admit(tight)
-    out = s.schedule(0.0)                          # its prefill; then it is a resident decode
+    out = s.schedule(0.0)  # its prefill; then it is a resident decode
     s.update(StepOutcome(out.step_id, {"d": (7, -0.5)}, 0.002), 0.002)
     assert tight.num_output_tokens == 1 and tight.request_id in s.running
     s.admit(req("loose", 3000, 2, t=0.0, slo=Slo(ttft_s=0.001, tbt_s=2.0)))  # urgent
-    s.admit(req("next", 10, 2, t=0.0, slo=Slo(ttft_s=0.015, tbt_s=2.0)))     # queue head
+    s.admit(req("next", 10, 2, t=0.0, slo=Slo(ttft_s=0.015, tbt_s=2.0)))  # queue head
     assert s.schedule(0.01).token_budget == SIMPLE.token_budget(0.03)
 
 
@@ -229,10 +267,10 @@ def _kv_pressure(**knobs):
     """Six 500-token prompts and ten short ones on 96 KV blocks (1,536 tokens): two long
     requests fit at a time, and every objective is already tight on arrival."""
     s = make_sched("accelgen", device_blocks=96, block_size=16, watermark=0.0, **knobs)
-    reqs = [req(f"L{i}", 500, 40, t=0.002 * i, slo=Slo(ttft_s=0.01, tbt_s=0.05))
-            for i in range(6)]
-    reqs += [req(f"s{i}", 20, 30, t=0.001 * i, slo=Slo(ttft_s=0.003, tbt_s=0.005))
-             for i in range(10)]
+    reqs = [req(f"L{i}", 500, 40, t=0.002 * i, slo=Slo(ttft_s=0.01, tbt_s=0.05)) for i in range(6)]
+    reqs += [
+        req(f"s{i}", 20, 30, t=0.001 * i, slo=Slo(ttft_s=0.003, tbt_s=0.005)) for i in range(10)
+    ]
     trace = drive(s, reqs)
     prefill = sum(n for _, _, o in trace for n in o.num_scheduled_tokens.values() if n > 1)
     assert all(r.num_output_tokens == r.max_tokens for r in reqs)
@@ -246,8 +284,9 @@ def test_accelgen_does_not_thrash_under_kv_pressure():
     assert max(preemptions) <= 2 and sum(preemptions) <= 6 and recompute < 1.5
     # the earlier reading (chunks into the last free blocks, max-T_r victims, TTFT in SLO_min,
     # eq. 6) thrashes on the same scenario
-    preemptions, recompute = _kv_pressure(admit_whole=False, victim_order="slack",
-                                          budget_slo="all", budget_rule="eq6")
+    preemptions, recompute = _kv_pressure(
+        admit_whole=False, victim_order="slack", budget_slo="all", budget_rule="eq6"
+    )
     assert max(preemptions) > 10 and recompute > 5
 
 
@@ -257,19 +296,19 @@ def test_fastserve_skip_join_and_demotion():
     s.admit(small)
     s.admit(big)
     q = s.policy.q.level_of
-    assert q["small"] == 0 and q["big"] > 0             # long prefill skips the top queues
+    assert q["small"] == 0 and q["big"] > 0  # long prefill skips the top queues
     levels = []
     drive(s, [], on_step=lambda s, o: levels.append(s.policy.q.level_of.get("small")))
     seen = [lv for lv in levels if lv is not None]
-    assert seen == sorted(seen) and seen[-1] > 0        # demoted as it used up quanta
+    assert seen == sorted(seen) and seen[-1] > 0  # demoted as it used up quanta
 
 
 def test_orca_reserves_max_length_and_never_preempts():
     s = make_sched("orca", device_blocks=8, block_size=4, max_model_len=32)
-    reqs = [req(f"r{i}", 4, 12, t=0.0) for i in range(3)]      # each may need 16 tokens = 4 blocks
+    reqs = [req(f"r{i}", 4, 12, t=0.0) for i in range(3)]  # each may need 16 tokens = 4 blocks
     trace = drive(s, reqs)
     assert not any(o.preempted_request_ids for _, _, o in trace)
-    assert set(trace[0][2].num_scheduled_tokens) == {"r0", "r1"}   # only 2 x 4 blocks reserved
+    assert set(trace[0][2].num_scheduled_tokens) == {"r0", "r1"}  # only 2 x 4 blocks reserved
     assert trace[0][2].num_decode_tokens == 0
 
 
@@ -328,8 +367,11 @@ def _step(s, now, elapsed=0.01):
     """One scheduled step applied at `now + elapsed`: every request that completes its tokens
     samples a (non-EOS) token. Returns the output."""
     out = s.schedule(now)
-    sampled = {rid: (7, -0.5) for rid, n in out.num_scheduled_tokens.items()
-               if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens}
+    sampled = {
+        rid: (7, -0.5)
+        for rid, n in out.num_scheduled_tokens.items()
+        if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens
+    }
     s.update(StepOutcome(out.step_id, sampled, elapsed), now + elapsed)
     return out
 
@@ -341,20 +383,27 @@ def test_accelgen_urgent_request_preempts_the_largest_slack_resident(order, vict
     Algorithm 1 read literally (`victim_order="slack"`) takes the one with the largest
     remaining time T_r: `x` (TBT 5 s), neither the latest arrival nor the first resident.
     vLLM's rule (`"arrival"`, the default) takes the latest arrival after `u`: `z`."""
-    s = make_sched("accelgen", device_blocks=4, block_size=4, watermark=0.0, t_max_s=0.005,
-                   min_token_budget=64, max_token_budget=64, victim_order=order)
-    for rid, t, tbt in (("u", 0.0, 0.001), ("y", 0.001, 1.0), ("x", 0.002, 5.0),
-                        ("z", 0.003, 2.0)):
+    s = make_sched(
+        "accelgen",
+        device_blocks=4,
+        block_size=4,
+        watermark=0.0,
+        t_max_s=0.005,
+        min_token_budget=64,
+        max_token_budget=64,
+        victim_order=order,
+    )
+    for rid, t, tbt in (("u", 0.0, 0.001), ("y", 0.001, 1.0), ("x", 0.002, 5.0), ("z", 0.003, 2.0)):
         s.admit(req(rid, 4, 5, t=t, slo=Slo(ttft_s=10.0, tbt_s=tbt)))
     first = _step(s, 0.0)
     assert first.num_scheduled_tokens == {r: 4 for r in "uyxz"}
     assert s.block_manager.num_free_device_blocks == 0
     due = s.policy.sq.due
-    assert max(("y", "x", "z"), key=due.get) == "x"        # x has the largest slack
+    assert max(("y", "x", "z"), key=due.get) == "x"  # x has the largest slack
     out = s.schedule(0.01)
     assert out.preempted_request_ids == [victim]
-    assert out.num_scheduled_tokens == {"u": 1}            # forced in with the freed block
-    assert s.requests[victim].status.value == "waiting"    # recompute: back to the queue
+    assert out.num_scheduled_tokens == {"u": 1}  # forced in with the freed block
+    assert s.requests[victim].status.value == "waiting"  # recompute: back to the queue
     assert s.requests[victim].num_computed_tokens == 0
     assert {"u", "x", "y", "z"} - {victim} == set(s.running)
 
@@ -365,12 +414,19 @@ def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapp
     than every quantum but the last); a 4-token job arriving while it decodes enters level 0
     and takes the next iteration (batch of one). With a full KV pool the lower-level job's KV
     is also swapped out to make room (FastServe's proactive swapping)."""
-    s = make_sched("fastserve", device_blocks=blocks, block_size=16, base_quantum_s=0.002,
-                   max_num_seqs=1, watermark=0.0, aging_threshold_s=None)
+    s = make_sched(
+        "fastserve",
+        device_blocks=blocks,
+        block_size=16,
+        base_quantum_s=0.002,
+        max_num_seqs=1,
+        watermark=0.0,
+        aging_threshold_s=None,
+    )
     big = req("big", 416, 20, t=0.0)
     s.admit(big)
     now = 0.0
-    for _ in range(3):                                     # prefill + two decodes
+    for _ in range(3):  # prefill + two decodes
         out = _step(s, now)
         assert set(out.num_scheduled_tokens) == {"big"}
         now += 0.01
@@ -380,7 +436,7 @@ def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapp
     s.admit(small)
     assert s.policy.q.level_of["small"] == 0 < big_level
     out = s.schedule(now)
-    assert out.num_scheduled_tokens == {"small": 4}        # the higher level runs first
+    assert out.num_scheduled_tokens == {"small": 4}  # the higher level runs first
     if swapped:
         assert out.preempted_request_ids == ["big"] and big.status.value == "swapped"
         assert len(out.swap_out) == s.block_manager.num_host_blocks_of("big") == 27
@@ -389,7 +445,7 @@ def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapp
     s.update(StepOutcome(out.step_id, {"small": (7, -0.5)}, 0.01), now + 0.01)
     trace = drive(s, [])
     small_end = max(i for i, (_, _, o) in enumerate(trace) if "small" in o.num_scheduled_tokens)
-    assert all("big" not in o.num_scheduled_tokens for _, _, o in trace[:small_end + 1])
+    assert all("big" not in o.num_scheduled_tokens for _, _, o in trace[: small_end + 1])
     assert small.is_finished and big.is_finished
     assert small.finished_time < big.finished_time
 
@@ -411,7 +467,7 @@ def test_alise_gpu_job_limit_caps_resident_jobs(policy):
     drive(s, reqs, on_step=check)
     assert max(peak) == 2
     assert all(r.num_output_tokens == r.max_tokens for r in reqs)
-    assert sorted(reqs, key=lambda r: r.finished_time) == reqs   # shortest predicted first
+    assert sorted(reqs, key=lambda r: r.finished_time) == reqs  # shortest predicted first
 
 
 def test_alise_gpu_job_limit_offloads_the_highest_ewt_resident():
@@ -429,9 +485,10 @@ def test_alise_gpu_job_limit_offloads_the_highest_ewt_resident():
             assert len(s.running) <= 2
             offloaded += out.preempted_request_ids
             if out.preempted_request_ids:
-                assert out.swap_out and all(s.requests[r].status.value == "swapped"
-                                            for r in out.preempted_request_ids)
-    assert offloaded == ["a", "b"]                         # highest EWT first, one per arrival
+                assert out.swap_out and all(
+                    s.requests[r].status.value == "swapped" for r in out.preempted_request_ids
+                )
+    assert offloaded == ["a", "b"]  # highest EWT first, one per arrival
     assert set(s.running) == {"c", "d"} and set(s.swapped) == {"a", "b"}
 
 
@@ -448,17 +505,17 @@ def test_accelgen_jct_allowance_carries_over_between_iterations():
     # N_ck = 1 chunk, S_g = 10 tokens: T_e,total = 11 * T_max (no preemption term)
     assert base == pytest.approx((1.0 - 11 * 0.005) / 11)
     assert sq.due["j"] == pytest.approx(0.0 + base)
-    out = _step(s, 0.0)                                    # prefill at once: waited 0
+    out = _step(s, 0.0)  # prefill at once: waited 0
     assert "j" in out.num_scheduled_tokens
-    assert sq.carry["j"] == pytest.approx(base)            # the whole allowance left over
+    assert sq.carry["j"] == pytest.approx(base)  # the whole allowance left over
     # it re-entered at 0.01; its next allowance is its own plus the carried remainder
     assert sq.enter["j"] == pytest.approx(0.01)
     assert sq.due["j"] == pytest.approx(0.01 + 2 * base)
-    wait = base / 2                                        # runs half-way into its allowance
+    wait = base / 2  # runs half-way into its allowance
     _step(s, 0.01 + wait)
     assert sq.carry["j"] == pytest.approx(2 * base - wait)
     assert sq.due["j"] == pytest.approx(0.02 + wait + base + (2 * base - wait))
-    late = 0.02 + wait + 5 * base                          # now waits past everything carried
+    late = 0.02 + wait + 5 * base  # now waits past everything carried
     _step(s, late)
     carry = 3 * base - wait - 5 * base
     assert carry < 0 and sq.carry["j"] == pytest.approx(carry)
@@ -470,12 +527,11 @@ def test_accelgen_jct_carry_changes_the_order():
     (a SelectRequests window of one), entering the queue at the same instant. Without
     carry-over the one queued first would win the tie; the one that banked time in an early
     iteration yields to the one that has not."""
-    s = make_sched("accelgen", t_max_s=0.005, avg_chunk_tokens=64, max_window=1,
-                   max_windows=1)
+    s = make_sched("accelgen", t_max_s=0.005, avg_chunk_tokens=64, max_window=1, max_windows=1)
     sq = s.policy.sq
     a = req("a", 8, 10, t=0.0, predicted_len=10, slo=Slo(deadline_s=1.0))
     s.admit(a)
-    _step(s, 0.0)                                          # a: prefill with no wait, banks base
+    _step(s, 0.0)  # a: prefill with no wait, banks base
     b = req("b", 8, 10, t=0.01, predicted_len=10, slo=Slo(deadline_s=1.0))
     s.admit(b)
     assert sq.carry["a"] > 0 == sq.carry["b"]

@@ -1,4 +1,5 @@
 """Policy knobs: typed dataclasses with their defaults, checked at construction."""
+
 import dataclasses
 import json
 
@@ -42,16 +43,19 @@ def test_knob_values_as_json_gives_them():
     assert s.policy.knobs.memory_mode == "recompute" and s.policy.aging.threshold == 2
 
 
-@pytest.mark.parametrize("name, knobs, message", [
-    ("alise", {"queue_ratio": 1}, "alise: queue_ratio must be > 1"),
-    ("oracle", {"memory_mode": "drop"}, "oracle: memory_mode must be one of"),
-    ("fastserve", {"quantum_ratio": 0.5}, "fastserve: quantum_ratio must be > 1"),
-    ("hybrid", {"preempt_level_gap": 0}, "hybrid: preempt_level_gap must be >= 1 or None"),
-    ("sarathi", {"tile_size": 0}, "sarathi: tile_size must be a positive int"),
-    ("fcfs", {"watermark": 1.0}, r"fcfs: watermark must be in \[0, 1\)"),
-    ("orca", {"max_batch_size": 0}, "orca: max_batch_size must be a positive int"),
-    ("accelgen", {"budget_rule": "x"}, "accelgen: budget_rule must be 'profile' or 'eq6'"),
-])
+@pytest.mark.parametrize(
+    "name, knobs, message",
+    [
+        ("alise", {"queue_ratio": 1}, "alise: queue_ratio must be > 1"),
+        ("oracle", {"memory_mode": "drop"}, "oracle: memory_mode must be one of"),
+        ("fastserve", {"quantum_ratio": 0.5}, "fastserve: quantum_ratio must be > 1"),
+        ("hybrid", {"preempt_level_gap": 0}, "hybrid: preempt_level_gap must be >= 1 or None"),
+        ("sarathi", {"tile_size": 0}, "sarathi: tile_size must be a positive int"),
+        ("fcfs", {"watermark": 1.0}, r"fcfs: watermark must be in \[0, 1\)"),
+        ("orca", {"max_batch_size": 0}, "orca: max_batch_size must be a positive int"),
+        ("accelgen", {"budget_rule": "x"}, "accelgen: budget_rule must be 'profile' or 'eq6'"),
+    ],
+)
 def test_bad_knob_values_name_the_policy_and_the_knob(name, knobs, message):
     with pytest.raises(ValueError, match=message):
         make_policy(name, **knobs)
@@ -60,8 +64,10 @@ def test_bad_knob_values_name_the_policy_and_the_knob(name, knobs, message):
 def test_unknown_knob_lists_the_valid_ones():
     with pytest.raises(ValueError) as err:
         make_policy("orca", watermark=0.1)
-    assert str(err.value) == ("unknown knob(s) ['watermark'] for policy 'orca'; "
-                              "valid knobs: ['max_batch_size', 'max_num_batched_tokens']")
+    assert str(err.value) == (
+        "unknown knob(s) ['watermark'] for policy 'orca'; "
+        "valid knobs: ['max_batch_size', 'max_num_batched_tokens']"
+    )
 
 
 def test_an_unbound_policy_says_so():

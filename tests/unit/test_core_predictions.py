@@ -1,5 +1,6 @@
 """The live service caps a request's prediction at its max_tokens (no answer is longer); the
 core itself keeps predictions as given (the simulator's max_tokens is the true length)."""
+
 from services.common.pb import common_pb2
 from services.scheduler.testing import core_request, gen_request
 from tests.unit.test_core_util import make_sched, req
@@ -26,7 +27,8 @@ def test_capped_short_job_overtakes_a_long_one():
     long2 = req("long", 50, 300, t=0.0, predicted_len=300)
     big = req("big", 50, 10, t=0.001, predicted_len=5000)
     from tests.unit.test_core_util import drive
+
     drive(s, [long, capped])
     drive(uncapped, [long2, big])
     assert capped.finished_time < long.finished_time
-    assert big.finished_time > long2.finished_time       # the core trusts what it is given
+    assert big.finished_time > long2.finished_time  # the core trusts what it is given

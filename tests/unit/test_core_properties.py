@@ -1,10 +1,12 @@
 """Property tests: random arrivals, lengths, pools, knobs and sampled tokens never break block
 invariants, budgets or pools (checked after every step by `check_step`), and every request
 finishes, for every policy."""
+
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from services.scheduler.core.policies import available_policies
 from services.scheduler.core.request import Request, Slo
@@ -13,14 +15,24 @@ from tests.unit.test_core_util import EOS, drive, make_sched
 POLICIES = available_policies()
 KNOBS = {
     "fcfs": [{}, {"preemption_mode": "swap"}],
-    "sarathi": [{"token_budget": 32, "tile_size": 16}, {"preemption_mode": "swap", "token_budget": 64}],
-    "alise": [{}, {"memory_mode": "recompute"}, {"memory_mode": "defer"},
-              {"gpu_job_limit": 3, "aging_threshold_s": 0.01}],
+    "sarathi": [
+        {"token_budget": 32, "tile_size": 16},
+        {"preemption_mode": "swap", "token_budget": 64},
+    ],
+    "alise": [
+        {},
+        {"memory_mode": "recompute"},
+        {"memory_mode": "defer"},
+        {"gpu_job_limit": 3, "aging_threshold_s": 0.01},
+    ],
     "oracle": [{}, {"memory_mode": "recompute"}],
     "fastserve": [{}, {"memory_mode": "defer", "aging_threshold_s": 0.02}],
     "accelgen": [{}, {"max_token_budget": 48, "default_ttft_s": 0.01, "preemption_mode": "swap"}],
-    "hybrid": [{}, {"token_budget": 32, "tile_size": 16, "memory_mode": "recompute"},
-               {"tbt_slo_s": 0.01, "tile_size": 8, "gpu_job_limit": 2, "preempt_level_gap": 1}],
+    "hybrid": [
+        {},
+        {"token_budget": 32, "tile_size": 16, "memory_mode": "recompute"},
+        {"tbt_slo_s": 0.01, "tile_size": 8, "gpu_job_limit": 2, "preempt_level_gap": 1},
+    ],
     "orca": [{}, {"max_batch_size": 2}],
     "request": [{}, {"max_batch_size": 3}],
 }
@@ -30,14 +42,16 @@ def test_every_policy_has_property_knob_sets():
     assert sorted(KNOBS) == sorted(POLICIES)
 
 
-workload = st.fixed_dictionaries({
-    "seed": st.integers(0, 10_000),
-    "n": st.integers(1, 14),
-    "block_size": st.sampled_from([1, 4, 16]),
-    "device_tokens": st.integers(48, 600),
-    "host_blocks": st.integers(0, 40),
-    "knob_set": st.integers(0, 3),
-})
+workload = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 10_000),
+        "n": st.integers(1, 14),
+        "block_size": st.sampled_from([1, 4, 16]),
+        "device_tokens": st.integers(48, 600),
+        "host_blocks": st.integers(0, 40),
+        "knob_set": st.integers(0, 3),
+    }
+)
 
 
 def _requests(rng, n, max_len):
@@ -46,12 +60,25 @@ def _requests(rng, n, max_len):
         prompt = rng.randint(1, min(120, max_len - 1))
         out = rng.randint(1, 60)
         ignore = rng.random() < 0.5
-        slo = Slo(ttft_s=rng.choice([None, 0.005, 0.5]), tbt_s=rng.choice([None, 0.002, 0.05]),
-                  deadline_s=rng.choice([None, None, 0.3]))
-        reqs.append(Request(f"r{i}", [3] * prompt, out, rng.random() * 0.05, ignore_eos=ignore,
-                            eos_token_ids=(EOS,), min_tokens=rng.randint(0, min(out, 3)),
-                            predicted_len=rng.choice([None, rng.randint(1, 80)]), slo=slo,
-                            true_len=rng.choice([None, out])))
+        slo = Slo(
+            ttft_s=rng.choice([None, 0.005, 0.5]),
+            tbt_s=rng.choice([None, 0.002, 0.05]),
+            deadline_s=rng.choice([None, None, 0.3]),
+        )
+        reqs.append(
+            Request(
+                f"r{i}",
+                [3] * prompt,
+                out,
+                rng.random() * 0.05,
+                ignore_eos=ignore,
+                eos_token_ids=(EOS,),
+                min_tokens=rng.randint(0, min(out, 3)),
+                predicted_len=rng.choice([None, rng.randint(1, 80)]),
+                slo=slo,
+                true_len=rng.choice([None, out]),
+            )
+        )
     return reqs
 
 
@@ -63,8 +90,14 @@ def test_random_workloads_finish_within_limits(policy, w):
     bs = w["block_size"]
     blocks = max(4, w["device_tokens"] // bs)
     knobs = KNOBS[policy][w["knob_set"] % len(KNOBS[policy])]
-    s = make_sched(policy, device_blocks=blocks, host_blocks=w["host_blocks"], block_size=bs,
-                   max_model_len=256, **knobs)
+    s = make_sched(
+        policy,
+        device_blocks=blocks,
+        host_blocks=w["host_blocks"],
+        block_size=bs,
+        max_model_len=256,
+        **knobs,
+    )
     reqs = _requests(rng, w["n"], s.max_model_len)
     eos_rate = rng.choice([0.0, 0.05, 0.3])
 
@@ -95,8 +128,14 @@ def test_accelgen_swapped_in_request_that_cannot_grow_is_not_retried_forever():
     rng = random.Random(6)
     bs = rng.choice([1, 4, 16])
     blocks, host, n = max(4, rng.randint(48, 600) // bs), rng.randint(0, 40), rng.randint(1, 14)
-    s = make_sched("accelgen", device_blocks=blocks, host_blocks=host, block_size=bs,
-                   max_model_len=256, **KNOBS["accelgen"][1])
+    s = make_sched(
+        "accelgen",
+        device_blocks=blocks,
+        host_blocks=host,
+        block_size=bs,
+        max_model_len=256,
+        **KNOBS["accelgen"][1],
+    )
     reqs = _requests(rng, n, s.max_model_len)
     eos_rate = rng.choice([0.0, 0.05, 0.3])
     drive(s, reqs, token=lambda r, i: EOS if rng.random() < eos_rate else 11, max_steps=20_000)

@@ -9,9 +9,12 @@ from tests.unit.test_core_util import EOS, drive, make_sched, req
 
 def _step(s, now, tokens=None):
     out = s.schedule(now)
-    sampled = {rid: ((tokens or {}).get(rid, 7), -0.1) for rid in out.num_scheduled_tokens
-               if s.requests[rid].num_computed_tokens + out.num_scheduled_tokens[rid]
-               >= s.requests[rid].num_tokens}
+    sampled = {
+        rid: ((tokens or {}).get(rid, 7), -0.1)
+        for rid in out.num_scheduled_tokens
+        if s.requests[rid].num_computed_tokens + out.num_scheduled_tokens[rid]
+        >= s.requests[rid].num_tokens
+    }
     return out, s.update(StepOutcome(out.step_id, sampled), now + 0.01)
 
 
@@ -31,7 +34,7 @@ def test_first_step_sends_new_request_and_blocks():
     assert r.num_computed_tokens == 10 and r.output_token_ids == [9] and r.token_times == [0.5]
     out2 = s.schedule(0.5)
     assert out2.new_requests == [] and out2.num_decode_tokens == 1
-    assert out2.block_tables == {}        # 11 tokens still fit 3 blocks of 4
+    assert out2.block_tables == {}  # 11 tokens still fit 3 blocks of 4
 
 
 def test_stop_conditions_and_frees_in_next_output():
@@ -41,7 +44,7 @@ def test_stop_conditions_and_frees_in_next_output():
     s.admit(Request("len", [1] * 4, 2, 0.0, eos_token_ids=(EOS,)))
     _, ups = _step(s, 0.0, {"eos": EOS, "stop": 42, "len": 3})
     done = {u.request_id: u.finish_reason for u in ups if u.finished}
-    assert done == {"stop": "stop"}                      # EOS ignored before min_tokens
+    assert done == {"stop": "stop"}  # EOS ignored before min_tokens
     out, ups = _step(s, 1.0, {"eos": EOS, "len": 3})
     assert out.free_request_ids == ["stop"]
     done = {u.request_id: u.finish_reason for u in ups if u.finished}
@@ -110,16 +113,17 @@ def test_fcfs_prefill_first_and_recompute_preemption():
     first = trace[0][2]
     assert first.num_scheduled_tokens == {"a": 8, "b": 8} and first.num_decode_tokens == 0
     preempted = [rid for _, _, o in trace for rid in o.preempted_request_ids]
-    assert preempted and preempted[0] == "b"           # the newest yields
+    assert preempted and preempted[0] == "b"  # the newest yields
     resent = [o for _, _, o in trace if any(n.request_id == "b" for n in o.new_requests)]
-    assert len(resent) == 2                            # re-sent after recompute with its output
+    assert len(resent) == 2  # re-sent after recompute with its output
     assert resent[1].new_requests[0].num_output_tokens > 0
     assert a.num_output_tokens == b.num_output_tokens == 12
 
 
 def test_fcfs_swap_mode_swaps_out_and_back():
-    s = make_sched("fcfs", device_blocks=6, host_blocks=8, block_size=4, watermark=0.0,
-                   preemption_mode="swap")
+    s = make_sched(
+        "fcfs", device_blocks=6, host_blocks=8, block_size=4, watermark=0.0, preemption_mode="swap"
+    )
     a, b = req("a", 8, 12, 0.0), req("b", 8, 12, 0.0)
     trace = drive(s, [a, b])
     assert any(o.swap_out for _, _, o in trace) and any(o.swap_in for _, _, o in trace)
@@ -147,16 +151,24 @@ def test_free_only_output_is_not_in_flight():
     s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
     frees = s.schedule(0.02)
     assert frees.free_request_ids == ["a"] and not frees.num_scheduled_tokens
-    assert s.update(StepOutcome(frees.step_id, {}), 0.03) == []     # sent: accepted as no-op
+    assert s.update(StepOutcome(frees.step_id, {}), 0.03) == []  # sent: accepted as no-op
     s.admit(req("b", 4, 1, t=0.03))
-    assert s.schedule(0.04).num_scheduled_tokens == {"b": 4}        # dropped: still fine
+    assert s.schedule(0.04).num_scheduled_tokens == {"b": 4}  # dropped: still fine
 
 
 def _readmitted(rid="a", prompt=6, output=(9, 8), max_tokens=5, **kw) -> Request:
     """A request rebuilt after a restart: known output, nothing computed, WAITING."""
-    return Request(rid, [5] * prompt, max_tokens, 0.0, ignore_eos=True,
-                   output_token_ids=list(output), output_logprobs=[-0.1] * len(output),
-                   token_times=[0.1 * (i + 1) for i in range(len(output))], **kw)
+    return Request(
+        rid,
+        [5] * prompt,
+        max_tokens,
+        0.0,
+        ignore_eos=True,
+        output_token_ids=list(output),
+        output_logprobs=[-0.1] * len(output),
+        token_times=[0.1 * (i + 1) for i in range(len(output))],
+        **kw,
+    )
 
 
 def test_readmitted_request_is_recomputed_from_prompt_and_output():
@@ -167,7 +179,7 @@ def test_readmitted_request_is_recomputed_from_prompt_and_output():
     assert new.token_ids == [5] * 6 + [9, 8] and new.num_output_tokens == 2
     assert out.num_scheduled_tokens == {"a": 8} and out.num_decode_tokens == 0
     ups = s.update(StepOutcome(out.step_id, {"a": (3, -0.5)}), 1.5)
-    assert ups[0].token == (3, -0.5, 2)                 # index continues after the kept output
+    assert ups[0].token == (3, -0.5, 2)  # index continues after the kept output
     r = s.requests["a"]
     assert r.output_token_ids == [9, 8, 3] and r.token_times == [0.1, 0.2, 1.5]
     drive(s, [])
@@ -177,8 +189,17 @@ def test_readmitted_request_is_recomputed_from_prompt_and_output():
 @pytest.mark.parametrize("policy", available_policies())
 def test_every_policy_finishes_readmitted_requests(policy):
     s = make_sched(policy, block_size=4)
-    reqs = [_readmitted(f"r{i}", prompt=5 + i, output=[7] * i, max_tokens=6,
-                        predicted_len=2, slo=Slo(ttft_s=0.5, tbt_s=0.2)) for i in range(1, 5)]
+    reqs = [
+        _readmitted(
+            f"r{i}",
+            prompt=5 + i,
+            output=[7] * i,
+            max_tokens=6,
+            predicted_len=2,
+            slo=Slo(ttft_s=0.5, tbt_s=0.2),
+        )
+        for i in range(1, 5)
+    ]
     drive(s, reqs)
     assert all(r.num_output_tokens == 6 and r.finish_reason == "length" for r in reqs)
     assert s.block_manager.num_free_device_blocks == 256
@@ -197,14 +218,19 @@ def test_readmission_validation():
     running.status = RequestStatus.RUNNING
     computed = _readmitted("comp")
     computed.num_computed_tokens = 3
-    for bad, match in [(running, "must be waiting"), (computed, "nothing computed"),
-                       (_readmitted("done", output=[7] * 5), "nothing left to generate"),
-                       (_readmitted("full", prompt=8, output=[7] * 4, max_tokens=9),
-                        r"prompt of 8 tokens \+ 4 output tokens leaves no room")]:
+    for bad, match in [
+        (running, "must be waiting"),
+        (computed, "nothing computed"),
+        (_readmitted("done", output=[7] * 5), "nothing left to generate"),
+        (
+            _readmitted("full", prompt=8, output=[7] * 4, max_tokens=9),
+            r"prompt of 8 tokens \+ 4 output tokens leaves no room",
+        ),
+    ]:
         with pytest.raises(ValueError, match=match):
             s.admit(bad)
     assert not s.requests and not s.has_unfinished
-    ok = _readmitted("ok", prompt=8, output=[7] * 3, max_tokens=9)   # 11 + 1 fits
+    ok = _readmitted("ok", prompt=8, output=[7] * 3, max_tokens=9)  # 11 + 1 fits
     s.admit(ok)
     drive(s, [])
     assert ok.num_tokens == 12 and ok.finish_reason == "length"
@@ -216,22 +242,22 @@ def test_finished_request_is_dropped_once_its_free_is_acknowledged():
     s.admit(a)
     out = s.schedule(0.0)
     s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
-    assert a.is_finished and s.requests["a"] is a        # its free is not out yet
+    assert a.is_finished and s.requests["a"] is a  # its free is not out yet
     s.admit(req("b", 4, 2, t=0.01))
     out = s.schedule(0.02)
-    assert out.free_request_ids == ["a"] and "a" in s.requests   # that step may still fail
+    assert out.free_request_ids == ["a"] and "a" in s.requests  # that step may still fail
     s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.03)
     assert "a" not in s.requests and not s.abort("a", 0.03)
-    c = req("c", 4, 2, t=0.03)                           # never sent: dropped when aborted
+    c = req("c", 4, 2, t=0.03)  # never sent: dropped when aborted
     s.admit(c)
     assert s.abort("c", 0.03) and "c" not in s.requests
     out = s.schedule(0.04)
     assert "c" not in out.free_request_ids and list(s.requests) == ["b"]
     s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.05)
-    frees = s.schedule(0.06)                             # free-only output, never acknowledged
+    frees = s.schedule(0.06)  # free-only output, never acknowledged
     assert frees.free_request_ids == ["b"] and "b" in s.requests
-    assert s.schedule(0.07).is_empty and s.requests == {}    # the next schedule drops it
-    s.admit(req("a", 4, 1, t=0.07))                # the id may be used again
+    assert s.schedule(0.07).is_empty and s.requests == {}  # the next schedule drops it
+    s.admit(req("a", 4, 1, t=0.07))  # the id may be used again
     assert s.schedule(0.08).num_scheduled_tokens == {"a": 4}
 
 
@@ -242,12 +268,12 @@ def test_core_keeps_no_finished_requests_in_a_long_run(policy):
 
     def only_just_finished(s, out):
         done = {rid for rid, r in s.requests.items() if r.is_finished}
-        assert done <= set(out.num_scheduled_tokens)     # finished by this very step
+        assert done <= set(out.num_scheduled_tokens)  # finished by this very step
         peak.append(len(s.requests))
 
     arrivals = [req(f"r{i}", 3 + i % 7, 1 + i % 5, t=0.002 * i) for i in range(120)]
     drive(s, arrivals, on_step=only_just_finished)
     assert max(peak) < 120 and s.num_finished == 120
-    s.schedule(1e3)                                      # sends the last frees
+    s.schedule(1e3)  # sends the last frees
     s.schedule(1e3)
     assert s.requests == {}

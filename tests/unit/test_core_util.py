@@ -1,6 +1,7 @@
 """Shared helpers for the scheduling-core tests: a deterministic in-process driver (the cost
 model is the clock, tokens come from a caller-supplied function) plus checks it applies after
 every step."""
+
 from __future__ import annotations
 
 from services.scheduler.core.block_manager import BlockManager
@@ -14,8 +15,15 @@ EOS = 2
 SIMPLE = CostModel(c0=1e-3, c_prefill=1e-4, c_decode=1e-4, c_context=1e-7)
 
 
-def make_sched(policy="fcfs", device_blocks=256, host_blocks=256, block_size=16,
-               max_model_len=4096, cost=SIMPLE, **knobs) -> Scheduler:
+def make_sched(
+    policy="fcfs",
+    device_blocks=256,
+    host_blocks=256,
+    block_size=16,
+    max_model_len=4096,
+    cost=SIMPLE,
+    **knobs,
+) -> Scheduler:
     from services.scheduler.core.policies import make_policy
 
     pol = make_policy(policy, **knobs) if isinstance(policy, str) else policy
@@ -46,8 +54,14 @@ def check_step(s: Scheduler, out) -> None:
         assert s.requests[rid].num_computed_tokens == 0 and not bm.is_on_device(rid)
 
 
-def drive(s: Scheduler, arrivals: list[Request], token=lambda r, i: 7, max_steps=100_000,
-          check=True, on_step=None) -> list:
+def drive(
+    s: Scheduler,
+    arrivals: list[Request],
+    token=lambda r, i: 7,
+    max_steps=100_000,
+    check=True,
+    on_step=None,
+) -> list:
     """Run until every request finishes. Returns [(start, end, output)] per executed step."""
     pending = sorted(arrivals, key=lambda r: r.arrival_time)
     now, trace, k = 0.0, [], 0
@@ -65,9 +79,11 @@ def drive(s: Scheduler, arrivals: list[Request], token=lambda r, i: 7, max_steps
             now = max(now, pending[k].arrival_time)
             continue
         start, now = now, now + max(s.cost_model.output_time(out), 1e-5)
-        sampled = {rid: (token(s.requests[rid], s.requests[rid].num_output_tokens), -0.5)
-                   for rid, n in out.num_scheduled_tokens.items()
-                   if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens}
+        sampled = {
+            rid: (token(s.requests[rid], s.requests[rid].num_output_tokens), -0.5)
+            for rid, n in out.num_scheduled_tokens.items()
+            if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens
+        }
         s.update(StepOutcome(out.step_id, sampled, now - start), now)
         trace.append((start, now, out))
         if on_step:
@@ -82,4 +98,5 @@ def test_drive_finishes_and_counts_tokens():
     assert all(r.num_output_tokens == 5 + i for i, r in enumerate(reqs))
     assert all(r.finish_reason == "length" for r in reqs)
     assert sum(out.total_num_scheduled_tokens for _, _, out in trace) == sum(
-        (20 + i) + (5 + i) - 1 for i in range(6))
+        (20 + i) + (5 + i) - 1 for i in range(6)
+    )

@@ -1,5 +1,6 @@
 """Model dtypes on CPU: bf16 runs end to end (weights, KV pool, forward) and matches
 transformers in bf16; fp16 is refused on CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,9 @@ def tiny_dirs(tmp_path_factory):
 def test_bf16_logits_close_to_transformers_bf16(tiny_dirs, arch):
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(tiny_dirs[arch], device="cpu", dtype="bf16", num_device_blocks=32,
-                    num_host_blocks=2)
+    engine = Engine(
+        tiny_dirs[arch], device="cpu", dtype="bf16", num_device_blocks=32, num_host_blocks=2
+    )
     assert engine.dtype == torch.bfloat16
     assert all(t.dtype == torch.bfloat16 for t in engine.cache.tensors.values())
     assert engine.describe()["dtype"] == "bfloat16"
@@ -38,11 +40,13 @@ def test_bf16_logits_close_to_transformers_bf16(tiny_dirs, arch):
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0].float()
         diff = (logits - ref).abs()
-        assert diff.max() <= MAX_DIFF and diff.mean() <= MEAN_DIFF, \
+        assert diff.max() <= MAX_DIFF and diff.mean() <= MEAN_DIFF, (
             f"{len(ids)} tokens: max {diff.max():.4f}, mean {diff.mean():.5f}"
+        )
 
 
 def test_fp16_is_refused_on_cpu(tiny_dirs):
     with pytest.raises(ValueError, match="fp16"):
-        Engine(tiny_dirs["llama"], device="cpu", dtype="fp16", num_device_blocks=4,
-               num_host_blocks=1)
+        Engine(
+            tiny_dirs["llama"], device="cpu", dtype="fp16", num_device_blocks=4, num_host_blocks=1
+        )

@@ -1,4 +1,5 @@
 """Engine on tiny random-weight models: parity with transformers, step validation, sampling."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,12 @@ from services.executor.messages import NewRequest, StepInput
 from services.executor.testing import teacher_forced_logits
 from services.executor.tiny import ARCHS, make_tiny_model
 
-PROMPTS = [list(range(200, 290)), list(range(1000, 1013)), list(range(5000, 5070)),
-           list(range(300, 302))]
+PROMPTS = [
+    list(range(200, 290)),
+    list(range(1000, 1013)),
+    list(range(5000, 5070)),
+    list(range(300, 302)),
+]
 CHUNKS = [1, 7, 64, None]
 
 
@@ -29,8 +34,7 @@ def test_tiny_parity_mixed_chunks(tiny_dirs, arch, block_size):
     straddle blocks of every size) and how long each block table is."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(tiny_dirs[arch], num_device_blocks=32, num_host_blocks=4,
-                    block_size=block_size)
+    engine = Engine(tiny_dirs[arch], num_device_blocks=32, num_host_blocks=4, block_size=block_size)
     assert engine.describe()["block_size"] == block_size
     ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32)
@@ -46,8 +50,11 @@ def _engine(tiny_dirs, **kw):
 
 
 def _admit(engine, rid="a", n=20, blocks=(0, 1)):
-    return engine.step(StepInput(0, [NewRequest(rid, list(range(100, 100 + n)))],
-                                 {rid: (list(blocks), False)}, {rid: n}))
+    return engine.step(
+        StepInput(
+            0, [NewRequest(rid, list(range(100, 100 + n)))], {rid: (list(blocks), False)}, {rid: n}
+        )
+    )
 
 
 def _state(engine):
@@ -61,11 +68,12 @@ BAD_STEPS = {
     "block given twice": StepInput(1, [NewRequest("b", [5, 6])], {"b": ([1], False)}, {"b": 2}),
     "block twice in one table": StepInput(1, block_tables={"a": ([3, 3], False)}),
     "chunk past tokens": StepInput(1, num_scheduled_tokens={"a": 2}),
-    "table too short": StepInput(1, [NewRequest("b", list(range(40)))], {"b": ([2], False)},
-                                 {"b": 40}),
+    "table too short": StepInput(
+        1, [NewRequest("b", list(range(40)))], {"b": ([2], False)}, {"b": 40}
+    ),
     "duplicate new": StepInput(1, [NewRequest("a", [1, 2])]),
     "empty prompt": StepInput(1, [NewRequest("b", [])]),
-    "token out of vocab": StepInput(1, [NewRequest("b", [10 ** 7])]),
+    "token out of vocab": StepInput(1, [NewRequest("b", [10**7])]),
     "swap out of range": StepInput(1, swap_out=[(0, 99)]),
     "swap into owned block": StepInput(1, swap_in=[(0, 1)]),
     "zero tokens": StepInput(1, num_scheduled_tokens={"a": 0}),
@@ -102,8 +110,14 @@ def test_swapped_request_needs_replacing_table(tiny_dirs):
         engine.step(StepInput(2, num_scheduled_tokens={"a": 1}))
     # its old blocks are free for another request now
     _admit(engine, "b", 5, blocks=(0,))
-    out = engine.step(StepInput(3, swap_in=[(0, 5), (1, 6)], block_tables={"a": ([5, 6], True)},
-                                num_scheduled_tokens={"a": 1}))
+    out = engine.step(
+        StepInput(
+            3,
+            swap_in=[(0, 5), (1, 6)],
+            block_tables={"a": ([5, 6], True)},
+            num_scheduled_tokens={"a": 1},
+        )
+    )
     assert "a" in out.sampled
 
 
@@ -112,7 +126,7 @@ def test_free_is_idempotent_and_releases_blocks(tiny_dirs):
     _admit(engine)
     engine.step(StepInput(1, free_request_ids=["a", "never-seen"]))
     assert engine.requests == {} and engine.owner == {}
-    _admit(engine, "b", blocks=(0, 1))   # same blocks, no conflict
+    _admit(engine, "b", blocks=(0, 1))  # same blocks, no conflict
     assert engine.owner == {0: "b", 1: "b"}
 
 
@@ -142,9 +156,14 @@ def test_llama3_rope_scaling_parity(tiny_dirs, tmp_path):
     shutil.copytree(tiny_dirs["llama"], scaled)
     config = json.loads((scaled / "config.json").read_text())
     config.pop("rope_scaling", None)
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 64}
+    config["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     (scaled / "config.json").write_text(json.dumps(config))
     engine = Engine(scaled, num_device_blocks=32, num_host_blocks=4)
     ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)

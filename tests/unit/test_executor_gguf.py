@@ -6,6 +6,7 @@ The GGUF file is written the way llama.cpp's converter writes one: llama tensor 
 rows permuted for its RoPE layout, and the bundled SmolLM2 GGUF's tokenizer metadata (the
 tiny models share that vocabulary), so transformers' GGUF reader has everything it needs.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -25,8 +26,11 @@ PROMPTS = [list(range(200, 260)), list(range(1000, 1013))]
 
 def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's Q/K row order (interleaved RoPE halves); transformers' reader undoes it."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _copy_tokenizer_fields(writer, reader) -> None:
@@ -86,12 +90,21 @@ def write_llama_gguf(hf_dir: Path, out: Path, qtype: str) -> dict[str, torch.Ten
     writer.close()
     # the reader sees Q/K back in Hugging Face order: undo our permutation on the expectation
     for hf_name, w in expected.items():
-        heads = (config.num_attention_heads if ".q_proj." in hf_name else
-                 config.num_key_value_heads if ".k_proj." in hf_name else None)
+        heads = (
+            config.num_attention_heads
+            if ".q_proj." in hf_name
+            else config.num_key_value_heads
+            if ".k_proj." in hf_name
+            else None
+        )
         if heads:
             n = heads
-            expected[hf_name] = (w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:])
-                                 .transpose(1, 2).reshape(w.shape).contiguous())
+            expected[hf_name] = (
+                w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:])
+                .transpose(1, 2)
+                .reshape(w.shape)
+                .contiguous()
+            )
     return expected
 
 

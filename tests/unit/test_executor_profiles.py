@@ -1,5 +1,6 @@
 """Describe reports a cost-model profile: the configured file, else a bundled one that matches
 the device, model and dtype, else none (the scheduler then uses its defaults)."""
+
 import json
 
 from services.common.pb import executor_pb2
@@ -21,10 +22,11 @@ def test_bundled_cpu_profile_matches_only_its_device_model_and_dtype():
 
 def test_scheduler_cost_model_takes_the_pool_from_the_executor():
     text = bundled_profile("cpu", "smollm2-135m-instruct", "float32")
-    info = executor_pb2.ExecutorInfo(profile_json=text, block_size=16, num_device_blocks=100,
-                                     num_host_blocks=7)
+    info = executor_pb2.ExecutorInfo(
+        profile_json=text, block_size=16, num_device_blocks=100, num_host_blocks=7
+    )
     cm = cost_model_for(info)
     assert (cm.num_device_blocks, cm.num_host_blocks) == (100, 7)
     assert cm.c0 == json.loads(text)["coefficients"]["c0"]
     broken = executor_pb2.ExecutorInfo(profile_json="[1, 2]", block_size=16, num_device_blocks=9)
-    assert cost_model_for(broken).num_device_blocks == 9      # defaults, not a crash
+    assert cost_model_for(broken).num_device_blocks == 9  # defaults, not a crash

@@ -1,4 +1,5 @@
 """Packed batches: decodes and prefill runs split into groups of similar context length."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,10 @@ def _decode(rid: str, ctx: int) -> TokenRun:
 
 
 def _padded(groups) -> int:
-    return sum(len(g) * max(c.q_len for c in g) * max(-(-c.ctx_after // BS) * BS for c in g)
-               for g in groups)
+    return sum(
+        len(g) * max(c.q_len for c in g) * max(-(-c.ctx_after // BS) * BS for c in g)
+        for g in groups
+    )
 
 
 def test_long_outlier_gets_its_own_group():
@@ -30,7 +33,7 @@ def test_equal_contexts_and_expensive_groups_stay_together():
     same = [_decode(f"s{i}", 100) for i in range(8)]
     assert [len(g) for g in split_by_context(same, BS, 128)] == [8]
     mixed = [_decode(f"m{i}", 30 * i) for i in range(8)]
-    assert len(split_by_context(mixed, BS, 10 ** 9)) == 1
+    assert len(split_by_context(mixed, BS, 10**9)) == 1
     assert len(split_by_context(mixed, BS, 0)) == len({-(-c.ctx_after // BS) for c in mixed})
 
 
@@ -40,22 +43,31 @@ def test_split_is_optimal_against_brute_force():
 
     rng = random.Random(3)
     for _ in range(20):
-        runs = [TokenRun(f"c{i}", [1] * rng.choice([1, 5, 40]), rng.randint(0, 300), [0] * 30)
-                  for i in range(6)]
+        runs = [
+            TokenRun(f"c{i}", [1] * rng.choice([1, 5, 40]), rng.randint(0, 300), [0] * 30)
+            for i in range(6)
+        ]
         cost = rng.choice([0, 64, 512])
         got = split_by_context(runs, BS, cost)
         assert sorted(c.request_id for g in got for c in g) == sorted(c.request_id for c in runs)
         order = sorted(runs, key=lambda c: (c.ctx_after, c.q_len))
-        best = min(_padded(parts) + cost * len(parts)
-                   for k in range(len(order))
-                   for cuts in itertools.combinations(range(1, len(order)), k)
-                   for parts in [[order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]])
+        best = min(
+            _padded(parts) + cost * len(parts)
+            for k in range(len(order))
+            for cuts in itertools.combinations(range(1, len(order)), k)
+            for parts in [[order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]]
+        )
         assert _padded(got) + cost * len(got) == best
 
 
 def test_groups_cover_the_packed_rows_in_order():
-    runs = [_decode("a", 500), TokenRun("p", list(range(30)), 0, [8, 9]), _decode("b", 3),
-              _decode("c", 490), TokenRun("q", list(range(4)), 200, list(range(20, 34)))]
+    runs = [
+        _decode("a", 500),
+        TokenRun("p", list(range(30)), 0, [8, 9]),
+        _decode("b", 3),
+        _decode("c", 490),
+        TokenRun("q", list(range(4)), 200, list(range(20, 34))),
+    ]
     batch = build_batch(runs, BS, torch.device("cpu"))
     assert len(batch.groups) >= 3
     row = 0
@@ -80,8 +92,11 @@ def test_engine_split_groups_match_one_group_and_bench_restores_setting(tmp_path
     from services.executor.messages import NewRequest, StepInput
     from services.executor.tiny import make_tiny_model
 
-    engine = Engine(make_tiny_model(tmp_path / "tiny", "llama", seed=2), num_device_blocks=400,
-                    num_host_blocks=4)
+    engine = Engine(
+        make_tiny_model(tmp_path / "tiny", "llama", seed=2),
+        num_device_blocks=400,
+        num_host_blocks=4,
+    )
     lens = [3, 40, 300, 17, 299, 5]
     base = 0
 

@@ -1,4 +1,5 @@
 """Sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+
 from __future__ import annotations
 
 import math
@@ -19,12 +20,14 @@ def test_greedy_returns_argmax_and_its_logprob():
 
 
 def test_top_k_and_top_p_restrict_the_support():
-    draws_k = {sample(LOGITS, [SamplingParams(temperature=5.0, top_k=2)], [0])[0][0]
-               for _ in range(200)}
+    draws_k = {
+        sample(LOGITS, [SamplingParams(temperature=5.0, top_k=2)], [0])[0][0] for _ in range(200)
+    }
     assert draws_k == {0, 1}
-    probs = torch.softmax(LOGITS[0], -1)          # 0.61, 0.22, 0.14, ...
-    draws_p = {sample(LOGITS, [SamplingParams(temperature=1.0, top_p=0.7)], [0])[0][0]
-               for _ in range(200)}
+    probs = torch.softmax(LOGITS[0], -1)  # 0.61, 0.22, 0.14, ...
+    draws_p = {
+        sample(LOGITS, [SamplingParams(temperature=1.0, top_p=0.7)], [0])[0][0] for _ in range(200)
+    }
     assert draws_p == {0, 1} and probs[0] < 0.7 <= probs[0] + probs[1]
 
 
@@ -40,7 +43,7 @@ def test_seed_and_output_index_make_draws_reproducible():
     logits = torch.zeros(1, 1000)
     a = [sample(logits, [p], [i])[0][0] for i in range(20)]
     b = [sample(logits, [p], [i])[0][0] for i in range(20)]
-    assert a == b and len(set(a)) > 10           # same per index, varied across indices
+    assert a == b and len(set(a)) > 10  # same per index, varied across indices
 
 
 def test_logprob_is_under_the_raw_distribution():

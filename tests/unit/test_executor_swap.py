@@ -1,5 +1,6 @@
 """Swapping KV to the host pool and back, and random step sequences that must never corrupt
 another request's KV (hypothesis), on a tiny random-weight model."""
+
 from __future__ import annotations
 
 import random
@@ -16,7 +17,7 @@ from services.executor.engine import Engine
 from services.executor.messages import NewRequest, StepInput
 from services.executor.tiny import make_tiny_model
 
-PROMPT = list(range(400, 437))   # 37 tokens: 3 blocks of 16, the last one partly filled
+PROMPT = list(range(400, 437))  # 37 tokens: 3 blocks of 16, the last one partly filled
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +33,36 @@ def hf_model(tiny_dir):
 
 
 def _decode(engine, rid: str, n: int) -> list[int]:
-    return [engine.step(StepInput(0, num_scheduled_tokens={rid: 1})).sampled[rid][0]
-            for _ in range(n)]
+    return [
+        engine.step(StepInput(0, num_scheduled_tokens={rid: 1})).sampled[rid][0] for _ in range(n)
+    ]
 
 
 def _run(engine, swap: bool) -> list[int]:
     blocks = [0, 1, 2, 3, 4]
-    tokens = [engine.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": (blocks, False)},
-                                    {"a": len(PROMPT)})).sampled["a"][0]]
+    tokens = [
+        engine.step(
+            StepInput(0, [NewRequest("a", PROMPT)], {"a": (blocks, False)}, {"a": len(PROMPT)})
+        ).sampled["a"][0]
+    ]
     tokens += _decode(engine, "a", 5)
     if swap:
         engine.step(StepInput(1, swap_out=[(b, 10 + b) for b in blocks]))
         # another request overwrites the freed device blocks meanwhile
-        engine.step(StepInput(2, [NewRequest("x", list(range(900, 970)))],
-                              {"x": (blocks, False)}, {"x": 70}))
+        engine.step(
+            StepInput(
+                2, [NewRequest("x", list(range(900, 970)))], {"x": (blocks, False)}, {"x": 70}
+            )
+        )
         engine.step(StepInput(3, free_request_ids=["x"]))
         new_blocks = [7, 9, 11, 13, 15]
-        engine.step(StepInput(4, swap_in=[(10 + b, nb) for b, nb in zip(blocks, new_blocks)],
-                              block_tables={"a": (new_blocks, True)}))
+        engine.step(
+            StepInput(
+                4,
+                swap_in=[(10 + b, nb) for b, nb in zip(blocks, new_blocks)],
+                block_tables={"a": (new_blocks, True)},
+            )
+        )
     return tokens + _decode(engine, "a", 10)
 
 
@@ -69,14 +82,14 @@ def test_compressed_swap_stores_int8_and_stays_close(tiny_dir):
     assert engine.swap.host_bytes_per_block < 0.35 * engine.cache.bytes_per_block  # head_dim 16
     before = engine.cache.tensors["k"].clone()
     engine.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
-    written = engine.cache.tensors["k"][:, :, :2].clone()      # the two full blocks
+    written = engine.cache.tensors["k"][:, :, :2].clone()  # the two full blocks
     engine.step(StepInput(1, swap_out=[(0, 0), (1, 1)]))
     engine.step(StepInput(2, swap_in=[(0, 5), (1, 6)]))
     engine.swap.synchronize()
     restored = engine.cache.tensors["k"][:, :, 5:7]
     assert not torch.equal(written, before[:, :, :2])
     err = (restored - written).abs().max() / written.abs().max()
-    assert 0 < err < 0.01   # lossy, but within INT8 rounding
+    assert 0 < err < 0.01  # lossy, but within INT8 rounding
 
 
 # -- random step sequences ------------------------------------------------------------------
@@ -103,7 +116,7 @@ class MiniScheduler:
         self._maybe_admit(step)
         for rid, r in list(self.reqs.items()):
             action = self.rng.random()
-            if rid in step.block_tables and r["done"] == 0:     # admitted in this step
+            if rid in step.block_tables and r["done"] == 0:  # admitted in this step
                 self._schedule(step, rid, r)
             elif r["host"] is not None:
                 if action < 0.5:
@@ -136,7 +149,7 @@ class MiniScheduler:
             n = self.rng.randint(1, room)
             step.num_scheduled_tokens[rid] = n
             r["done"] += n
-            r["len"] += 1 if r["done"] == r["len"] else 0   # a token gets sampled
+            r["len"] += 1 if r["done"] == r["len"] else 0  # a token gets sampled
 
     def _free(self, step, rid, r) -> None:
         step.free_request_ids.append(rid)
@@ -159,9 +172,10 @@ class MiniScheduler:
             r["dev"], r["host"] = dev, None
 
 
-@settings(max_examples=12, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2 ** 32 - 1), steps=st.integers(4, 14))
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(4, 14))
 def test_random_steps_never_corrupt_other_requests(tiny_dir, hf_model, seed, steps):
     engine = Engine(tiny_dir, num_device_blocks=24, num_host_blocks=12)
     sched = MiniScheduler(engine, random.Random(seed))
@@ -174,7 +188,7 @@ def test_random_steps_never_corrupt_other_requests(tiny_dir, hf_model, seed, ste
             continue
         ours = torch.cat(parts)
         with torch.no_grad():
-            ref = hf_model(torch.tensor([token_ids[rid][:ours.shape[0]]])).logits[0]
+            ref = hf_model(torch.tensor([token_ids[rid][: ours.shape[0]]])).logits[0]
         assert (ours - ref).abs().max() < 1e-4, f"request {rid} got wrong logits"
     engine.close()
 
@@ -185,24 +199,44 @@ def test_one_step_swaps_in_from_and_out_to_the_same_host_blocks(tiny_dir):
     kw = dict(num_device_blocks=16, num_host_blocks=4)
     b_prompt = list(range(700, 728))  # 28 tokens + 3 decodes fit 2 blocks
     ref = Engine(tiny_dir, **kw)
-    ref.step(StepInput(0, [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
-                       {"a": ([0, 1, 2], False), "b": ([3, 4], False)}, {"a": 37, "b": 28}))
-    expected = [ref.step(StepInput(1, num_scheduled_tokens={"a": 1, "b": 1})).sampled
-                for _ in range(3)]
+    ref.step(
+        StepInput(
+            0,
+            [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
+            {"a": ([0, 1, 2], False), "b": ([3, 4], False)},
+            {"a": 37, "b": 28},
+        )
+    )
+    expected = [
+        ref.step(StepInput(1, num_scheduled_tokens={"a": 1, "b": 1})).sampled for _ in range(3)
+    ]
     engine = Engine(tiny_dir, **kw)
-    engine.step(StepInput(0, [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
-                          {"a": ([0, 1, 2], False), "b": ([3, 4], False)}, {"a": 37, "b": 28}))
-    engine.step(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))          # a -> host 0..2
-    engine.step(StepInput(2, swap_out=[(3, 0), (4, 1)], swap_in=[(0, 3), (1, 4), (2, 0)],
-                          block_tables={"a": ([3, 4, 0], True)}))         # b -> host 0, 1
+    engine.step(
+        StepInput(
+            0,
+            [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
+            {"a": ([0, 1, 2], False), "b": ([3, 4], False)},
+            {"a": 37, "b": 28},
+        )
+    )
+    engine.step(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))  # a -> host 0..2
+    engine.step(
+        StepInput(
+            2,
+            swap_out=[(3, 0), (4, 1)],
+            swap_in=[(0, 3), (1, 4), (2, 0)],
+            block_tables={"a": ([3, 4, 0], True)},
+        )
+    )  # b -> host 0, 1
     engine.step(StepInput(3, swap_in=[(0, 5), (1, 6)], block_tables={"b": ([5, 6], True)}))
-    got = [engine.step(StepInput(4, num_scheduled_tokens={"a": 1, "b": 1})).sampled
-           for _ in range(3)]
+    got = [
+        engine.step(StepInput(4, num_scheduled_tokens={"a": 1, "b": 1})).sampled for _ in range(3)
+    ]
     assert got == expected
 
 
 # -- overlap: a pending swap holds up only the steps that compute on its blocks ---------------
-B_PROMPT = list(range(700, 728))   # 28 tokens: 2 blocks
+B_PROMPT = list(range(700, 728))  # 28 tokens: 2 blocks
 
 
 def _hold_swap_worker(engine) -> threading.Event:
@@ -216,8 +250,14 @@ def _hold_swap_worker(engine) -> threading.Event:
 
 
 def _prefill_a_b(engine) -> None:
-    engine.step(StepInput(0, [NewRequest("a", PROMPT), NewRequest("b", B_PROMPT)],
-                          {"a": ([0, 1, 2], False), "b": ([3, 4], False)}, {"a": 37, "b": 28}))
+    engine.step(
+        StepInput(
+            0,
+            [NewRequest("a", PROMPT), NewRequest("b", B_PROMPT)],
+            {"a": ([0, 1, 2], False), "b": ([3, 4], False)},
+            {"a": 37, "b": 28},
+        )
+    )
 
 
 def test_pending_swap_does_not_block_other_requests_steps(tiny_dir):
@@ -225,7 +265,7 @@ def test_pending_swap_does_not_block_other_requests_steps(tiny_dir):
     b_alone = StepInput(0, num_scheduled_tokens={"b": 1})
     a_alone = StepInput(0, num_scheduled_tokens={"a": 1})
     both = StepInput(0, num_scheduled_tokens={"a": 1, "b": 1})
-    ref = Engine(tiny_dir, **kw)                      # the same batches, nothing swapped
+    ref = Engine(tiny_dir, **kw)  # the same batches, nothing swapped
     _prefill_a_b(ref)
     expected = [ref.step(s).sampled for s in (b_alone, b_alone, a_alone, both, both)]
 
@@ -235,20 +275,24 @@ def test_pending_swap_does_not_block_other_requests_steps(tiny_dir):
     got = []
     try:
         with ThreadPoolExecutor(1) as caller:
+
             def run(step):
                 return caller.submit(engine.step, step)
 
             run(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)])).result(timeout=30)
             swap_out_job = engine.swap.pending[0]
-            out = run(b_alone).result(timeout=30)       # b's blocks are not being copied
+            out = run(b_alone).result(timeout=30)  # b's blocks are not being copied
             assert not swap_out_job.done() and out.timings.swap_wait_s < 0.05
             got.append(out.sampled)
-            run(StepInput(2, swap_in=[(0, 5), (1, 6), (2, 7)],
-                          block_tables={"a": ([5, 6, 7], True)})).result(timeout=30)
+            run(
+                StepInput(
+                    2, swap_in=[(0, 5), (1, 6), (2, 7)], block_tables={"a": ([5, 6, 7], True)}
+                )
+            ).result(timeout=30)
             out = run(b_alone).result(timeout=30)
             assert not swap_out_job.done() and out.timings.swap_wait_s < 0.05
             got.append(out.sampled)
-            waiting = run(a_alone)                      # a computes on blocks still arriving
+            waiting = run(a_alone)  # a computes on blocks still arriving
             with pytest.raises(FutureTimeout):
                 waiting.result(timeout=0.5)
             assert not swap_out_job.done()
@@ -268,12 +312,13 @@ def test_step_reusing_swapped_out_blocks_waits_for_the_copy(tiny_dir):
     the next step: that step must wait until the copy has read them, or it would overwrite
     the KV on its way to the host."""
     kw = {"num_device_blocks": 16, "num_host_blocks": 8}
-    x_prompt = list(range(900, 940))                  # 40 tokens: fills blocks 0..2
+    x_prompt = list(range(900, 940))  # 40 tokens: fills blocks 0..2
     ref = Engine(tiny_dir, **kw)
     ref.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
     expected = _decode(ref, "a", 6)
-    x_ref = Engine(tiny_dir, **kw).step(StepInput(0, [NewRequest("x", x_prompt)],
-                                                  {"x": ([0, 1, 2], False)}, {"x": 40}))
+    x_ref = Engine(tiny_dir, **kw).step(
+        StepInput(0, [NewRequest("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40})
+    )
 
     engine = Engine(tiny_dir, **kw)
     engine.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
@@ -281,15 +326,23 @@ def test_step_reusing_swapped_out_blocks_waits_for_the_copy(tiny_dir):
     try:
         engine.step(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))
         with ThreadPoolExecutor(1) as caller:
-            admit_x = caller.submit(engine.step, StepInput(
-                2, [NewRequest("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40}))
+            admit_x = caller.submit(
+                engine.step,
+                StepInput(2, [NewRequest("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40}),
+            )
             with pytest.raises(FutureTimeout):
                 admit_x.result(timeout=0.5)
             release.set()
             out = admit_x.result(timeout=30)
         assert out.timings.swap_wait_s >= 0.4 and out.sampled == x_ref.sampled
-        engine.step(StepInput(3, free_request_ids=["x"], swap_in=[(0, 5), (1, 6), (2, 7)],
-                              block_tables={"a": ([5, 6, 7], True)}))
+        engine.step(
+            StepInput(
+                3,
+                free_request_ids=["x"],
+                swap_in=[(0, 5), (1, 6), (2, 7)],
+                block_tables={"a": ([5, 6, 7], True)},
+            )
+        )
         assert _decode(engine, "a", 6) == expected
     finally:
         release.set()

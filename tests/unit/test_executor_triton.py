@@ -1,6 +1,7 @@
 """Triton kernels (paged attention with fused INT8 dequantization, KV write, block quantize)
 equal the torch reference: on CPU under TRITON_INTERPRET=1 (in a subprocess, because the
 interpreter must be chosen before Triton is first imported), natively on a GPU when present."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,18 @@ def _check(results: dict) -> None:
     assert set(results) == {"auto", "int8"}
     for kv, diffs in results.items():
         assert diffs["out"] < TOL, (kv, diffs)
-        assert diffs["cache"] == 0.0, (kv, diffs)   # same codes, scales and exact values
+        assert diffs["cache"] == 0.0, (kv, diffs)  # same codes, scales and exact values
 
 
 def test_triton_kernels_match_torch_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "services.executor.triton_check"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.executor.triton_check"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(json.loads(proc.stdout.strip().splitlines()[-1]))
 
@@ -42,8 +48,17 @@ def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
     from services.executor.config import ModelSpec
     from services.executor.runner import make_attention
 
-    spec = ModelSpec(arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                     head_dim=16, intermediate_size=128, vocab_size=100, max_model_len=64)
+    spec = ModelSpec(
+        arch="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=100,
+        max_model_len=64,
+    )
     triton, reference = (make_attention(spec, "auto", torch.device(d)) for d in ("cuda", "cpu"))
     assert (triton.name, reference.name) == ("triton", "torch")
     # ragged kernels pad nothing, so only the torch backend splits batches by context

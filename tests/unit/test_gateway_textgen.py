@@ -1,8 +1,10 @@
 """Incremental detokenization (UTF-8 safety) and stop strings across token boundaries."""
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.gateway.textgen import IncrementalDetokenizer, StopMatcher
 
@@ -23,8 +25,16 @@ def stream(tokenizer, ids, prompt_ids=()):
     return pieces
 
 
-@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト 😀👍🏽", "plain ascii text.",
-                                  "  leading spaces\nand\ttabs", "Ελληνικά — ∑ ≠ ∞"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "héllo wörld",
+        "日本語のテキスト 😀👍🏽",
+        "plain ascii text.",
+        "  leading spaces\nand\ttabs",
+        "Ελληνικά — ∑ ≠ ∞",
+    ],
+)
 def test_multibyte_text_streams_whole_characters(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = stream(tokenizer, ids, tokenizer.encode("Say:", add_special_tokens=False))
@@ -83,9 +93,11 @@ def test_no_stop_passes_everything_through():
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(alphabet="abc\n", max_size=30), stop=st.text(alphabet="abc\n", min_size=1,
-                                                                    max_size=4),
-       cuts=st.lists(st.integers(0, 30), max_size=8))
+@given(
+    text=st.text(alphabet="abc\n", max_size=30),
+    stop=st.text(alphabet="abc\n", min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+)
 def test_stop_matches_like_str_find(text, stop, cuts):
     bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]

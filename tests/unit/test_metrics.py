@@ -1,4 +1,5 @@
 """services.workload.metrics against hand-computed examples."""
+
 import pytest
 
 from services.workload import metrics as m
@@ -7,8 +8,9 @@ from services.workload.metrics import IterationRecord, RequestRecord
 
 def _a():
     # arrives 1.0, scheduled 1.5, tokens at 2.0, 2.25, 2.75, 3.0
-    return RequestRecord("a", 1.0, 10, [2.0, 2.25, 2.75, 3.0], first_scheduled_s=1.5,
-                         slo_ttft_s=1.2, slo_tbt_s=0.3)
+    return RequestRecord(
+        "a", 1.0, 10, [2.0, 2.25, 2.75, 3.0], first_scheduled_s=1.5, slo_ttft_s=1.2, slo_tbt_s=0.3
+    )
 
 
 def _b():
@@ -57,8 +59,10 @@ def test_summary_by_hand():
 
 
 def test_utilization_by_hand():
-    its = [IterationRecord(0.0, 1.0, 300, 20, 0.5, token_budget=512),
-           IterationRecord(1.0, 4.0, 0, 64, 0.9, token_budget=None)]
+    its = [
+        IterationRecord(0.0, 1.0, 300, 20, 0.5, token_budget=512),
+        IterationRecord(1.0, 4.0, 0, 64, 0.9, token_budget=None),
+    ]
     assert m.kv_utilization(its) == pytest.approx((0.5 * 1 + 0.9 * 3) / 4)
     assert m.compute_utilization(its) == pytest.approx(320 / 512)
     assert m.compute_utilization(its, reference_tokens=128) == pytest.approx((1.0 + 0.5) / 2)

@@ -1,4 +1,5 @@
 """Algorithm 1's decision rule, prompt normalisation, the MLP and both embedded stores."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,11 @@ from services.predictor.store_base import Neighbor, Record, collection_name, poi
 
 
 def test_combine_weights_by_similarity_and_count_above_threshold():
-    nbs = [Neighbor("a", 0.9, 100.0, 1), Neighbor("b", 0.85, 300.0, 3),
-           Neighbor("c", 0.5, 10_000.0, 50)]
+    nbs = [
+        Neighbor("a", 0.9, 100.0, 1),
+        Neighbor("b", 0.85, 300.0, 3),
+        Neighbor("c", 0.5, 10_000.0, 50),
+    ]
     length, used = combine(nbs, s0=0.8)
     assert used == 2
     assert length == pytest.approx((0.9 * 100 + 0.85 * 3 * 300) / (0.9 + 0.85 * 3))
@@ -32,11 +36,15 @@ def test_decide_sources():
 
 
 def test_normalize_prompt_extracts_user_turns():
-    chatml = ("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
-              "<|im_end|>\n<|im_start|>assistant\n")
+    chatml = (
+        "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert normalize_prompt(chatml) == "What is 2+2?"
-    llama3 = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
-              "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    llama3 = (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     assert normalize_prompt(llama3) == "Hi there"
     assert normalize_prompt("  plain text ") == "plain text"
 
@@ -73,9 +81,11 @@ def _unit(rng, n, d=8):
 def store(request, tmp_path):
     if request.param == "edge":
         from services.predictor.store_edge import EdgeStore
+
         s = EdgeStore(8, tmp_path / "edge")
     else:
         from services.predictor.store_qdrant import QdrantClientStore
+
         s = QdrantClientStore(8, path=tmp_path / "local")
     yield s
     s.close()
@@ -84,8 +94,10 @@ def store(request, tmp_path):
 def test_store_search_payload_update_and_eviction(store):
     rng = np.random.default_rng(1)
     vecs = _unit(rng, 20)
-    store.upsert("m", [Record(point_id("m", str(i)), v, float(i), time=1000.0 + i)
-                       for i, v in enumerate(vecs)])
+    store.upsert(
+        "m",
+        [Record(point_id("m", str(i)), v, float(i), time=1000.0 + i) for i, v in enumerate(vecs)],
+    )
     assert store.count("m") == 20 and store.count("other") == 0
     top = store.search("m", vecs[[3, 7]], k=3)
     assert [r[0].id for r in top] == [point_id("m", "3"), point_id("m", "7")]
@@ -96,5 +108,5 @@ def test_store_search_payload_update_and_eviction(store):
     evicted = store.evict_if_full("m", capacity=10)
     assert evicted == 10 + 0 and store.count("m") == 10
     survivors = {n.id for n in store.search("m", vecs, k=20)[0]}
-    assert point_id("m", "3") in survivors       # refreshed by the update
-    assert point_id("m", "0") not in survivors   # among the oldest
+    assert point_id("m", "3") in survivors  # refreshed by the update
+    assert point_id("m", "0") not in survivors  # among the oldest

@@ -1,4 +1,5 @@
 """Evaluation figures and the validation sweep's exact search."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -3,6 +3,7 @@
 Every `bench/results/...` path a doc names exists in the repository and parses (JSON, or CSV
 with a header), is not git-ignored, and every file in bench/results/ is named by some doc.
 """
+
 from __future__ import annotations
 
 import csv
@@ -71,11 +72,17 @@ def test_result_files_are_small() -> None:
     assert not big, f"result files over 1 MB (commit summaries, not traces): {big}"
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                    reason="not a git checkout")
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout"
+)
 def test_result_files_are_not_ignored() -> None:
     files = _files_in_results()
     assert files
-    ignored = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=ROOT,
-                             capture_output=True, text=True, check=False).stdout.split()
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
     assert not ignored, f"git ignores these result files: {ignored}"

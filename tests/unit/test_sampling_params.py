@@ -1,4 +1,5 @@
 """SamplingParams: one type from the gateway through the scheduler to the executor."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,16 @@ from services.scheduler.records import new_record, request_from_record
 from services.scheduler.validation import ModelLimits, request_from_pb
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-    ({"temperature": math.nan}, "temperature must be >= 0"),
-    ({"top_p": 1.5}, "top_p must be in [0, 1], got 1.5"),
-    ({"top_p": -0.1}, "top_p must be in [0, 1]"),
-    ({"top_k": -2}, "top_k must be >= 0, got -2"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"temperature": math.nan}, "temperature must be >= 0"),
+        ({"top_p": 1.5}, "top_p must be in [0, 1], got 1.5"),
+        ({"top_p": -0.1}, "top_p must be in [0, 1]"),
+        ({"top_k": -2}, "top_k must be >= 0, got -2"),
+    ],
+)
 def test_out_of_range_values_name_the_field(fields, message):
     with pytest.raises(ValueError) as err:
         SamplingParams(**fields)

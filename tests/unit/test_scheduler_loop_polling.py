@@ -1,4 +1,5 @@
 """Hybrid polling in the executor loop (`ExecutorLoop._wait_hot`), on the real event loop."""
+
 import asyncio
 import time
 from types import SimpleNamespace
@@ -9,8 +10,9 @@ from services.scheduler.loop import ExecutorLoop
 
 def _loop(spin_ms: float) -> ExecutorLoop:
     # only the settings are read by _wait_hot; the client's channel is never used here
-    return ExecutorLoop("127.0.0.1:9", SimpleNamespace(settings=SchedulerSettings(
-        step_spin_ms=spin_ms)))
+    return ExecutorLoop(
+        "127.0.0.1:9", SimpleNamespace(settings=SchedulerSettings(step_spin_ms=spin_ms))
+    )
 
 
 async def test_wait_hot_returns_once_the_step_ends():
@@ -28,7 +30,7 @@ async def test_wait_hot_gives_up_after_three_windows_and_can_be_off():
     loop = _loop(5)
     never = asyncio.get_running_loop().create_future()
     start = time.perf_counter()
-    await loop._wait_hot(never, start + 0.02)      # spins from +15 ms until +30 ms
+    await loop._wait_hot(never, start + 0.02)  # spins from +15 ms until +30 ms
     elapsed = time.perf_counter() - start
     assert not never.done() and 0.029 <= elapsed < 0.06
     off = _loop(0)

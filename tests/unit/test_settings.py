@@ -1,8 +1,14 @@
 import pytest
 from pydantic import ValidationError
 
-from services.common.settings import (ALL_SETTINGS, ExecutorSettings, GatewaySettings,
-                                      SchedulerSettings, env_var_names, settings_table)
+from services.common.settings import (
+    ALL_SETTINGS,
+    ExecutorSettings,
+    GatewaySettings,
+    SchedulerSettings,
+    env_var_names,
+    settings_table,
+)
 
 
 def test_reads_environment(monkeypatch):
@@ -20,12 +26,15 @@ def test_lists_accept_commas_and_json(monkeypatch):
     assert GatewaySettings().api_keys == ["a", "b"]
 
 
-@pytest.mark.parametrize("var,value,needle", [
-    ("ALISE_EXECUTOR_PORT", "70000", "executor_port"),
-    ("ALISE_KV_DTYPE", "int4", "kv_dtype"),
-    ("ALISE_BLOCK_SIZE", "zero", "block_size"),
-    ("ALISE_LOG_LEVEL", "LOUD", "log_level"),
-])
+@pytest.mark.parametrize(
+    "var,value,needle",
+    [
+        ("ALISE_EXECUTOR_PORT", "70000", "executor_port"),
+        ("ALISE_KV_DTYPE", "int4", "kv_dtype"),
+        ("ALISE_BLOCK_SIZE", "zero", "block_size"),
+        ("ALISE_LOG_LEVEL", "LOUD", "log_level"),
+    ],
+)
 def test_rejects_invalid_values_with_clear_message(monkeypatch, var, value, needle):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError) as info:

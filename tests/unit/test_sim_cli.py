@@ -1,4 +1,5 @@
 """`alise sim run|sweep` end to end on a small saved trace; capacity bisection on its own."""
+
 import json
 
 import pytest
@@ -12,8 +13,9 @@ from services.workload.traces.trace import TraceItem, save_jsonl
 @pytest.fixture
 def trace_file(tmp_path):
     times = poisson_arrivals(150, 1.0, seed=4)
-    items = [TraceItem(f"r{i}", t, 30 + (i * 97) % 700, 10 + (i * 61) % 300)
-             for i, t in enumerate(times)]
+    items = [
+        TraceItem(f"r{i}", t, 30 + (i * 97) % 700, 10 + (i * 61) % 300) for i, t in enumerate(times)
+    ]
     path = tmp_path / "trace.jsonl"
     save_jsonl(items, path)
     return path
@@ -22,9 +24,25 @@ def trace_file(tmp_path):
 def test_sim_run_prints_metrics(trace_file, tmp_path, capsys):
     out = tmp_path / "run.json"
     recs = tmp_path / "records.jsonl"
-    assert main(["sim", "run", "--policy", "fcfs:preemption_mode=swap", "--rate", "10",
-                 "--trace", f"jsonl:{trace_file}", "--json", str(out),
-                 "--records", str(recs)]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "run",
+                "--policy",
+                "fcfs:preemption_mode=swap",
+                "--rate",
+                "10",
+                "--trace",
+                f"jsonl:{trace_file}",
+                "--json",
+                str(out),
+                "--records",
+                str(recs),
+            ]
+        )
+        == 0
+    )
     summary = json.loads(out.read_text())
     assert summary["completed"] == 150 and summary["policy"] == "fcfs:preemption_mode=swap"
     assert json.loads(capsys.readouterr().out)["mean_e2e"] == summary["mean_e2e"]
@@ -33,12 +51,41 @@ def test_sim_run_prints_metrics(trace_file, tmp_path, capsys):
 
 def test_sim_sweep_writes_results_and_plots(trace_file, tmp_path):
     out = tmp_path / "sweep"
-    assert main(["sim", "sweep", "--policies", "fcfs", "fcfs:max_num_seqs=8",
-                 "--rates", "5,200", "--trace", f"jsonl:{trace_file}", "--out", str(out),
-                 "--rounds", "2", "--jobs", "2", "--nl-bound", "0.05"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "sweep",
+                "--policies",
+                "fcfs",
+                "fcfs:max_num_seqs=8",
+                "--rates",
+                "5,200",
+                "--trace",
+                f"jsonl:{trace_file}",
+                "--out",
+                str(out),
+                "--rounds",
+                "2",
+                "--jobs",
+                "2",
+                "--nl-bound",
+                "0.05",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
-    keys = {"policy", "rate", "mean_normalized_latency", "p99_tbt", "median_ttft",
-            "slo_attainment", "goodput", "throughput_tok_s"}
+    keys = {
+        "policy",
+        "rate",
+        "mean_normalized_latency",
+        "p99_tbt",
+        "median_ttft",
+        "slo_attainment",
+        "goodput",
+        "throughput_tok_s",
+    }
     assert len(results["points"]) >= 4 and all(keys <= set(p) for p in results["points"])
     cap = results["capacity"]
     assert set(cap) == {"fcfs", "fcfs:max_num_seqs=8"}
@@ -52,8 +99,7 @@ def test_sim_sweep_writes_results_and_plots(trace_file, tmp_path):
 
 def test_bad_arguments_fail_clearly(trace_file, tmp_path):
     with pytest.raises(ValueError, match="unknown policy"):
-        main(["sim", "run", "--policy", "nosuch", "--rate", "1",
-              "--trace", f"jsonl:{trace_file}"])
+        main(["sim", "run", "--policy", "nosuch", "--rate", "1", "--trace", f"jsonl:{trace_file}"])
     with pytest.raises(SystemExit):
         main(["sim", "sweep", "--policies", "fcfs", "--rates", "0,-1", "--out", str(tmp_path)])
 
@@ -74,17 +120,21 @@ def test_bisection_finds_the_threshold():
     assert strict.passes({"p99_tbt": 0.05, "median_scheduling_delay": 1.0})
     assert not strict.passes({"p99_tbt": 0.05, "median_scheduling_delay": 3.0})
     assert sarathi_tbt_slo(lambda p, d, c: 0.001 * d + 1e-6 * c) == pytest.approx(
-        5 * (0.032 + 0.131072))
+        5 * (0.032 + 0.131072)
+    )
 
 
 def test_report_tables():
     from services.scheduler.sim.report import capacity_table, metric_table
 
-    results = {"capacity": {"fcfs": {"normalized_latency": 10.0},
-                            "alise": {"normalized_latency": 15.0}},
-               "capacity_detail": {"alise": {"normalized_latency": {"bounded": False}}},
-               "points": [{"policy": "fcfs", "rate": 4.0, "p99_tbt": 0.2},
-                          {"policy": "alise", "rate": 4.0, "p99_tbt": 0.1}]}
+    results = {
+        "capacity": {"fcfs": {"normalized_latency": 10.0}, "alise": {"normalized_latency": 15.0}},
+        "capacity_detail": {"alise": {"normalized_latency": {"bounded": False}}},
+        "points": [
+            {"policy": "fcfs", "rate": 4.0, "p99_tbt": 0.2},
+            {"policy": "alise", "rate": 4.0, "p99_tbt": 0.1},
+        ],
+    }
     cap = capacity_table(results)
     assert "| alise | 15 (≥) | 1.5 |" in cap and "| fcfs | 10 | 1 |" in cap
     assert "| 4 | 0.1 | 0.2 |" in metric_table(results, "p99_tbt")
@@ -92,9 +142,28 @@ def test_report_tables():
 
 def test_runaway_points_are_recorded_as_failures(trace_file, tmp_path):
     out = tmp_path / "sweep"
-    assert main(["sim", "sweep", "--policies", "fcfs", "--rates", "5", "--jobs", "1",
-                 "--trace", f"jsonl:{trace_file}", "--out", str(out), "--no-plots",
-                 "--max-iterations", "20"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "sweep",
+                "--policies",
+                "fcfs",
+                "--rates",
+                "5",
+                "--jobs",
+                "1",
+                "--trace",
+                f"jsonl:{trace_file}",
+                "--out",
+                str(out),
+                "--no-plots",
+                "--max-iterations",
+                "20",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     (point,) = results["points"]
     assert "more than 20 iterations" in point["error"] and point["completed"] == 0

@@ -1,4 +1,5 @@
 """Simulator: determinism, conservation, swap accounting, predictions, several executors."""
+
 import pytest
 
 from services.scheduler.core.cost_model import CostModel
@@ -29,9 +30,11 @@ def test_same_seed_same_results():
     b = simulate(_trace(), _tight(policy="fcfs"), PROFILE)
     assert [r.token_times for r in a.records] == [r.token_times for r in b.records]
     assert [(i.start_s, i.num_prefill_tokens, i.num_decode_tokens) for i in a.iterations] == [
-        (i.start_s, i.num_prefill_tokens, i.num_decode_tokens) for i in b.iterations]
+        (i.start_s, i.num_prefill_tokens, i.num_decode_tokens) for i in b.iterations
+    ]
     assert {k: v for k, v in a.summary.items() if k != "sim_wall_s"} == {
-        k: v for k, v in b.summary.items() if k != "sim_wall_s"}
+        k: v for k, v in b.summary.items() if k != "sim_wall_s"
+    }
     c = simulate(_trace(seed=1), _tight(policy="fcfs"), PROFILE)
     assert c.summary["mean_e2e"] != a.summary["mean_e2e"]
 
@@ -39,8 +42,9 @@ def test_same_seed_same_results():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_conservation_under_preemption(mode):
     items = _trace()
-    sim = Simulation(items, _tight(policy="fcfs", knobs={"preemption_mode": mode}),
-                     profile=PROFILE).run()
+    sim = Simulation(
+        items, _tight(policy="fcfs", knobs={"preemption_mode": mode}), profile=PROFILE
+    ).run()
     assert sim.finish_count == {i.request_id: 1 for i in items}  # each finishes exactly once
     for item in items:
         req = sim.requests[item.request_id]
@@ -54,7 +58,8 @@ def test_conservation_under_preemption(mode):
     if mode == "swap":
         assert sum(i.num_swap_out_blocks for i in sim.iterations) > 0
         assert sum(i.num_swap_out_blocks for i in sim.iterations) == sum(
-            i.num_swap_in_blocks for i in sim.iterations)
+            i.num_swap_in_blocks for i in sim.iterations
+        )
     assert computed >= minimum  # recompute redoes work; nothing is skipped
     for ex in sim.executors:
         ex.scheduler.block_manager.check_invariants()
@@ -113,7 +118,9 @@ def test_predictions(tmp_path):
 
 def test_policy_spec_parsing_and_bad_knobs():
     assert parse_policy("alise:memory=recompute,aging=0.5,x=true") == (
-        "alise", {"memory": "recompute", "aging": 0.5, "x": True})
+        "alise",
+        {"memory": "recompute", "aging": 0.5, "x": True},
+    )
     with pytest.raises(ValueError, match="knob"):
         Simulation(_trace(5), SimConfig(policy="fcfs", knobs={"nope": 1}), profile=PROFILE)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -124,8 +131,9 @@ def test_prefill_attention_term_charges_long_prompts_quadratically():
     cost = CostModel.from_profile(PROFILE)
     times = {}
     for n in (1000, 4000):
-        sim = Simulation([TraceItem("r", 0.0, n, 1)], SimConfig(prefill_attention_s=1e-9),
-                         profile=PROFILE).run()
+        sim = Simulation(
+            [TraceItem("r", 0.0, n, 1)], SimConfig(prefill_attention_s=1e-9), profile=PROFILE
+        ).run()
         times[n] = sim.requests["r"].token_times[0] - cost.iteration_time(n, 0, n)
     assert times[1000] == pytest.approx(1e-9 * 1000 * 1001 / 2)
     assert times[4000] == pytest.approx(16 * times[1000], rel=0.01)
@@ -136,13 +144,18 @@ def test_prefill_attention_term_charges_long_prompts_quadratically():
 def test_measured_clock_uses_profile_samples_and_fit_clock_ignores_them():
     from tests.unit.test_core_cost_model import _curved_samples
 
-    profile = CostModel.fit(_curved_samples(), num_device_blocks=400, num_host_blocks=400,
-                           block_size=16).to_profile()
+    profile = CostModel.fit(
+        _curved_samples(), num_device_blocks=400, num_host_blocks=400, block_size=16
+    ).to_profile()
     cost = CostModel.from_profile(profile)
     item = TraceItem("r", 0.0, 100, 3)
-    runs = {clock: Simulation([item], SimConfig(policy="fcfs", clock=clock),
-                              profile=profile).run().requests["r"].token_times
-            for clock in ("measured", "fit")}
+    runs = {
+        clock: Simulation([item], SimConfig(policy="fcfs", clock=clock), profile=profile)
+        .run()
+        .requests["r"]
+        .token_times
+        for clock in ("measured", "fit")
+    }
     step = [(100, 0, 100), (0, 1, 101), (0, 1, 102)]
     for clock, fn in (("measured", cost.measured_time), ("fit", cost.iteration_time)):
         expected, t = [], 0.0
@@ -150,6 +163,6 @@ def test_measured_clock_uses_profile_samples_and_fit_clock_ignores_them():
             t += fn(*shape)
             expected.append(t)
         assert runs[clock] == pytest.approx(expected)
-    assert runs["measured"][-1] > runs["fit"][-1]     # one-sequence decodes run slow here
+    assert runs["measured"][-1] > runs["fit"][-1]  # one-sequence decodes run slow here
     with pytest.raises(ValueError, match="clock"):
         Simulation([item], SimConfig(policy="fcfs", clock="wall"), profile=profile)

@@ -1,6 +1,7 @@
 """The fidelity harness on a real (tiny, random-weight) engine: the live run serves every
 request on the wall clock, and the simulator, given the engine's own measured profile,
 produces numbers of the same order (a fixed profile here: the real check uses a measured one)."""
+
 import pytest
 
 from services.scheduler.sim.fidelity import check, live_run
@@ -14,12 +15,13 @@ def engine_and_profile(tmp_path_factory):
     from services.executor.engine import Engine
     from services.scheduler.testing import cached_tiny_model
 
-    engine = Engine(cached_tiny_model(), device="cpu", num_device_blocks=128,
-                    num_host_blocks=32)
+    engine = Engine(cached_tiny_model(), device="cpu", num_device_blocks=128, num_host_blocks=32)
     # a fixed profile (measuring one takes long on a shared machine; `alise sim fidelity`
     # uses a measured one)
-    profile = {"coefficients": {"c0": 0.003, "c_prefill": 2e-5, "c_decode": 2e-5,
-                                "c_context": 1e-7}, "block_size": 16}
+    profile = {
+        "coefficients": {"c0": 0.003, "c_prefill": 2e-5, "c_decode": 2e-5, "c_context": 1e-7},
+        "block_size": 16,
+    }
     path = tmp_path_factory.mktemp("fid") / "profile.json"
     path.write_text(json.dumps(profile))
     yield engine, path

@@ -1,5 +1,6 @@
 """cancel_and_wait ends tasks that swallow a cancellation (as grpc aio calls and 3.11's
 asyncio.wait_for can)."""
+
 import asyncio
 
 from services.common.tasks import cancel_and_wait

@@ -1,4 +1,5 @@
 """Trace loaders and builders on small fixture files of each format."""
+
 from datetime import datetime
 from pathlib import Path
 
@@ -38,7 +39,11 @@ def test_burstgpt_csv_keeps_ties_in_file_order():
     assert t.format == "burstgpt" and t.dropped == 1
     assert t.timestamps == [5.0, 118.0, 118.0, 204.0]
     assert [(s.prompt_len, s.output_len) for s in t.shapes] == [
-        (472, 18), (417, 276), (1360, 348), (29, 95)]
+        (472, 18),
+        (417, 276),
+        (1360, 348),
+        (29, 95),
+    ]
 
 
 def test_csv_errors_are_clear():
@@ -77,8 +82,10 @@ def test_gamma_arrivals_mean_rate_and_burstiness():
 
 
 def test_jsonl_roundtrip(tmp_path):
-    items = [TraceItem("r0", 0.5, 10, 20, "hi", "s0", SloSpec(ttft_s=1.0, tbt_s=0.2)),
-             TraceItem("r1", 1.5, 7, 3)]
+    items = [
+        TraceItem("r0", 0.5, 10, 20, "hi", "s0", SloSpec(ttft_s=1.0, tbt_s=0.2)),
+        TraceItem("r1", 1.5, 7, 3),
+    ]
     save_jsonl(items, tmp_path / "t.jsonl")
     assert load_jsonl(tmp_path / "t.jsonl") == items
 
@@ -121,9 +128,10 @@ def test_heterogeneous_slos_follow_accelgen_ranges():
 
 def test_make_trace_from_specs():
     assert parse_spec("mixed:long_share=0.2,split=test") == (
-        "mixed", {"long_share": "0.2", "split": "test"})
-    items = make_trace(f"csv:{FIX / 'burstgpt_small.csv'}", None, rate=3.0,
-                       slo="uniform:tbt=0.1")
+        "mixed",
+        {"long_share": "0.2", "split": "test"},
+    )
+    items = make_trace(f"csv:{FIX / 'burstgpt_small.csv'}", None, rate=3.0, slo="uniform:tbt=0.1")
     assert len(items) == 4 and items[0].arrival_s == 0.0
     assert 3 / items[-1].arrival_s == pytest.approx(3.0)
     assert all(i.slo.tbt_s == 0.1 for i in items)

@@ -6,6 +6,7 @@ Rules it enforces (they follow from the executor's order swap_out, swap_in, free
   * a request swapped in during this step is not preempted in this step;
   * a request is scheduled at most once per step.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -33,7 +34,7 @@ class Batch:
         self.swap_in_map: list[tuple[int, int]] = []
         self.freed: list[str] = []
         self.preempted: list[str] = []
-        self.touched: set[str] = set()     # preempted this step
+        self.touched: set[str] = set()  # preempted this step
         self.swapped_in: set[str] = set()
 
     # -- budget -----------------------------------------------------------------------------
@@ -55,8 +56,10 @@ class Batch:
         if rid in self.touched or num_new_tokens < 1:
             return False
         if num_new_tokens > req.num_uncomputed_tokens:
-            raise ValueError(f"request {rid}: {num_new_tokens} tokens granted, "
-                             f"{req.num_uncomputed_tokens} uncomputed")
+            raise ValueError(
+                f"request {rid}: {num_new_tokens} tokens granted, "
+                f"{req.num_uncomputed_tokens} uncomputed"
+            )
         status = req.status
         if status is SWAPPED:
             raise ValueError(f"request {rid} is swapped out; swap_in() it first")
@@ -142,16 +145,23 @@ class Batch:
         for rid, n in self.scheduled.items():
             req = reqs[rid]
             if sched.mark_sent(rid):
-                new_requests.append(NewRequestData(rid, req.all_token_ids, req.sampling,
-                                                   len(req.output_token_ids)))
+                new_requests.append(
+                    NewRequestData(rid, req.all_token_ids, req.sampling, len(req.output_token_ids))
+                )
             if req.num_uncomputed_tokens == 1:
                 decodes.append(rid)
             context += req.num_computed_tokens + n
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         return SchedulerOutput(
-            new_requests=new_requests, block_tables=self.block_tables,
-            num_scheduled_tokens=self.scheduled, swap_out=self.swap_out,
-            swap_in=self.swap_in_map, free_request_ids=self.freed,
-            preempted_request_ids=self.preempted, decode_request_ids=decodes,
-            num_context_tokens=context, token_budget=self.token_budget)
+            new_requests=new_requests,
+            block_tables=self.block_tables,
+            num_scheduled_tokens=self.scheduled,
+            swap_out=self.swap_out,
+            swap_in=self.swap_in_map,
+            free_request_ids=self.freed,
+            preempted_request_ids=self.preempted,
+            decode_request_ids=decodes,
+            num_context_tokens=context,
+            token_budget=self.token_budget,
+        )

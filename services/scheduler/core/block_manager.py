@@ -7,6 +7,7 @@ Step-ordering rule (executor runs swap_out, swap_in, free, then the forward pass
 released by a swap-in are quarantined until `begin_step()` so that a swap-out in the same step
 never overwrites a host block that is still being read.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,7 +21,9 @@ _EMPTY: list[int] = []
 
 
 class BlockManager:
-    def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16) -> None:
+    def __init__(
+        self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16
+    ) -> None:
         if num_device_blocks < 1:
             raise ValueError(f"num_device_blocks must be >= 1, got {num_device_blocks}")
         if num_host_blocks < 0:
@@ -69,7 +72,9 @@ class BlockManager:
     def can_allocate(self, req: Request, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         return self.num_new_blocks(req, num_new_tokens) + reserve_blocks <= len(self._free_dev)
 
-    def allocate(self, req: Request, num_new_tokens: int, reserve_blocks: int = 0) -> list[int] | None:
+    def allocate(
+        self, req: Request, num_new_tokens: int, reserve_blocks: int = 0
+    ) -> list[int] | None:
         """Grow `req`'s device table to hold its computed + new tokens.
 
         Returns the newly added block ids ([] when none were needed) or None when the pool
@@ -78,7 +83,7 @@ class BlockManager:
         rid = req.request_id
         if rid in self._host:
             raise ValueError(f"request {rid} is swapped out; swap it in before allocating")
-        table = self._dev.get(rid)         # num_new_blocks, inlined: this is the hot path
+        table = self._dev.get(rid)  # num_new_blocks, inlined: this is the hot path
         need = ceil_div(req.num_computed_tokens + num_new_tokens, self.block_size)
         if table:
             need -= len(table)
@@ -108,7 +113,9 @@ class BlockManager:
         return n
 
     # -- swapping ---------------------------------------------------------------------------
-    def swap_out(self, request_id: str, num_tokens: int | None = None) -> list[tuple[int, int]] | None:
+    def swap_out(
+        self, request_id: str, num_tokens: int | None = None
+    ) -> list[tuple[int, int]] | None:
         """Move the request's KV to host blocks; returns (device, host) pairs, None if no room.
 
         With `num_tokens`, only the blocks holding those tokens are copied; the rest of the
@@ -117,11 +124,15 @@ class BlockManager:
         table = self._dev.get(request_id)
         if table is None:
             raise ValueError(f"request {request_id} has no device blocks to swap out")
-        keep = len(table) if num_tokens is None else min(len(table), self.blocks_for_tokens(num_tokens))
+        keep = (
+            len(table)
+            if num_tokens is None
+            else min(len(table), self.blocks_for_tokens(num_tokens))
+        )
         if keep > len(self._free_host):
             return None
         del self._dev[request_id]
-        if keep == 0:   # nothing computed yet: nothing to copy, the request simply loses its blocks
+        if keep == 0:  # nothing computed yet: nothing to copy, the request simply loses its blocks
             self._free_dev.extend(reversed(table))
             return []
         host = [self._free_host.pop() for _ in range(keep)]
@@ -169,14 +180,16 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise AssertionError when a block is lost, duplicated or owned twice."""
         self._check_pool("device", self.num_device_blocks, self._free_dev, self._dev, [])
-        self._check_pool("host", self.num_host_blocks, self._free_host, self._host,
-                         self._host_quarantine)
+        self._check_pool(
+            "host", self.num_host_blocks, self._free_host, self._host, self._host_quarantine
+        )
         both = self._dev.keys() & self._host.keys()
         assert not both, f"requests on device and host at once: {sorted(both)}"
 
     @staticmethod
-    def _check_pool(name: str, total: int, free: list[int], tables: dict[str, list[int]],
-                    quarantine: list[int]) -> None:
+    def _check_pool(
+        name: str, total: int, free: list[int], tables: dict[str, list[int]], quarantine: list[int]
+    ) -> None:
         owned = [b for t in tables.values() for b in t]
         every = owned + list(free) + list(quarantine)
         assert len(every) == total, f"{name}: {len(every)} blocks accounted, pool has {total}"

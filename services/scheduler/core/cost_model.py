@@ -9,6 +9,7 @@ i.e. the KV length each scheduled request reads. ALISE's per-request model is de
     T_dec(s, n) = n * (alpha * s + beta)   (alpha = c_context, beta = c0 + c_decode)
 Plain Python on purpose: the scheduler calls it on its hot path and the core stays dependency-free.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,9 @@ if TYPE_CHECKING:
     from services.scheduler.core.request import Request
     from services.scheduler.core.residual import Residuals
 
-Sample = dict[str, Any]      # one profiled batch: prefill/decode/context tokens and time_s
-Profile = dict[str, Any]     # a saved profile (JSON object)
-UNSET = math.nan             # a derived quantity not given: computed from the coefficients
+Sample = dict[str, Any]  # one profiled batch: prefill/decode/context tokens and time_s
+Profile = dict[str, Any]  # a saved profile (JSON object)
+UNSET = math.nan  # a derived quantity not given: computed from the coefficients
 
 COEFFS = ("c0", "c_prefill", "c_decode", "c_context")
 _T0_GRID = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -39,8 +40,8 @@ class CostModel:
     t0: float = UNSET
     alpha: float = UNSET
     beta: float = UNSET
-    pivot_tokens: int = 0               # AccelGen S_pf: forward size that saturates compute
-    pivot_time_s: float = UNSET         # AccelGen T_pf: iteration time at S_pf
+    pivot_tokens: int = 0  # AccelGen S_pf: forward size that saturates compute
+    pivot_time_s: float = UNSET  # AccelGen T_pf: iteration time at S_pf
     fit_error: float | None = None
     device: str = "unknown"
     model: str = "unknown"
@@ -54,7 +55,9 @@ class CostModel:
         for name in COEFFS:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"cost model coefficient {name} must be finite and >= 0, got {value!r}")
+                raise ValueError(
+                    f"cost model coefficient {name} must be finite and >= 0, got {value!r}"
+                )
         if self.c0 + self.c_prefill + self.c_decode <= 0:
             raise ValueError("cost model predicts zero time for every batch")
         if math.isnan(self.t0):
@@ -72,15 +75,21 @@ class CostModel:
             self.pivot_time_s = self.iteration_time(self.pivot_tokens, 0, self.pivot_tokens)
 
     # -- batch time -------------------------------------------------------------------------
-    def iteration_time(self, prefill_tokens: float, decode_tokens: float,
-                       context_tokens: float = 0) -> float:
+    def iteration_time(
+        self, prefill_tokens: float, decode_tokens: float, context_tokens: float = 0
+    ) -> float:
         if prefill_tokens == 0 and decode_tokens == 0:
             return 0.0
-        return (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_tokens
-                + self.c_context * context_tokens)
+        return (
+            self.c0
+            + self.c_prefill * prefill_tokens
+            + self.c_decode * decode_tokens
+            + self.c_context * context_tokens
+        )
 
-    def measured_time(self, prefill_tokens: int, decode_tokens: int,
-                      context_tokens: int = 0) -> float:
+    def measured_time(
+        self, prefill_tokens: int, decode_tokens: int, context_tokens: int = 0
+    ) -> float:
         """`iteration_time` corrected by the profile's measured samples nearest in shape (see
         core/residual.py): the simulator's clock. Equal to `iteration_time` without samples."""
         base = self.iteration_time(prefill_tokens, decode_tokens, context_tokens)
@@ -96,8 +105,9 @@ class CostModel:
 
     def output_time(self, out: SchedulerOutput) -> float:
         """Iteration time of a SchedulerOutput (swaps are assumed overlapped with compute)."""
-        return self.iteration_time(out.num_prefill_tokens, out.num_decode_tokens,
-                                   out.num_context_tokens)
+        return self.iteration_time(
+            out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens
+        )
 
     # -- ALISE per-request model ------------------------------------------------------------
     def prefill_time(self, s: int) -> float:
@@ -115,14 +125,20 @@ class CostModel:
         t = 0.0
         if uncomputed > 1:
             t = uncomputed * self.t0
-            left -= 1               # the prefill itself yields one token
+            left -= 1  # the prefill itself yields one token
         if left > 0:
             t += left * (self.alpha * (request.num_tokens + left / 2) + self.beta)
         return t
 
     # -- budgets ----------------------------------------------------------------------------
-    def token_budget(self, tbt_s: float, tile_size: int = 1, decode_tokens: int = 0,
-                     context_tokens: int = 0, max_tokens: int = 1 << 16) -> int:
+    def token_budget(
+        self,
+        tbt_s: float,
+        tile_size: int = 1,
+        decode_tokens: int = 0,
+        context_tokens: int = 0,
+        max_tokens: int = 1 << 16,
+    ) -> int:
         """Largest token count whose iteration (a prefill chunk of that size alongside
         `decode_tokens` decodes with `context_tokens` of KV) stays within `tbt_s`, rounded down
         to a multiple of `tile_size` and at least one tile (Sarathi-Serve section 4.3)."""
@@ -141,25 +157,39 @@ class CostModel:
     # -- (de)serialisation ------------------------------------------------------------------
     @classmethod
     def from_profile(cls, source: Profile | str | Path) -> CostModel:
-        profile: Profile = (source if isinstance(source, dict)
-                            else json.loads(Path(source).read_text()))
+        profile: Profile = (
+            source if isinstance(source, dict) else json.loads(Path(source).read_text())
+        )
         coeffs = profile.get("coefficients")
         if not isinstance(coeffs, dict) or any(k not in coeffs for k in COEFFS):
             if profile.get("samples"):
                 return cls.fit(profile["samples"], **_meta(profile))
             raise ValueError(f"profile needs 'coefficients' with {COEFFS} or 'samples'")
         c0, c_prefill, c_decode, c_context = (float(coeffs[k]) for k in COEFFS)
-        return cls(c0, c_prefill, c_decode, c_context, **_alise(profile), **_meta(profile),
-                   samples=list(profile.get("samples") or []))
+        return cls(
+            c0,
+            c_prefill,
+            c_decode,
+            c_context,
+            **_alise(profile),
+            **_meta(profile),
+            samples=list(profile.get("samples") or []),
+        )
 
     def to_profile(self) -> Profile:
         return {
-            "device": self.device, "model": self.model,
+            "device": self.device,
+            "model": self.model,
             "coefficients": {k: getattr(self, k) for k in COEFFS},
-            "t0": self.t0, "alpha": self.alpha, "beta": self.beta,
-            "pivot_tokens": self.pivot_tokens, "pivot_time_s": self.pivot_time_s,
-            "fit_error": self.fit_error, "samples": self.samples,
-            "block_size": self.block_size, "num_device_blocks": self.num_device_blocks,
+            "t0": self.t0,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "pivot_tokens": self.pivot_tokens,
+            "pivot_time_s": self.pivot_time_s,
+            "fit_error": self.fit_error,
+            "samples": self.samples,
+            "block_size": self.block_size,
+            "num_device_blocks": self.num_device_blocks,
             "num_host_blocks": self.num_host_blocks,
         }
 
@@ -178,7 +208,9 @@ class CostModel:
 
 def _design(samples: list[Sample]) -> tuple[list[list[float]], list[float]]:
     if len(samples) < 4:
-        raise ValueError(f"need at least 4 profile samples to fit 4 coefficients, got {len(samples)}")
+        raise ValueError(
+            f"need at least 4 profile samples to fit 4 coefficients, got {len(samples)}"
+        )
     rows: list[list[float]] = []
     ys: list[float] = []
     for i, s in enumerate(samples):

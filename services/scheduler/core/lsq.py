@@ -3,6 +3,7 @@
 The cost model has four coefficients, so a 4x4 solve is all that is needed; this keeps the
 core free of numpy on import and deterministic.
 """
+
 from __future__ import annotations
 
 
@@ -29,8 +30,10 @@ def solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 def _lstsq(rows: list[list[float]], ys: list[float], cols: list[int]) -> list[float] | None:
     # scale columns so the normal equations stay well conditioned
     scale = [max(abs(r[c]) for r in rows) or 1.0 for c in cols]
-    ata = [[sum(r[ci] * r[cj] for r in rows) / (si * sj) for cj, sj in zip(cols, scale)]
-           for ci, si in zip(cols, scale)]
+    ata = [
+        [sum(r[ci] * r[cj] for r in rows) / (si * sj) for cj, sj in zip(cols, scale)]
+        for ci, si in zip(cols, scale)
+    ]
     aty = [sum(r[ci] * y for r, y in zip(rows, ys)) / si for ci, si in zip(cols, scale)]
     x = solve(ata, aty)
     return None if x is None else [v / s for v, s in zip(x, scale)]
@@ -42,7 +45,7 @@ def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
     active = list(range(ncols))
     while active:
         x = _lstsq(rows, ys, active)
-        if x is None:   # singular: drop the column that carries no information (last first)
+        if x is None:  # singular: drop the column that carries no information (last first)
             informative = [c for c in active if any(r[c] for r in rows)]
             active = informative if len(informative) < len(active) else active[:-1]
             continue

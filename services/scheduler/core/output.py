@@ -1,5 +1,6 @@
 """Messages between the scheduling core and an executor (they map 1:1 onto proto StepRequest /
 StepResult; the live scheduler converts, the simulator consumes them directly)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,10 +11,11 @@ from services.common.sampling import SamplingParams
 @dataclass
 class NewRequestData:
     """Sent once when a request first reaches an executor (or again after a recompute)."""
+
     request_id: str
-    token_ids: list[int]          # every known token: prompt + output so far
+    token_ids: list[int]  # every known token: prompt + output so far
     sampling: SamplingParams
-    num_output_tokens: int        # how many of token_ids are output (seeded sampling offset)
+    num_output_tokens: int  # how many of token_ids are output (seeded sampling offset)
 
 
 @dataclass
@@ -23,13 +25,13 @@ class SchedulerOutput:
     # request_id -> (device block ids, replace): replace=False appends, True sets the table
     block_tables: dict[str, tuple[list[int], bool]] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device, host)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host, device)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     free_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # filled by the core when the batch is built (used by the cost model and the simulator):
     decode_request_ids: list[str] = field(default_factory=list)
-    num_context_tokens: int = 0   # sum over scheduled requests of (computed + new) tokens
+    num_context_tokens: int = 0  # sum over scheduled requests of (computed + new) tokens
     token_budget: int | None = None  # the budget the policy packed against (None: unlimited)
 
     @property
@@ -47,8 +49,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.num_scheduled_tokens or self.swap_out or self.swap_in
-                    or self.free_request_ids)
+        return not (
+            self.num_scheduled_tokens or self.swap_out or self.swap_in or self.free_request_ids
+        )
 
 
 @dataclass
@@ -61,7 +64,8 @@ class StepOutcome:
 @dataclass
 class RequestUpdate:
     """One per request that got a token or finished in `Scheduler.update`."""
+
     request_id: str
-    token: tuple[int, float, int] | None   # (token_id, logprob, index in output) or None
+    token: tuple[int, float, int] | None  # (token_id, logprob, index in output) or None
     finished: bool = False
     finish_reason: str | None = None

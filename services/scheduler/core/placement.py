@@ -1,5 +1,6 @@
 """Placement across executors: the one with the least predicted outstanding work that can
 admit the request at all (`Scheduler.can_admit`), ties to the name that sorts first."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -10,6 +10,7 @@ Status meaning inside the core:
            e.g. when a priority policy preempts it in place);
   SWAPPED  its KV lives in host blocks.
 """
+
 from __future__ import annotations
 
 import enum
@@ -32,10 +33,14 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset({
-    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
-})
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
 
 FINISH_REASON_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -51,6 +56,7 @@ class Slo:
 
     deadline_s is a job-completion (JCT) objective measured from arrival.
     """
+
     ttft_s: float | None = None
     tbt_s: float | None = None
     deadline_s: float | None = None

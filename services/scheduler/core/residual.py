@@ -11,6 +11,7 @@ the same few sequences first (on CPU one, two and three sequences differ by 40-7
 any context length does), a 16-token prefill with small prefills. Far from every sample the
 weights spread out and the correction fades towards the samples' mean ratio.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,12 @@ def _shape(prefill: float, decode: float, context: float) -> tuple[float, float,
 
 
 class Residuals:
-    def __init__(self, samples: list[dict[str, Any]], fitted: Callable[[float, float, float], float],
-                 k: int = 3) -> None:
+    def __init__(
+        self,
+        samples: list[dict[str, Any]],
+        fitted: Callable[[float, float, float], float],
+        k: int = 3,
+    ) -> None:
         """`fitted(prefill, decode, context)` is the linear model's time for a batch."""
         self.k = k
         self.points: list[tuple[tuple[float, float, float], float]] = []
@@ -49,7 +54,7 @@ class Residuals:
             return cached
         x = _shape(prefill, decode, context)
         near = sorted((sum((a - b) ** 2 for a, b in zip(x, f)), r) for f, r in self.points)
-        near = near[:self.k]
+        near = near[: self.k]
         if near[0][0] == 0.0:
             value = math.exp(near[0][1])
         else:

@@ -19,12 +19,13 @@ Linear model (a sum, which over-estimates near the knee where real time is a max
 Pools: 90% of device memory minus weights minus 1 GiB activations, in 16-token blocks;
 32 GiB of host swap space.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-GIB = 1024 ** 3
-GPUS = {   # name: (peak FLOP/s, bandwidth B/s, memory bytes)
+GIB = 1024**3
+GPUS = {  # name: (peak FLOP/s, bandwidth B/s, memory bytes)
     "v100-32g": (125e12, 900e9, 32 * GIB),
     "a100-80g": (312e12, 2039e9, 80 * GIB),
     "h100-80g": (989e12, 3350e9, 80 * GIB),
@@ -46,8 +47,10 @@ def roofline_profile(name: str) -> dict[str, Any]:
         peak, bw, mem = GPUS[gpu]
         params, layers, kv_heads, head_dim = MODELS[model]
     except (ValueError, KeyError):
-        raise ValueError(f"unknown roofline profile {name!r}; known: {list(PROFILES)} "
-                         f"(any of GPUs {sorted(GPUS)} with models {sorted(MODELS)})") from None
+        raise ValueError(
+            f"unknown roofline profile {name!r}; known: {list(PROFILES)} "
+            f"(any of GPUs {sorted(GPUS)} with models {sorted(MODELS)})"
+        ) from None
     weight_bytes = 2 * params
     kv_bytes = 2 * layers * kv_heads * head_dim * 2
     c0 = OVERHEAD_S + weight_bytes / (MBU * bw)
@@ -58,14 +61,19 @@ def roofline_profile(name: str) -> dict[str, Any]:
         raise ValueError(f"{model} does not fit on {gpu}")
     pivot = max(1, round((c0 - OVERHEAD_S) / c_tok))
     return {
-        "device": gpu, "model": model, "source": "roofline",
+        "device": gpu,
+        "model": model,
+        "source": "roofline",
         "coefficients": {"c0": c0, "c_prefill": c_tok, "c_decode": c_tok, "c_context": c_ctx},
         "pivot_tokens": pivot,
         "pivot_time_s": c0 + (c_tok + c_ctx) * pivot,
-        "fit_error": None, "samples": [],
+        "fit_error": None,
+        "samples": [],
         "block_size": BLOCK_SIZE,
         "num_device_blocks": int(free // (BLOCK_SIZE * kv_bytes)),
         "num_host_blocks": int(HOST_SWAP_BYTES // (BLOCK_SIZE * kv_bytes)),
-        "kv_bytes_per_token": kv_bytes, "weight_bytes": weight_bytes,
-        "peak_flops": peak, "bandwidth_bytes_s": bw,
+        "kv_bytes_per_token": kv_bytes,
+        "weight_bytes": weight_bytes,
+        "peak_flops": peak,
+        "bandwidth_bytes_s": bw,
     }

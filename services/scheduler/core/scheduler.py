@@ -10,6 +10,7 @@ output is never in flight), then it is dropped; one the executor never saw is dr
 finishes. So memory stays bounded in a long-running server, and a caller whose step failed can
 still find the requests whose free may not have reached the executor.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -31,14 +32,20 @@ RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, Reques
 @dataclass
 class AppliedStep:
     """What `Policy.update` receives after a step's result was applied."""
+
     output: SchedulerOutput
     outcome: StepOutcome
     updates: list[RequestUpdate]
 
 
 class Scheduler:
-    def __init__(self, policy: Policy | str, block_manager: BlockManager,
-                 cost_model: CostModel, max_model_len: int) -> None:
+    def __init__(
+        self,
+        policy: Policy | str,
+        block_manager: BlockManager,
+        cost_model: CostModel,
+        max_model_len: int,
+    ) -> None:
         from services.scheduler.core.policies import make_policy
 
         if isinstance(policy, str):
@@ -53,11 +60,11 @@ class Scheduler:
         self.max_model_len = min(max_model_len, pool_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting: OrderedDict[str, Request] = OrderedDict()
-        self.running: OrderedDict[str, Request] = OrderedDict()   # resident on device
+        self.running: OrderedDict[str, Request] = OrderedDict()  # resident on device
         self.swapped: OrderedDict[str, Request] = OrderedDict()
-        self._sent: set[str] = set()           # requests the executor holds state for
-        self._pending_free: list[str] = []     # finished and known: freed in the next output
-        self._freed_sent: list[str] = []       # freed in the last output: dropped once acked
+        self._sent: set[str] = set()  # requests the executor holds state for
+        self._pending_free: list[str] = []  # finished and known: freed in the next output
+        self._freed_sent: list[str] = []  # freed in the last output: dropped once acked
         self._inflight: SchedulerOutput | None = None
         self._step_id = 0
         self._last_step_id = 0
@@ -81,18 +88,24 @@ class Scheduler:
         if rid in self.requests and not self.requests[rid].is_finished:
             raise ValueError(f"request {rid} already exists")
         if req.status is not WAITING or req.num_computed_tokens:
-            raise ValueError(f"request {rid} must be waiting with nothing computed, got status="
-                             f"{req.status.value} num_computed_tokens={req.num_computed_tokens}")
+            raise ValueError(
+                f"request {rid} must be waiting with nothing computed, got status="
+                f"{req.status.value} num_computed_tokens={req.num_computed_tokens}"
+            )
         n_out = req.num_output_tokens
         if n_out >= req.max_tokens:
-            raise ValueError(f"request {rid} already has {n_out} output tokens "
-                             f"(max_tokens={req.max_tokens}): nothing left to generate")
+            raise ValueError(
+                f"request {rid} already has {n_out} output tokens "
+                f"(max_tokens={req.max_tokens}): nothing left to generate"
+            )
         limit = self.length_limit(req)
         if req.num_tokens + 1 > limit:
             what = f"prompt of {req.num_prompt_tokens} tokens" + (
-                f" + {n_out} output tokens" if n_out else "")
-            raise ValueError(f"request {rid}: {what} leaves no room to generate within "
-                             f"max_model_len={limit}")
+                f" + {n_out} output tokens" if n_out else ""
+            )
+            raise ValueError(
+                f"request {rid}: {what} leaves no room to generate within max_model_len={limit}"
+            )
         req.max_model_len = limit
         self.requests[rid] = req
         self.waiting[rid] = req
@@ -101,8 +114,9 @@ class Scheduler:
     def can_admit(self, req: Request) -> bool:
         """Whether `admit(req)` would accept `req`'s length: its known tokens (prompt, plus the
         output of a re-admitted request) and one more fit, and max_tokens is not reached."""
-        return (req.num_tokens + 1 <= self.length_limit(req)
-                and req.num_output_tokens < req.max_tokens)
+        return (
+            req.num_tokens + 1 <= self.length_limit(req) and req.num_output_tokens < req.max_tokens
+        )
 
     def length_limit(self, req: Request) -> int:
         """The most tokens (prompt + output) `req` may reach on this executor."""
@@ -144,7 +158,7 @@ class Scheduler:
         out = self._inflight
         if out is None and outcome.step_id == self._last_step_id:
             self._drop_freed()
-            return []               # a step that only freed requests: nothing to apply
+            return []  # a step that only freed requests: nothing to apply
         if out is None or outcome.step_id != out.step_id:
             expected = None if out is None else out.step_id
             raise ValueError(f"outcome for step {outcome.step_id}, expected step {expected}")
@@ -155,10 +169,10 @@ class Scheduler:
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:
-                continue            # aborted while the step ran
+                continue  # aborted while the step ran
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
-                continue            # a prefill chunk: no token yet
+                continue  # a prefill chunk: no token yet
             tok = sampled.get(rid)
             if tok is None:
                 raise ValueError(f"step {out.step_id}: executor sampled no token for {rid}")
@@ -196,7 +210,7 @@ class Scheduler:
         if self.forget(rid):
             self._pending_free.append(rid)
         elif self.requests.get(rid) is req:
-            del self.requests[rid]          # the executor never saw it: nothing to free
+            del self.requests[rid]  # the executor never saw it: nothing to free
         self.num_finished += 1
         self.policy.on_finish(req, now)
 
@@ -205,7 +219,7 @@ class Scheduler:
         reqs = self.requests
         for rid in self._freed_sent:
             req = reqs.get(rid)
-            if req is not None and req.is_finished:     # not re-added under the same id
+            if req is not None and req.is_finished:  # not re-added under the same id
                 del reqs[rid]
         self._freed_sent = []
 
@@ -272,9 +286,12 @@ class Scheduler:
     def stats(self) -> dict[str, int | float | str]:
         bm = self.block_manager
         return {
-            "policy": self.policy.name, "steps": self._step_id,
-            "waiting": len(self.waiting), "running": len(self.running),
-            "swapped": len(self.swapped), "finished": self.num_finished,
+            "policy": self.policy.name,
+            "steps": self._step_id,
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "swapped": len(self.swapped),
+            "finished": self.num_finished,
             "preemptions": self.num_preemptions,
             "free_device_blocks": bm.num_free_device_blocks,
             "free_host_blocks": bm.num_free_host_blocks,

@@ -1,4 +1,5 @@
 """Simulation settings (picklable, so sweep workers can receive them) and policy-name parsing."""
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,18 @@ ATTENTION_MFU = 0.6
 
 @dataclass(frozen=True)
 class SimConfig:
-    policy: str = "fcfs"                    # a registered core policy name
+    policy: str = "fcfs"  # a registered core policy name
     knobs: dict = field(default_factory=dict)  # passed to make_policy(policy, **knobs)
-    profile: str = "a100-80g/llama-2-7b"    # roofline name or a profile JSON path
+    profile: str = "a100-80g/llama-2-7b"  # roofline name or a profile JSON path
     num_executors: int = 1
-    num_device_blocks: int | None = None    # default: the profile's
-    num_host_blocks: int | None = None      # default: the profile's, else = device blocks
-    block_size: int | None = None           # default: the profile's, else 16
+    num_device_blocks: int | None = None  # default: the profile's
+    num_host_blocks: int | None = None  # default: the profile's, else = device blocks
+    block_size: int | None = None  # default: the profile's, else 16
     max_model_len: int = 4096
-    prediction: str = "oracle"              # oracle | mean[:value=N] | noisy:sigma=S | file:PATH
-    swap_bandwidth_gbs: float = 25.0        # host<->device copy bandwidth (PCIe 4 x16 ~ 25 GB/s)
-    kv_bytes_per_token: int | None = None   # default: by model name (KV_BYTES_PER_TOKEN)
-    overlap_swaps: bool = True              # swaps run beside compute (ALISE); else serialised
+    prediction: str = "oracle"  # oracle | mean[:value=N] | noisy:sigma=S | file:PATH
+    swap_bandwidth_gbs: float = 25.0  # host<->device copy bandwidth (PCIe 4 x16 ~ 25 GB/s)
+    kv_bytes_per_token: int | None = None  # default: by model name (KV_BYTES_PER_TOKEN)
+    overlap_swaps: bool = True  # swaps run beside compute (ALISE); else serialised
     # seconds per (prefill token, context token) pair added to the clock for prefill chunks:
     # the O(n^2) attention FLOPs the linear cost model leaves out (None = off, -1 = from the
     # profile's GPU and model)
@@ -43,7 +44,7 @@ class SimConfig:
     # roofline profiles), "fit" = the fitted linear model alone
     clock: str = "measured"
     seed: int = 0
-    max_iterations: int = 5_000_000         # guard against a policy that never finishes
+    max_iterations: int = 5_000_000  # guard against a policy that never finishes
 
     def with_(self, **changes) -> SimConfig:
         return replace(self, **changes)
@@ -111,7 +112,9 @@ def prefill_attention_coeff(config: SimConfig, profile: dict) -> float:
     model = str(profile.get("model", "")).lower()
     shape = next((v for k, v in ATTENTION_SHAPES.items() if k in model), None)
     if shape is None or not profile.get("peak_flops"):
-        raise ValueError(f"cannot derive the prefill attention term for model {model!r}: "
-                         "give seconds per token pair instead")
+        raise ValueError(
+            f"cannot derive the prefill attention term for model {model!r}: "
+            "give seconds per token pair instead"
+        )
     layers, hidden = shape
     return 4 * layers * hidden / (ATTENTION_MFU * float(profile["peak_flops"]))

@@ -11,6 +11,7 @@ its batch; swaps move `blocks x block_size x kv_bytes_per_token` bytes at the co
 bandwidth, overlapped with the forward pass (ALISE) or added to it. Sampled tokens are
 dummies; a request ends at max_tokens = its true output length (ignore_eos).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -51,20 +52,29 @@ class Executor:
 
 
 class Simulation:
-    def __init__(self, items: list[TraceItem], config: SimConfig,
-                 cost_model: CostModel | None = None, profile: dict | None = None):
+    def __init__(
+        self,
+        items: list[TraceItem],
+        config: SimConfig,
+        cost_model: CostModel | None = None,
+        profile: dict | None = None,
+    ):
         self.config = config
         self.profile = profile if profile is not None else load_profile(config.profile)
         self.cost = cost_model or CostModel.from_profile(self.profile)
         self.items = items
         self.block_size = config.block_size or self.profile.get("block_size") or 16
-        self.swap_s_per_block = (self.block_size * kv_bytes_per_token(config, self.profile)
-                                 / (config.swap_bandwidth_gbs * 1e9))
+        self.swap_s_per_block = (
+            self.block_size
+            * kv_bytes_per_token(config, self.profile)
+            / (config.swap_bandwidth_gbs * 1e9)
+        )
         self.attn_s = prefill_attention_coeff(config, self.profile)
         if config.clock not in ("measured", "fit"):
             raise ValueError(f"clock must be 'measured' or 'fit', got {config.clock!r}")
-        self._clock = (self.cost.measured_time if config.clock == "measured"
-                       else self.cost.iteration_time)
+        self._clock = (
+            self.cost.measured_time if config.clock == "measured" else self.cost.iteration_time
+        )
         self.executors = [self._make_executor(str(i)) for i in range(config.num_executors)]
         self.by_name = {e.name: e for e in self.executors}
         self.requests: dict[str, Request] = {}
@@ -77,8 +87,9 @@ class Simulation:
     def _make_executor(self, name: str) -> Executor:
         dev = self.config.num_device_blocks or self.profile.get("num_device_blocks")
         if not dev:
-            raise ValueError("the profile has no num_device_blocks: "
-                             "set SimConfig.num_device_blocks")
+            raise ValueError(
+                "the profile has no num_device_blocks: set SimConfig.num_device_blocks"
+            )
         host = self.config.num_host_blocks
         if host is None:
             host = self.profile.get("num_host_blocks", dev)
@@ -92,17 +103,27 @@ class Simulation:
 
     def _make_request(self, item: TraceItem, predicted: int, source: str) -> Request:
         slo = Slo(item.slo.ttft_s, item.slo.tbt_s, item.slo.deadline_s)
-        return Request(item.request_id, [DUMMY_TOKEN] * item.prompt_len, item.output_len,
-                       item.arrival_s, ignore_eos=True, slo=slo, predicted_len=predicted,
-                       prediction_source=source, true_len=item.output_len,
-                       max_model_len=self.config.max_model_len)
+        return Request(
+            item.request_id,
+            [DUMMY_TOKEN] * item.prompt_len,
+            item.output_len,
+            item.arrival_s,
+            ignore_eos=True,
+            slo=slo,
+            predicted_len=predicted,
+            prediction_source=source,
+            true_len=item.output_len,
+            max_model_len=self.config.max_model_len,
+        )
 
     def run(self) -> Simulation:
         lengths, source = predict_lengths(self.items, self.config.prediction, self.config.seed)
         for item, predicted in zip(self.items, lengths):
             if item.prompt_len + 1 > self.config.max_model_len:
-                raise ValueError(f"{item.request_id}: prompt of {item.prompt_len} tokens does "
-                                 f"not fit max_model_len={self.config.max_model_len}")
+                raise ValueError(
+                    f"{item.request_id}: prompt of {item.prompt_len} tokens does "
+                    f"not fit max_model_len={self.config.max_model_len}"
+                )
             self._push(item.arrival_s, ARRIVAL, self._make_request(item, predicted, source))
         while self._heap:
             self.now = self._heap[0][0]
@@ -131,8 +152,10 @@ class Simulation:
 
             target = choose_executor({e.name: e.scheduler for e in self.executors}, req, self.now)
             if target is None:
-                raise SimulationError(f"no executor can ever hold {req.request_id} "
-                                      f"({req.num_prompt_tokens} prompt tokens)")
+                raise SimulationError(
+                    f"no executor can ever hold {req.request_id} "
+                    f"({req.num_prompt_tokens} prompt tokens)"
+                )
         self.by_name[target].scheduler.admit(req)
 
     # -- steps ----------------------------------------------------------------------------
@@ -145,17 +168,21 @@ class Simulation:
         if not out.num_scheduled_tokens and not swaps:
             return  # nothing runnable now; a later arrival or step end wakes it
         reqs = sched.requests
-        sampling = [rid for rid, n in out.num_scheduled_tokens.items()
-                    if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens]
-        compute = self._clock(out.num_prefill_tokens, out.num_decode_tokens,
-                              out.num_context_tokens)
+        sampling = [
+            rid
+            for rid, n in out.num_scheduled_tokens.items()
+            if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens
+        ]
+        compute = self._clock(out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens)
         if self.attn_s:
-            compute += self.attn_s * sum(n * (reqs[rid].num_computed_tokens + (n + 1) / 2)
-                                         for rid, n in out.num_scheduled_tokens.items() if n > 1)
+            compute += self.attn_s * sum(
+                n * (reqs[rid].num_computed_tokens + (n + 1) / 2)
+                for rid, n in out.num_scheduled_tokens.items()
+                if n > 1
+            )
         duration = compute + self._swap_time(ex, swaps, compute)
         ex.busy = True
-        ex.step = (out, sampling, self.now, duration, swaps,
-                   sched.block_manager.device_utilization)
+        ex.step = (out, sampling, self.now, duration, swaps, sched.block_manager.device_utilization)
         self._push(self.now + duration, STEP_END, ex.name)
 
     def _swap_time(self, ex: Executor, blocks: int, compute: float) -> float:
@@ -172,24 +199,35 @@ class Simulation:
     def _end_step(self, ex: Executor) -> None:
         out, sampling, start, duration, _swaps, kv_util = ex.step
         ex.busy, ex.step = False, None
-        outcome = StepOutcome(out.step_id, {rid: (DUMMY_TOKEN, 0.0) for rid in sampling},
-                              duration)
+        outcome = StepOutcome(out.step_id, {rid: (DUMMY_TOKEN, 0.0) for rid in sampling}, duration)
         for update in ex.scheduler.update(outcome, self.now):
             if update.finished:
-                self.finish_count[update.request_id] = self.finish_count.get(
-                    update.request_id, 0) + 1
+                self.finish_count[update.request_id] = (
+                    self.finish_count.get(update.request_id, 0) + 1
+                )
         self._record(ex, out, start, kv_util)
         if len(self.iterations) > self.config.max_iterations:
-            raise SimulationError(f"more than {self.config.max_iterations} iterations: "
-                                  f"policy {self.config.label} does not finish its work")
+            raise SimulationError(
+                f"more than {self.config.max_iterations} iterations: "
+                f"policy {self.config.label} does not finish its work"
+            )
 
     def _record(self, ex: Executor, out: SchedulerOutput, start: float, kv_util: float) -> None:
-        self.iterations.append(IterationRecord(
-            start, self.now, out.num_prefill_tokens, out.num_decode_tokens, kv_util,
-            token_budget=out.token_budget, num_requests=len(out.num_scheduled_tokens),
-            num_preempted=len(out.preempted_request_ids),
-            num_swap_out_blocks=len(out.swap_out), num_swap_in_blocks=len(out.swap_in),
-            executor=ex.name))
+        self.iterations.append(
+            IterationRecord(
+                start,
+                self.now,
+                out.num_prefill_tokens,
+                out.num_decode_tokens,
+                kv_util,
+                token_budget=out.token_budget,
+                num_requests=len(out.num_scheduled_tokens),
+                num_preempted=len(out.preempted_request_ids),
+                num_swap_out_blocks=len(out.swap_out),
+                num_swap_in_blocks=len(out.swap_in),
+                executor=ex.name,
+            )
+        )
 
     def _check_done(self) -> None:
         stuck = [e for e in self.executors if e.scheduler.has_unfinished]
@@ -199,4 +237,5 @@ class Simulation:
                 f"policy {self.config.label} stalled at t={self.now:.3f}s with work left on "
                 f"executor {stuck[0].name}: waiting={s.num_waiting} running={s.num_running} "
                 f"swapped={s.num_swapped}, free device blocks="
-                f"{s.block_manager.num_free_device_blocks}")
+                f"{s.block_manager.num_free_device_blocks}"
+            )

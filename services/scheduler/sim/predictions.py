@@ -5,6 +5,7 @@ mean output length), `noisy:sigma=S` (true length x exp(N(0, S^2)), seeded), `fi
 (lengths produced offline by the real predictor: a JSON object {id: length} or JSONL rows
 {"id": ..., "predicted_len": ...}; ids are trace sample ids or request ids).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ def _load_file(path: str) -> dict[str, int]:
                 row = json.loads(line)
                 out[str(row["id"])] = int(row["predicted_len"])
             except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{p}:{lineno}: expected {{\"id\", \"predicted_len\"}}") from exc
+                raise ValueError(f'{p}:{lineno}: expected {{"id", "predicted_len"}}') from exc
     return out
 
 
@@ -48,13 +49,16 @@ def _from_file(items: list[TraceItem], table: dict[str, int], path: str) -> list
             missing.append(item.sample_id or item.request_id)
         out.append(max(1, value or 1))
     if missing:
-        raise ValueError(f"{path}: no prediction for {len(missing)} of {len(items)} requests "
-                         f"(first: {missing[:3]})")
+        raise ValueError(
+            f"{path}: no prediction for {len(missing)} of {len(items)} requests "
+            f"(first: {missing[:3]})"
+        )
     return out
 
 
-def predict_lengths(items: list[TraceItem], spec: str = "oracle",
-                    seed: int = 0) -> tuple[list[int], str]:
+def predict_lengths(
+    items: list[TraceItem], spec: str = "oracle", seed: int = 0
+) -> tuple[list[int], str]:
     """(predicted output length per item, prediction source name)."""
     kind, opts = parse_spec(spec)
     true = np.asarray([i.output_len for i in items], dtype=float)
@@ -71,5 +75,6 @@ def predict_lengths(items: list[TraceItem], spec: str = "oracle",
         return [max(1, round(t * e)) for t, e in zip(true, noise)], "noisy"
     if kind == "file" and "path" in opts:
         return _from_file(items, _load_file(opts["path"]), opts["path"]), "file"
-    raise ValueError(f"bad prediction spec {spec!r}: oracle | mean[:value=N] | "
-                     "noisy:sigma=S | file:PATH")
+    raise ValueError(
+        f"bad prediction spec {spec!r}: oracle | mean[:value=N] | noisy:sigma=S | file:PATH"
+    )

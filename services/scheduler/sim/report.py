@@ -1,5 +1,6 @@
 """Markdown tables from a sweep's results.json: capacities with ratios to a baseline, and one
 metric per rate across policies (`alise sim report`)."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -30,18 +31,20 @@ def capacity_table(results: dict, baseline: str = "fcfs") -> str:
     return "\n".join(lines)
 
 
-def metric_table(results: dict, metric: str, rates: list[float] | None = None,
-                 policies: list[str] | None = None) -> str:
+def metric_table(
+    results: dict, metric: str, rates: list[float] | None = None, policies: list[str] | None = None
+) -> str:
     grid: dict[float, dict[str, object]] = defaultdict(dict)
     for p in results["points"]:
         grid[p["rate"]][p["policy"]] = p.get(metric)
     policies = policies or sorted({p["policy"] for p in results["points"]})
     rates = rates or sorted(r for r in grid if all(q in grid[r] for q in policies))
-    lines = [f"| {metric} \\ rate | " + " | ".join(policies) + " |",
-             "|---" * (1 + len(policies)) + "|"]
+    lines = [
+        f"| {metric} \\ rate | " + " | ".join(policies) + " |",
+        "|---" * (1 + len(policies)) + "|",
+    ]
     for r in rates:
-        lines.append(f"| {_fmt(r)} | " + " | ".join(_fmt(grid[r].get(q)) for q in policies)
-                     + " |")
+        lines.append(f"| {_fmt(r)} | " + " | ".join(_fmt(grid[r].get(q)) for q in policies) + " |")
     return "\n".join(lines)
 
 

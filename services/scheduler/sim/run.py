@@ -1,4 +1,5 @@
 """Run one simulation point and turn it into metric records and a summary."""
+
 from __future__ import annotations
 
 import time
@@ -23,12 +24,21 @@ def request_records(sim: Simulation) -> list[RequestRecord]:
     out = []
     for item in sim.items:
         req = sim.requests[item.request_id]
-        out.append(RequestRecord(
-            item.request_id, req.arrival_time, req.num_prompt_tokens, list(req.token_times),
-            first_scheduled_s=req.first_scheduled_time, finish_s=req.finished_time,
-            completed=req.finish_reason in ("length", "stop"),
-            slo_ttft_s=req.slo.ttft_s, slo_tbt_s=req.slo.tbt_s,
-            slo_deadline_s=req.slo.deadline_s, num_preemptions=req.num_preemptions))
+        out.append(
+            RequestRecord(
+                item.request_id,
+                req.arrival_time,
+                req.num_prompt_tokens,
+                list(req.token_times),
+                first_scheduled_s=req.first_scheduled_time,
+                finish_s=req.finished_time,
+                completed=req.finish_reason in ("length", "stop"),
+                slo_ttft_s=req.slo.ttft_s,
+                slo_tbt_s=req.slo.tbt_s,
+                slo_deadline_s=req.slo.deadline_s,
+                num_preemptions=req.num_preemptions,
+            )
+        )
     return out
 
 
@@ -37,8 +47,9 @@ def simulate(items: list[TraceItem], config: SimConfig, profile: dict | None = N
     sim = Simulation(items, config, profile=profile).run()
     records = request_records(sim)
     summary = summarize(records, sim.iterations, reference_tokens=sim.cost.pivot_tokens)
-    summary["num_swapped_blocks"] = sum(i.num_swap_out_blocks + i.num_swap_in_blocks
-                                        for i in sim.iterations)
+    summary["num_swapped_blocks"] = sum(
+        i.num_swap_out_blocks + i.num_swap_in_blocks for i in sim.iterations
+    )
     wall = time.perf_counter() - started
     summary["sim_wall_s"] = wall
     return SimResult(config, records, sim.iterations, summary, wall)

@@ -4,6 +4,7 @@ A policy entry is `name[:knob=value,...][@prediction]`, e.g. `alise:memory=recom
 `sarathi:chunked=false`, `alise@noisy:sigma=1.0`: each ablation is one more entry.
 Every point re-uses the same seeded arrival draws scaled to its rate, so curves are smooth.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -23,15 +24,21 @@ from services.workload.metrics import e2e, normalized_latency, ttft
 from services.workload.traces.spec import make_trace
 from services.workload.traces.trace import TraceItem
 
-POINT_KEYS = ("mean_normalized_latency", "p99_tbt", "median_ttft", "slo_attainment",
-              "goodput", "throughput_tok_s")
+POINT_KEYS = (
+    "mean_normalized_latency",
+    "p99_tbt",
+    "median_ttft",
+    "slo_attainment",
+    "goodput",
+    "throughput_tok_s",
+)
 
 
 @dataclass(frozen=True)
 class TraceSpec:
     workload: str = "sharegpt"
     num_requests: int = 2000
-    arrival: str | None = None     # default: poisson (csv/jsonl: their own timestamps)
+    arrival: str | None = None  # default: poisson (csv/jsonl: their own timestamps)
     burstiness: float = 1.0
     slo: str = "none"
     seed: int = 0
@@ -40,8 +47,9 @@ class TraceSpec:
 def policy_config(entry: str, base: SimConfig) -> SimConfig:
     spec, _, prediction = entry.partition("@")
     name, knobs = parse_policy(spec)
-    return base.with_(policy=name, knobs={**base.knobs, **knobs},
-                      prediction=prediction or base.prediction)
+    return base.with_(
+        policy=name, knobs={**base.knobs, **knobs}, prediction=prediction or base.prediction
+    )
 
 
 _PROFILES: dict[str, dict] = {}
@@ -54,8 +62,9 @@ def cached_profile(name: str) -> dict:
     return _PROFILES[name]
 
 
-def build_trace(spec: TraceSpec, rate: float | None, profile: dict,
-                attn_s: float = 0.0) -> list[TraceItem]:
+def build_trace(
+    spec: TraceSpec, rate: float | None, profile: dict, attn_s: float = 0.0
+) -> list[TraceItem]:
     """The trace; SLO schemes see the lone-prefill time the simulator's clock will charge."""
     from services.scheduler.core.cost_model import CostModel
 
@@ -64,8 +73,16 @@ def build_trace(spec: TraceSpec, rate: float | None, profile: dict,
     def prefill_time(p: int) -> float:
         return cost.iteration_time(p, 0, p) + attn_s * p * (p + 1) / 2
 
-    return make_trace(spec.workload, spec.num_requests, rate, spec.arrival, spec.burstiness,
-                      spec.slo, spec.seed, prefill_time=prefill_time)
+    return make_trace(
+        spec.workload,
+        spec.num_requests,
+        rate,
+        spec.arrival,
+        spec.burstiness,
+        spec.slo,
+        spec.seed,
+        prefill_time=prefill_time,
+    )
 
 
 def run_point(task: tuple) -> dict:
@@ -79,13 +96,22 @@ def run_point(task: tuple) -> dict:
     try:
         result = simulate(items, config, profile)
     except SimulationError as exc:  # a stalled or runaway policy: a failed point, not a crash
-        return {"policy": entry, "rate": rate, "error": str(exc), "num_requests": len(items),
-                "completed": 0, **{k: None for k in POINT_KEYS}}
+        return {
+            "policy": entry,
+            "rate": rate,
+            "error": str(exc),
+            "num_requests": len(items),
+            "completed": 0,
+            **{k: None for k in POINT_KEYS},
+        }
     point = {"policy": entry, "rate": rate, **result.summary}
     if keep_cdf:
         done = [r for r in result.records if r.completed and r.token_times]
-        point["cdf"] = {"normalized_latency": sorted(normalized_latency(r) for r in done),
-                        "ttft": sorted(ttft(r) for r in done), "e2e": sorted(e2e(r) for r in done)}
+        point["cdf"] = {
+            "normalized_latency": sorted(normalized_latency(r) for r in done),
+            "ttft": sorted(ttft(r) for r in done),
+            "e2e": sorted(e2e(r) for r in done),
+        }
     return point
 
 
@@ -98,9 +124,17 @@ def _run_tasks(tasks: list[tuple], jobs: int, desc: str) -> list[dict]:
         return list(tqdm(pool.imap(run_point, tasks), total=len(tasks), desc=desc, leave=False))
 
 
-def sweep(policies: list[str], rates: list[float], base: SimConfig, spec: TraceSpec,
-          criteria: list[Criterion] = (), jobs: int | None = None, rel_tol: float = 0.05,
-          max_rounds: int = 4, cdf_rate: float | None = None) -> dict:
+def sweep(
+    policies: list[str],
+    rates: list[float],
+    base: SimConfig,
+    spec: TraceSpec,
+    criteria: list[Criterion] = (),
+    jobs: int | None = None,
+    rel_tol: float = 0.05,
+    max_rounds: int = 4,
+    cdf_rate: float | None = None,
+) -> dict:
     """Grid points for every (policy, rate), then a bisection per policy and criterion."""
     started = time.perf_counter()
     jobs = jobs or os.cpu_count() or 1
@@ -133,6 +167,13 @@ def _results(points, searches, base, spec, criteria, wall_s) -> dict:
         capacity.setdefault(s.key, {})[s.criterion.name] = s.result()["capacity"]
         detail.setdefault(s.key, {})[s.criterion.name] = s.result()
     points.sort(key=lambda p: (p["policy"], p["rate"]))
-    return {"points": points, "capacity": capacity, "capacity_detail": detail,
-            "criteria": {c.name: asdict(c) for c in criteria}, "cdf": cdf,
-            "config": asdict(base), "trace": asdict(spec), "wall_s": wall_s}
+    return {
+        "points": points,
+        "capacity": capacity,
+        "capacity_detail": detail,
+        "criteria": {c.name: asdict(c) for c in criteria},
+        "cdf": cdf,
+        "config": asdict(base),
+        "trace": asdict(spec),
+        "wall_s": wall_s,
+    }

@@ -4,6 +4,7 @@ Inter-arrival gaps are gamma distributed with shape = burstiness and mean = 1/ra
 burstiness 1 is a Poisson process, below 1 burstier, above 1 more regular. A trace's own
 timestamps can instead be shifted to start at 0 and stretched to a target mean rate.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,9 @@ def _check_rate(rate: float) -> None:
         raise ValueError(f"rate must be a positive finite number of requests/s, got {rate}")
 
 
-def gamma_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0,
-                   start_s: float = 0.0) -> list[float]:
+def gamma_arrivals(
+    n: int, rate: float, burstiness: float = 1.0, seed: int = 0, start_s: float = 0.0
+) -> list[float]:
     """n arrival times; the first request arrives after one gap (as vllm does)."""
     _check_rate(rate)
     if not burstiness > 0:
@@ -54,8 +56,14 @@ def scale_timestamps(timestamps: list[float], target_rate: float | None = None) 
     return (ts * (native_rate / target_rate)).tolist()
 
 
-def make_arrivals(n: int, process: str, rate: float, burstiness: float = 1.0,
-                  seed: int = 0, timestamps: list[float] | None = None) -> list[float]:
+def make_arrivals(
+    n: int,
+    process: str,
+    rate: float,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    timestamps: list[float] | None = None,
+) -> list[float]:
     """`poisson` | `gamma` | `uniform` | `trace` (the given timestamps scaled to `rate`)."""
     if process == "poisson":
         return poisson_arrivals(n, rate, seed)

@@ -7,6 +7,7 @@ Two column layouts are recognised from the header:
 Rows whose prompt or answer has no tokens (BurstGPT logs failed requests with 0 response
 tokens) are dropped and counted.
 """
+
 from __future__ import annotations
 
 import csv
@@ -35,8 +36,10 @@ def detect_format(header: list[str]) -> str:
     for fmt, cols in FORMATS.items():
         if set(cols) <= names:
             return fmt
-    raise ValueError(f"unrecognised CSV header {header}: expected the columns of one of "
-                     + "; ".join(f"{k}: {', '.join(v)}" for k, v in FORMATS.items()))
+    raise ValueError(
+        f"unrecognised CSV header {header}: expected the columns of one of "
+        + "; ".join(f"{k}: {', '.join(v)}" for k, v in FORMATS.items())
+    )
 
 
 def parse_timestamp(text: str) -> float:

@@ -8,6 +8,7 @@ tokens, with token counts from the serving model's tokenizer. The train/test spl
 hash of each conversation id and the seed, so the predictor and the simulator agree on it
 everywhere.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,15 +78,18 @@ def is_test(sample_id: str, seed: int = SPLIT_SEED, test_fraction: float = TEST_
 
 
 def keep(prompt_len: int, output_len: int, max_prompt: int = 1024, max_total: int = 2048) -> bool:
-    return (prompt_len >= 4 and output_len >= 4 and prompt_len <= max_prompt
-            and prompt_len + output_len <= max_total)
+    return (
+        prompt_len >= 4
+        and output_len >= 4
+        and prompt_len <= max_prompt
+        and prompt_len + output_len <= max_total
+    )
 
 
 def _tokenize_all(pairs: list[tuple[str, str, str]], tokenizer) -> list[Sample]:
     prompts = tokenizer([p for _, p, _ in pairs], add_special_tokens=False)["input_ids"]
     outputs = tokenizer([o for _, _, o in pairs], add_special_tokens=False)["input_ids"]
-    return [Sample(i, p, o, len(pi), len(oi))
-            for (i, p, o), pi, oi in zip(pairs, prompts, outputs)]
+    return [Sample(i, p, o, len(pi), len(oi)) for (i, p, o), pi, oi in zip(pairs, prompts, outputs)]
 
 
 def load_all(model: str = "smollm2-135m-instruct", data_dir: Path | None = None) -> list[Sample]:
@@ -102,8 +106,11 @@ def load_all(model: str = "smollm2-135m-instruct", data_dir: Path | None = None)
         exchange = first_exchange(conv)
         if exchange and exchange[0].strip() and exchange[1].strip():
             pairs.append((str(conv.get("id")), exchange[0], exchange[1]))
-    samples = [s for s in _tokenize_all(pairs, load_tokenizer(model, data_dir))
-               if keep(s.prompt_len, s.output_len)]
+    samples = [
+        s
+        for s in _tokenize_all(pairs, load_tokenizer(model, data_dir))
+        if keep(s.prompt_len, s.output_len)
+    ]
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps([asdict(s) for s in samples]))
@@ -119,7 +126,8 @@ def split(samples: list[Sample], seed: int = SPLIT_SEED) -> tuple[list[Sample], 
     return train, test
 
 
-def load_split(which: str, model: str = "smollm2-135m-instruct",
-               data_dir: Path | None = None) -> list[Sample]:
+def load_split(
+    which: str, model: str = "smollm2-135m-instruct", data_dir: Path | None = None
+) -> list[Sample]:
     train, test = split(load_all(model, data_dir))
     return {"train": train, "test": test}[which]

@@ -11,6 +11,7 @@
 `prefill_time` is a callable prompt_len -> seconds (the cost model's, for instance), so this
 module stays free of the simulator.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -24,8 +25,9 @@ READING_TBT_S = 0.1875  # AccelGen's normal reading speed, seconds per token
 SCHEMES = ("none", "uniform", "heterogeneous")
 
 
-def _group_prefill_means(items: list[TraceItem], prefill_time: Callable[[int], float],
-                         group_tokens: int) -> dict[int, float]:
+def _group_prefill_means(
+    items: list[TraceItem], prefill_time: Callable[[int], float], group_tokens: int
+) -> dict[int, float]:
     groups: dict[int, list[float]] = defaultdict(list)
     for item in items:
         groups[item.prompt_len // group_tokens].append(prefill_time(item.prompt_len))
@@ -37,13 +39,20 @@ def _jct_deadline(item: TraceItem, prefill_time, rng, jct_range) -> float:
     return float(rng.uniform(*jct_range) * ideal)
 
 
-def assign_slos(items: list[TraceItem], scheme: str = "none", *, seed: int = 0,
-                tbt_s: float = READING_TBT_S, ttft_s: float | None = None,
-                prefill_time: Callable[[int], float] | None = None,
-                ttft_scale: tuple[float, float] = (0.5, 1.5),
-                tbt_scales: Sequence[float] = (0.25, 0.5, 1.0, 2.0),
-                group_tokens: int = 512, jct_share: float = 0.0,
-                jct_range: tuple[float, float] = (1.0, 2.0)) -> list[TraceItem]:
+def assign_slos(
+    items: list[TraceItem],
+    scheme: str = "none",
+    *,
+    seed: int = 0,
+    tbt_s: float = READING_TBT_S,
+    ttft_s: float | None = None,
+    prefill_time: Callable[[int], float] | None = None,
+    ttft_scale: tuple[float, float] = (0.5, 1.5),
+    tbt_scales: Sequence[float] = (0.25, 0.5, 1.0, 2.0),
+    group_tokens: int = 512,
+    jct_share: float = 0.0,
+    jct_range: tuple[float, float] = (1.0, 2.0),
+) -> list[TraceItem]:
     """A copy of `items` with SLOs assigned by `scheme` (deterministic given `seed`)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown SLO scheme {scheme!r}: one of {', '.join(SCHEMES)}")
@@ -51,11 +60,14 @@ def assign_slos(items: list[TraceItem], scheme: str = "none", *, seed: int = 0,
         raise ValueError(f"jct_share must be in [0, 1], got {jct_share}")
     needs_prefill = scheme == "heterogeneous" or jct_share > 0
     if needs_prefill and prefill_time is None:
-        raise ValueError(f"SLO scheme {scheme!r} (or jct_share > 0) needs a prefill_time "
-                         "function (the profiled prefill latency)")
+        raise ValueError(
+            f"SLO scheme {scheme!r} (or jct_share > 0) needs a prefill_time "
+            "function (the profiled prefill latency)"
+        )
     rng = np.random.default_rng(seed)
-    groups = (_group_prefill_means(items, prefill_time, group_tokens)
-              if scheme == "heterogeneous" else {})
+    groups = (
+        _group_prefill_means(items, prefill_time, group_tokens) if scheme == "heterogeneous" else {}
+    )
     out = []
     for item in items:
         if jct_share > 0 and rng.random() < jct_share:
@@ -64,8 +76,10 @@ def assign_slos(items: list[TraceItem], scheme: str = "none", *, seed: int = 0,
             slo = SloSpec(ttft_s=ttft_s, tbt_s=tbt_s)
         elif scheme == "heterogeneous":
             base = groups[item.prompt_len // group_tokens]
-            slo = SloSpec(ttft_s=float(rng.uniform(*ttft_scale) * base),
-                          tbt_s=float(READING_TBT_S * rng.choice(np.asarray(tbt_scales))))
+            slo = SloSpec(
+                ttft_s=float(rng.uniform(*ttft_scale) * base),
+                tbt_s=float(READING_TBT_S * rng.choice(np.asarray(tbt_scales))),
+            )
         else:
             slo = SloSpec()
         out.append(item.with_slo(slo))

@@ -9,6 +9,7 @@ Workload specs (`name` or `name:key=value,key=value`):
 SLO specs: `none`, `uniform:tbt=0.2[,ttft=1.0]`,
 `heterogeneous[:scales=0.25/0.5/1/2,ttft_lo=0.5,ttft_hi=1.5]`; any of them `,jct_share=0.1`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -63,10 +64,12 @@ def _shapes(name: str, opts: dict, n: int | None, seed: int, model: str):
         return sample_shapes(pool, n, seed), None, None
     if name == "mixed":
         pool = sharegpt_pool(_pop(opts, "split", str, "test"), model)
-        kw = dict(long_share=_pop(opts, "long_share", float, 0.35),
-                  long_min=_pop(opts, "long_min", int, 4096),
-                  long_max=_pop(opts, "long_max", int, 32768),
-                  max_output=_pop(opts, "max_output", int, 2048))
+        kw = dict(
+            long_share=_pop(opts, "long_share", float, 0.35),
+            long_min=_pop(opts, "long_min", int, 4096),
+            long_max=_pop(opts, "long_max", int, 32768),
+            max_output=_pop(opts, "max_output", int, 2048),
+        )
         _reject_unknown(name, opts)
         return mixed_long_prompt_shapes(pool, n or len(pool), seed=seed, **kw), None, None
     if name == "csv":
@@ -86,17 +89,27 @@ def _slos(items, slo: str, seed: int, prefill_time):
     if name == "uniform":
         kw.update(tbt_s=_pop(opts, "tbt", float, 0.1875), ttft_s=_pop(opts, "ttft", float, None))
     elif name == "heterogeneous":
-        kw.update(tbt_scales=_pop(opts, "scales", lambda v: [float(x) for x in v.split("/")],
-                                  (0.25, 0.5, 1.0, 2.0)),
-                  ttft_scale=(_pop(opts, "ttft_lo", float, 0.5), _pop(opts, "ttft_hi", float, 1.5)))
+        kw.update(
+            tbt_scales=_pop(
+                opts, "scales", lambda v: [float(x) for x in v.split("/")], (0.25, 0.5, 1.0, 2.0)
+            ),
+            ttft_scale=(_pop(opts, "ttft_lo", float, 0.5), _pop(opts, "ttft_hi", float, 1.5)),
+        )
     _reject_unknown(f"SLO scheme {name}", opts)
     return assign_slos(items, name, seed=seed, prefill_time=prefill_time, **kw)
 
 
-def make_trace(workload: str, n: int | None, rate: float | None, arrival: str | None = None,
-               burstiness: float = 1.0, slo: str | None = None, seed: int = 0,
-               prefill_time: Callable[[int], float] | None = None,
-               model: str = "smollm2-135m-instruct") -> list[TraceItem]:
+def make_trace(
+    workload: str,
+    n: int | None,
+    rate: float | None,
+    arrival: str | None = None,
+    burstiness: float = 1.0,
+    slo: str | None = None,
+    seed: int = 0,
+    prefill_time: Callable[[int], float] | None = None,
+    model: str = "smollm2-135m-instruct",
+) -> list[TraceItem]:
     """The full trace: shapes + arrivals (`poisson`/`gamma`/`uniform`/`trace`; default
     `trace` for csv/jsonl workloads, else `poisson`) + SLOs (default `none`)."""
     name, opts = parse_spec(workload)
@@ -106,8 +119,10 @@ def make_trace(workload: str, n: int | None, rate: float | None, arrival: str | 
         if process != "trace":
             raise ValueError("a jsonl trace keeps its own arrival times (arrival=trace)")
         times = scale_timestamps(timestamps, rate)
-        items = [TraceItem(i.request_id, t, i.prompt_len, i.output_len, i.prompt,
-                           i.sample_id, i.slo) for i, t in zip(saved, times)]
+        items = [
+            TraceItem(i.request_id, t, i.prompt_len, i.output_len, i.prompt, i.sample_id, i.slo)
+            for i, t in zip(saved, times)
+        ]
         return items if slo is None else _slos(items, slo, seed, prefill_time)
     if rate is None and process != "trace":
         raise ValueError(f"arrival process {process!r} needs a rate")

@@ -5,6 +5,7 @@ times are seconds; `arrival_s` is relative to the start of the trace, and every 
 relative to the request's own arrival (a JCT deadline of 30 s means "done within 30 s of
 arriving").
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class SloSpec:
     """Per-request latency objectives; `None` = no objective of that kind."""
+
     ttft_s: float | None = None
     tbt_s: float | None = None
     deadline_s: float | None = None
@@ -28,6 +30,7 @@ class SloSpec:
 @dataclass(frozen=True)
 class Shape:
     """A request without its arrival time: the token counts (and text when known)."""
+
     prompt_len: int
     output_len: int
     prompt: str | None = None
@@ -35,14 +38,16 @@ class Shape:
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError(f"prompt_len and output_len must be >= 1, got "
-                             f"{self.prompt_len}, {self.output_len}")
+            raise ValueError(
+                f"prompt_len and output_len must be >= 1, got {self.prompt_len}, {self.output_len}"
+            )
 
 
 @dataclass(frozen=True)
 class TraceItem:
     """One request of a trace. `output_len` is the true length (generate exactly that many
     tokens with ignore_eos to replay it)."""
+
     request_id: str
     arrival_s: float
     prompt_len: int
@@ -55,15 +60,22 @@ class TraceItem:
         return replace(self, slo=slo)
 
 
-def build_trace(shapes: list[Shape], arrivals: list[float],
-                prefix: str = "req") -> list[TraceItem]:
+def build_trace(shapes: list[Shape], arrivals: list[float], prefix: str = "req") -> list[TraceItem]:
     """Pair shapes with arrival times (same length), in arrival order."""
     if len(shapes) != len(arrivals):
         raise ValueError(f"{len(shapes)} shapes but {len(arrivals)} arrival times")
     order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
-    return [TraceItem(f"{prefix}-{k}", float(arrivals[i]), shapes[i].prompt_len,
-                      shapes[i].output_len, shapes[i].prompt, shapes[i].sample_id)
-            for k, i in enumerate(order)]
+    return [
+        TraceItem(
+            f"{prefix}-{k}",
+            float(arrivals[i]),
+            shapes[i].prompt_len,
+            shapes[i].output_len,
+            shapes[i].prompt,
+            shapes[i].sample_id,
+        )
+        for k, i in enumerate(order)
+    ]
 
 
 def save_jsonl(items: Iterable[TraceItem], path: str | Path) -> None:

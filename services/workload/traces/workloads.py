@@ -6,6 +6,7 @@
   configurable share of long prompts (4K-32K tokens, log-uniform), whose answers borrow the
   chat answers' length distribution.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -15,8 +16,9 @@ import numpy as np
 from services.workload.traces.trace import Shape
 
 
-def sample_shapes(pool: list[Shape], n: int | None, seed: int = 0,
-                  replace: bool = False) -> list[Shape]:
+def sample_shapes(
+    pool: list[Shape], n: int | None, seed: int = 0, replace: bool = False
+) -> list[Shape]:
     """n shapes from the pool: a seeded shuffle (with replacement when n > len(pool) or
     `replace`); n = None keeps the whole pool in its order."""
     if not pool:
@@ -33,8 +35,9 @@ def sample_shapes(pool: list[Shape], n: int | None, seed: int = 0,
     return [pool[i] for i in idx]
 
 
-def sharegpt_pool(split: str = "test", model: str = "smollm2-135m-instruct",
-                  data_dir=None) -> list[Shape]:
+def sharegpt_pool(
+    split: str = "test", model: str = "smollm2-135m-instruct", data_dir=None
+) -> list[Shape]:
     """The split as shapes (parsed once per process)."""
     return list(_sharegpt_pool(split, model, data_dir))
 
@@ -43,18 +46,31 @@ def sharegpt_pool(split: str = "test", model: str = "smollm2-135m-instruct",
 def _sharegpt_pool(split: str, model: str, data_dir) -> tuple[Shape, ...]:
     from services.workload.traces.sharegpt import load_split
 
-    return tuple(Shape(s.prompt_len, s.output_len, s.prompt, s.id)
-                 for s in load_split(split, model, data_dir))
+    return tuple(
+        Shape(s.prompt_len, s.output_len, s.prompt, s.id)
+        for s in load_split(split, model, data_dir)
+    )
 
 
-def sharegpt_shapes(n: int | None = None, split: str = "test", seed: int = 0,
-                    model: str = "smollm2-135m-instruct", data_dir=None) -> list[Shape]:
+def sharegpt_shapes(
+    n: int | None = None,
+    split: str = "test",
+    seed: int = 0,
+    model: str = "smollm2-135m-instruct",
+    data_dir=None,
+) -> list[Shape]:
     return sample_shapes(sharegpt_pool(split, model, data_dir), n, seed)
 
 
-def mixed_long_prompt_shapes(short_pool: list[Shape], n: int, long_share: float = 0.35,
-                             long_min: int = 4096, long_max: int = 32768,
-                             max_output: int = 2048, seed: int = 0) -> list[Shape]:
+def mixed_long_prompt_shapes(
+    short_pool: list[Shape],
+    n: int,
+    long_share: float = 0.35,
+    long_min: int = 4096,
+    long_max: int = 32768,
+    max_output: int = 2048,
+    seed: int = 0,
+) -> list[Shape]:
     """n requests: a `long_share` of them get a prompt of long_min..long_max tokens."""
     if not 0.0 <= long_share <= 1.0:
         raise ValueError(f"long_share must be in [0, 1], got {long_share}")

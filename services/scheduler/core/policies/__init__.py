@@ -1,4 +1,5 @@
 """Scheduling policies, one file each, registered by name; the registry's lookups."""
+
 from __future__ import annotations
 
 from services.scheduler.core.policies import (  # noqa: F401  (each module registers its policy)

@@ -42,6 +42,7 @@ Fig. 12 ablations (AccelGen without one of its three methods):
     chunked to what is left (`multires.select_in_order`), instead of nearest (compute, KV)
     demand first.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,25 +70,25 @@ if TYPE_CHECKING:
     from services.scheduler.core.scheduler import AppliedStep, Scheduler
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
-MAX_URGENT = 64                      # urgent requests taken from the queue before the budget
+MAX_URGENT = 64  # urgent requests taken from the queue before the budget
 
 
 @dataclass(frozen=True)
 class AccelGenKnobs(Knobs):
-    default_tbt_s: float = 0.1875    # normal reading speed (AccelGen's default TBT SLO)
-    default_ttft_s: float = 1.0      # TTFT objective of requests that give none
-    gamma_s: float = 0.75            # SelectRequests window (AccelGen sets 0.75 s)
-    era: bool = True                 # exclusive request allocation for long prompts
-    long_prompt_tokens: int | None = None   # None: longer than the step's token budget S_b
+    default_tbt_s: float = 0.1875  # normal reading speed (AccelGen's default TBT SLO)
+    default_ttft_s: float = 1.0  # TTFT objective of requests that give none
+    gamma_s: float = 0.75  # SelectRequests window (AccelGen sets 0.75 s)
+    era: bool = True  # exclusive request allocation for long prompts
+    long_prompt_tokens: int | None = None  # None: longer than the step's token budget S_b
     max_long_prompts: int = 1
     min_token_budget: int = 16
     max_token_budget: int = 8192
-    t_max_s: float | None = None     # T_max; None: max iteration time of recent steps
+    t_max_s: float | None = None  # T_max; None: max iteration time of recent steps
     t_max_window: int = 32
-    avg_chunk_tokens: int | None = None   # L_c; None: S_b at the default TBT
-    preempt_max_s: float = 0.0       # P_max and P of the JCT estimate
+    avg_chunk_tokens: int | None = None  # L_c; None: S_b at the default TBT
+    preempt_max_s: float = 0.0  # P_max and P of the JCT estimate
     preempt_prob: float = 0.0
-    max_window: int = 64             # candidates examined per SelectRequests window
+    max_window: int = 64  # candidates examined per SelectRequests window
     max_windows: int = 4
     max_num_seqs: int = 256
     watermark: float = 0.01
@@ -98,28 +99,36 @@ class AccelGenKnobs(Knobs):
     budget_slo: Literal["tbt", "all"] = "tbt"
     # S_b: profiled iteration time <= SLO_min | "eq6"
     budget_rule: Literal["profile", "eq6"] = "profile"
-    admit_whole: bool = True         # admit a prompt only when its whole KV fits (vLLM)
-    dynamic_chunking: bool = True    # False: fixed budget (S_b at default_tbt_s), whole prompts
-    slack_ordering: bool = True      # False: arrival order, no urgent forcing
-    multires: bool = True            # False: windows taken in queue order
+    admit_whole: bool = True  # admit a prompt only when its whole KV fits (vLLM)
+    dynamic_chunking: bool = True  # False: fixed budget (S_b at default_tbt_s), whole prompts
+    slack_ordering: bool = True  # False: arrival order, no urgent forcing
+    multires: bool = True  # False: windows taken in queue order
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key, value in (("default_tbt_s", self.default_tbt_s),
-                           ("default_ttft_s", self.default_ttft_s), ("gamma_s", self.gamma_s)):
+        for key, value in (
+            ("default_tbt_s", self.default_tbt_s),
+            ("default_ttft_s", self.default_ttft_s),
+            ("gamma_s", self.gamma_s),
+        ):
             if not value or value < 0:
                 raise KnobError(f"{key} must be > 0")
         if self.min_token_budget < 1 or self.max_token_budget < self.min_token_budget:
             raise KnobError("need 1 <= min_token_budget <= max_token_budget")
-        for key, choice, allowed in (("budget_rule", self.budget_rule, ("profile", "eq6")),
-                                     ("budget_slo", self.budget_slo, ("tbt", "all")),
-                                     ("victim_order", self.victim_order, ("arrival", "slack"))):
+        for key, choice, allowed in (
+            ("budget_rule", self.budget_rule, ("profile", "eq6")),
+            ("budget_slo", self.budget_slo, ("tbt", "all")),
+            ("victim_order", self.victim_order, ("arrival", "slack")),
+        ):
             if choice not in allowed:
-                raise KnobError(f"{key} must be {allowed[0]!r} or {allowed[1]!r}, "
-                                f"got {choice!r}")
-        for key, flag in (("dynamic_chunking", self.dynamic_chunking),
-                          ("slack_ordering", self.slack_ordering), ("multires", self.multires),
-                          ("era", self.era), ("admit_whole", self.admit_whole)):
+                raise KnobError(f"{key} must be {allowed[0]!r} or {allowed[1]!r}, got {choice!r}")
+        for key, flag in (
+            ("dynamic_chunking", self.dynamic_chunking),
+            ("slack_ordering", self.slack_ordering),
+            ("multires", self.multires),
+            ("era", self.era),
+            ("admit_whole", self.admit_whole),
+        ):
             if not isinstance(flag, bool):
                 raise KnobError(f"{key} must be true or false, got {flag!r}")
 
@@ -133,12 +142,12 @@ class AccelGenPolicy(Policy):
     knobs: AccelGenKnobs
     # set by `bind`
     cost: CostModel
-    sq: SlackQueue                   # the queue ordered by remaining slack T_r
-    recent: deque[float]             # durations of the last steps (T_max)
-    long_inflight: set[str]          # long prompts being prefilled (ERA)
-    fixed_budget: int                # S_b at default_tbt_s (dynamic_chunking=False)
-    _default_chunk: int              # L_c
-    _t_max_guess: float              # T_max before any step ran
+    sq: SlackQueue  # the queue ordered by remaining slack T_r
+    recent: deque[float]  # durations of the last steps (T_max)
+    long_inflight: set[str]  # long prompts being prefilled (ERA)
+    fixed_budget: int  # S_b at default_tbt_s (dynamic_chunking=False)
+    _default_chunk: int  # L_c
+    _t_max_guess: float  # T_max before any step ran
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -150,6 +159,7 @@ class AccelGenPolicy(Policy):
         self.fixed_budget = self.budget_for(k.default_tbt_s)
         self._default_chunk = k.avg_chunk_tokens or self.fixed_budget
         self._t_max_guess = self.cost.iteration_time(self._default_chunk, 0, self._default_chunk)
+
     # -- model ------------------------------------------------------------------------------
     def budget_for(self, slo_min: float) -> int:
         """S_b for SLO_min.
@@ -163,7 +173,7 @@ class AccelGenPolicy(Policy):
         A100/Llama-2-7B roofline, half of it that fixed term) eq. 6 fills only about half of
         SLO_min: at a 0.1875 s objective S_b = 1,101 tokens run 0.091 s.
         `budget_rule="eq6"`: S_b = S_pf * SLO_min / T_pf with the profile's pivot."""
-        if slo_min <= 0:                 # a JCT request past its allowance
+        if slo_min <= 0:  # a JCT request past its allowance
             return self.knobs.min_token_budget
         if self.knobs.budget_rule == "eq6":
             s_b = self.cost.accelgen_budget(slo_min)
@@ -184,8 +194,11 @@ class AccelGenPolicy(Policy):
         cost, and it starves every other request of that step. The prompt's TBT bounds the
         iterations it will share with its own later tokens.
         `budget_slo="all"`: the objective of the request's next token, TTFT for a prompt."""
-        if (self.knobs.budget_slo == "all" or req.output_token_ids
-                or req.request_id in self.sq.jct_base):
+        if (
+            self.knobs.budget_slo == "all"
+            or req.output_token_ids
+            or req.request_id in self.sq.jct_base
+        ):
             return self.sq.slo(req)
         return req.slo.tbt_s or self.knobs.default_tbt_s
 
@@ -195,8 +208,11 @@ class AccelGenPolicy(Policy):
         Sarathi-Serve batch every running decode each step, so these are the requests "in
         the batch" whose minimum SLO eq. 6 must satisfy)."""
         default = self.knobs.default_tbt_s
-        return [r.slo.tbt_s or default for r in self.sched.running.values()
-                if r.output_token_ids and r.slo.deadline_s is None]
+        return [
+            r.slo.tbt_s or default
+            for r in self.sched.running.values()
+            if r.output_token_ids and r.slo.deadline_s is None
+        ]
 
     def t_max(self) -> float:
         if self.knobs.t_max_s:
@@ -232,9 +248,9 @@ class AccelGenPolicy(Policy):
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 self.long_inflight.discard(rid)
             if rid in got_token:
-                self.sq.reenter(req, now)        # returned TG task: its wait restarts
+                self.sq.reenter(req, now)  # returned TG task: its wait restarts
             else:
-                self.sq.push(req)                # prompt chunk: same clock, fewer chunks left
+                self.sq.push(req)  # prompt chunk: same clock, fewer chunks left
 
     # -- step -------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -277,8 +293,9 @@ class AccelGenPolicy(Policy):
             return self.fixed_budget
         return self.budget_for(min(slos)) if slos else self.knobs.max_token_budget
 
-    def _force_urgent(self, b: Batch, urgent: list[Request], t_max: float,
-                      full: bool) -> list[Request]:
+    def _force_urgent(
+        self, b: Batch, urgent: list[Request], t_max: float, full: bool
+    ) -> list[Request]:
         """Force the urgent requests in, most urgent first, then those that became urgent
         meanwhile, while budget and batch size remain; returns the ones left out."""
         back, i = [], 0
@@ -306,15 +323,17 @@ class AccelGenPolicy(Policy):
 
     def _urgent_next(self, now: float, t_max: float, residents_only: bool) -> bool:
         if not self.knobs.slack_ordering:
-            return False                 # no remaining time, so nothing is urgent
+            return False  # no remaining time, so nothing is urgent
         due = self.sq.peek_due(residents_only)
         return due is not None and due - now <= t_max
 
     def _admission_closed(self) -> bool:
         """No new sequence can become resident now (vLLM's max_num_seqs or a full pool)."""
         s = self.sched
-        return (len(s.running) >= self.knobs.max_num_seqs
-                or s.block_manager.num_free_device_blocks <= self.watermark_blocks)
+        return (
+            len(s.running) >= self.knobs.max_num_seqs
+            or s.block_manager.num_free_device_blocks <= self.watermark_blocks
+        )
 
     def on_move(self, req: Request, status: RequestStatus) -> None:
         self.sq.moved(req)
@@ -327,11 +346,10 @@ class AccelGenPolicy(Policy):
         grow preempts victims from `_victims` (vLLM's KV-overflow preemption, which AccelGen
         inherits); when none is left it yields itself, as vLLM preempts the request that
         cannot grow when nothing of lower priority remains."""
-        if (req.status not in (RUNNING, WAITING, SWAPPED)
-                or b.num_seqs >= self.knobs.max_num_seqs):
+        if req.status not in (RUNNING, WAITING, SWAPPED) or b.num_seqs >= self.knobs.max_num_seqs:
             return False
         if req.status is not RUNNING and not self._allowed(b, req):
-            return False                 # resident-sequence limit, or ERA for a long prompt
+            return False  # resident-sequence limit, or ERA for a long prompt
         n = self._grant(req, b)
         if n < 1:
             return False
@@ -382,8 +400,11 @@ class AccelGenPolicy(Policy):
         order = sorted(range(len(back)), key=lambda j: due.get(back[j].request_id, 0.0))
         for j in order:
             req = back[j]
-            if (req.status not in (RUNNING, WAITING) or req.num_uncomputed_tokens <= 1
-                    or not self._allowed(b, req)):
+            if (
+                req.status not in (RUNNING, WAITING)
+                or req.num_uncomputed_tokens <= 1
+                or not self._allowed(b, req)
+            ):
                 continue
             reserve = 0 if req.status is RUNNING else self.watermark_blocks
             if b.schedule(req, req.num_uncomputed_tokens, reserve):
@@ -408,8 +429,11 @@ class AccelGenPolicy(Policy):
         # long prompts started in this very step (SelectRequests records them only after the
         # window is done): without this, one window could start several at once
         reqs, budget = s.requests, b.token_budget
-        started = {rid for rid in b.scheduled
-                   if reqs[rid].num_computed_tokens == 0 and self.is_long(reqs[rid], budget)}
+        started = {
+            rid
+            for rid in b.scheduled
+            if reqs[rid].num_computed_tokens == 0 and self.is_long(reqs[rid], budget)
+        }
         return len(self.long_inflight | started) < k.max_long_prompts
 
     def _fits_whole(self, req: Request) -> bool:
@@ -437,16 +461,23 @@ class AccelGenPolicy(Policy):
         running = self.sched.running
         if self.knobs.victim_order == "arrival":
             t = req.arrival_time
-            cands = [r for rid, r in running.items()
-                     if r is not req and rid not in b.swapped_in
-                     and (r.arrival_time, rid) > (t, req.request_id)]
+            cands = [
+                r
+                for rid, r in running.items()
+                if r is not req
+                and rid not in b.swapped_in
+                and (r.arrival_time, rid) > (t, req.request_id)
+            ]
             cands.sort(key=lambda r: (r.arrival_time, r.request_id))
-            return cands                 # pop() yields the latest arrival
+            return cands  # pop() yields the latest arrival
         due = self.sq.due
-        cands = [r for rid, r in running.items()
-                 if rid not in b.scheduled and r is not req and rid not in b.swapped_in]
+        cands = [
+            r
+            for rid, r in running.items()
+            if rid not in b.scheduled and r is not req and rid not in b.swapped_in
+        ]
         cands.sort(key=lambda r: due.get(r.request_id, 0.0))
-        return cands                     # pop() yields the largest remaining time
+        return cands  # pop() yields the largest remaining time
 
     def _started(self, req: Request, b: Batch) -> None:
         if req.num_computed_tokens < req.num_prompt_tokens and self.is_long(req, b.token_budget):
@@ -472,7 +503,7 @@ class AccelGenPolicy(Policy):
             limit = first[0] + k.gamma_s if k.slack_ordering else math.inf
             rids = self.sq.pop_through(limit, full, k.max_window - 1)
             window = [reqs[first[1]]] + [reqs[rid] for rid in rids]
-            before = len(b.scheduled)       # selection only adds to the batch
+            before = len(b.scheduled)  # selection only adds to the batch
             back += select(b, window, self.watermark_blocks, allowed, k.max_num_seqs, whole)
             for rid in islice(b.scheduled, before, None):
                 self._started(reqs[rid], b)

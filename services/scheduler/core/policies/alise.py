@@ -16,6 +16,7 @@
 * Memory: ALISE Algorithm 2 (EWT-ordered swap, GPU job limit M); `memory_mode` selects the
   paper's `recompute` and `defer` strawmen instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,12 +38,13 @@ RANKS = ("remaining", "normalized")
 @dataclass(frozen=True)
 class SrtfKnobs(PreemptiveKnobs):
     """ALISE's levels by predicted remaining time (shared by `alise` and `hybrid`)."""
+
     aging_threshold_s: float | None = 5.0
-    queue_base_s: float | None = None    # None: 16 decode iterations (16 * beta of the cost model)
+    queue_base_s: float | None = None  # None: 16 decode iterations (16 * beta of the cost model)
     queue_ratio: float = 2.0
-    default_predicted_len: int = 256     # prior when a request carries no prediction
-    rank: Rank = "remaining"             # remaining | normalized (x predicted length, see above)
-    rank_ref_len: float = 16             # normalized: the length whose key equals its time left
+    default_predicted_len: int = 256  # prior when a request carries no prediction
+    rank: Rank = "remaining"  # remaining | normalized (x predicted length, see above)
+    rank_ref_len: float = 16  # normalized: the length whose key equals its time left
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,11 +61,12 @@ class SrtfKnobs(PreemptiveKnobs):
 class SrtfPolicy(PreemptivePolicy):
     """Speculative shortest-remaining-time-first levels with demotion by doubling; the step
     budget is left to the subclass (`alise`: whole prompts, `hybrid`: Sarathi's tau)."""
+
     knobs_type = SrtfKnobs
     knobs: SrtfKnobs
-    base: float                      # bound of level 0, seconds (set by `bind`)
-    pred: dict[str, int]             # current predicted output length per request
-    demotions: dict[str, int]        # times each request outgrew its prediction
+    base: float  # bound of level 0, seconds (set by `bind`)
+    pred: dict[str, int]  # current predicted output length per request
+    demotions: dict[str, int]  # times each request outgrew its prediction
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -89,7 +92,7 @@ class SrtfPolicy(PreemptivePolicy):
     # -- hooks ------------------------------------------------------------------------------
     def entry_level(self, req: Request, now: float) -> int:
         self.pred[req.request_id] = self.initial_prediction(req)
-        self._outgrow(req)       # re-admitted with output beyond its prediction
+        self._outgrow(req)  # re-admitted with output beyond its prediction
         return self._level(req)
 
     def after_run(self, req: Request, result: AppliedStep, now: float) -> None:
@@ -113,7 +116,7 @@ class SrtfPolicy(PreemptivePolicy):
 
 @dataclass(frozen=True)
 class AliseKnobs(SrtfKnobs):
-    max_num_batched_tokens: int | None = None   # None: max(2048, max_model_len)
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
 
 
 @register_policy("alise")

@@ -8,6 +8,7 @@ decides one step at a time: `schedule(now) -> SchedulerOutput`, reading the sche
 `on_move`, `on_finish` let a policy keep incremental indexes (heaps, level queues) instead of
 re-sorting every step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -64,15 +65,16 @@ class Policy:
     name: ClassVar[str] = "base"
     knobs_type: ClassVar[type[Knobs]] = Knobs
     knobs: Knobs
-    watermark_blocks: int = 0       # device blocks kept free at admission (set by `bind`)
+    watermark_blocks: int = 0  # device blocks kept free at admission (set by `bind`)
     _sched: Scheduler | None = None
 
     def __init__(self, **knobs: object) -> None:
         valid = self.knobs_type.names()
         unknown = sorted(set(knobs) - set(valid))
         if unknown:
-            raise ValueError(f"unknown knob(s) {unknown} for policy {self.name!r}; "
-                             f"valid knobs: {sorted(valid)}")
+            raise ValueError(
+                f"unknown knob(s) {unknown} for policy {self.name!r}; valid knobs: {sorted(valid)}"
+            )
         try:
             self.knobs = self.knobs_type(**knobs)
         except KnobError as exc:
@@ -130,6 +132,7 @@ def register_policy(name: str) -> Callable[[type[P]], type[P]]:
         cls.name = name
         _REGISTRY[name] = cls
         return cls
+
     return deco
 
 

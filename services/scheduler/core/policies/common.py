@@ -1,4 +1,5 @@
 """Small building blocks shared by several policies."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,26 +17,31 @@ RUNNING = RequestStatus.RUNNING
 Queue = OrderedDict[str, Request]
 
 
-def whole_prompt_budget(policy: str, max_num_batched_tokens: int | None,
-                        sched: Scheduler) -> int:
+def whole_prompt_budget(policy: str, max_num_batched_tokens: int | None, sched: Scheduler) -> int:
     """Token limit of a step that takes whole prompts: the knob, else max(2048, model length);
     it must hold the longest prompt."""
     budget = max_num_batched_tokens or max(2048, sched.max_model_len)
     if budget < sched.max_model_len:
-        raise ValueError(f"{policy}: max_num_batched_tokens={budget} is below "
-                         f"max_model_len={sched.max_model_len}; whole prompts would not fit")
+        raise ValueError(
+            f"{policy}: max_num_batched_tokens={budget} is below "
+            f"max_model_len={sched.max_model_len}; whole prompts would not fit"
+        )
     return budget
 
 
-def schedule_or_preempt(b: Batch, req: Request, n: int, victims: Iterator[Request],
-                        mode: PreemptionMode) -> bool:
+def schedule_or_preempt(
+    b: Batch, req: Request, n: int, victims: Iterator[Request], mode: PreemptionMode
+) -> bool:
     """Give `req` n tokens; while its KV does not fit, preempt the next victim from the
     iterator `victims` (lowest priority first; meeting `req` itself means nothing of lower
     priority is left). Returns False when `req` had to yield (preempted if resident)."""
     while not b.schedule(req, n):
         victim = next(victims, None)
-        while victim is not None and victim is not req and (
-                victim.status is not RUNNING or victim.request_id in b.swapped_in):
+        while (
+            victim is not None
+            and victim is not req
+            and (victim.status is not RUNNING or victim.request_id in b.swapped_in)
+        ):
             victim = next(victims, None)
         if victim is None or victim is req:
             if req.status is RUNNING:

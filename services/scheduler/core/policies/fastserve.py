@@ -6,6 +6,7 @@ quantum is shorter than its prefill time (skip-join). A job that used up its lev
 preempt lower ones every step; preempted jobs' KV is swapped out (FastServe's proactive
 swapping), with optional starvation-avoiding promotion via `aging_threshold_s`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FastServeKnobs(PreemptiveKnobs):
-    max_num_batched_tokens: int | None = None   # None: max(2048, max_model_len)
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
     num_queues: int = 5
-    base_quantum_s: float | None = None   # None: one lone decode iteration (c0 + c_decode)
+    base_quantum_s: float | None = None  # None: one lone decode iteration (c0 + c_decode)
     quantum_ratio: float = 2.0
 
     def __post_init__(self) -> None:
@@ -37,8 +38,8 @@ class FastServeKnobs(PreemptiveKnobs):
 class FastServePolicy(PreemptivePolicy):
     knobs_type = FastServeKnobs
     knobs: FastServeKnobs
-    base: float                 # quantum of level 0, seconds (set by `bind`)
-    used: dict[str, float]      # execution time attained in the current level
+    base: float  # quantum of level 0, seconds (set by `bind`)
+    used: dict[str, float]  # execution time attained in the current level
 
     def step_budget(self, sched: Scheduler) -> int:
         return whole_prompt_budget(self.name, self.knobs.max_num_batched_tokens, sched)
@@ -49,7 +50,7 @@ class FastServePolicy(PreemptivePolicy):
         self.used = {}
 
     def quantum(self, level: int) -> float:
-        return self.base * self.knobs.quantum_ratio ** level
+        return self.base * self.knobs.quantum_ratio**level
 
     def entry_level(self, req: Request, now: float) -> int:
         t_prefill = self.sched.cost_model.prefill_time(req.num_uncomputed_tokens)

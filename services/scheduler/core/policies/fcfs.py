@@ -5,6 +5,7 @@ budget, the batch size and the KV pool above the watermark) or decode-only (ever
 request gets one token; when KV runs out the newest running request is preempted, by
 recompute by default). Swapped requests come back, in order, before any new admission.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,10 +28,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FcfsKnobs(Knobs):
-    max_num_seqs: int = 256                     # batch size limit
-    max_num_batched_tokens: int | None = None   # tokens per step; None: max(2048, max_model_len)
-    watermark: float = 0.01                     # share of device blocks kept free at admission
-    preemption_mode: PreemptionMode = "recompute"   # or "swap"
+    max_num_seqs: int = 256  # batch size limit
+    max_num_batched_tokens: int | None = None  # tokens per step; None: max(2048, max_model_len)
+    watermark: float = 0.01  # share of device blocks kept free at admission
+    preemption_mode: PreemptionMode = "recompute"  # or "swap"
 
     def watermark_fraction(self) -> float:
         return self.watermark or 0.0
@@ -40,8 +41,8 @@ class FcfsKnobs(Knobs):
 class FcfsPolicy(Policy):
     knobs_type = FcfsKnobs
     knobs: FcfsKnobs
-    budget: int         # tokens per step (set by `bind`)
-    seqs: int           # requests per step
+    budget: int  # tokens per step (set by `bind`)
+    seqs: int  # requests per step
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)

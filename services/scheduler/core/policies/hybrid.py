@@ -21,6 +21,7 @@ Where the papers disagree, the choice made here:
    Algorithm 2), never the request being served; a new request may evict only jobs at least
    `preempt_level_gap` levels below it (ALISE's preemption, with hysteresis against thrash).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -49,17 +50,18 @@ RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, Reques
 class HybridKnobs(SrtfKnobs):
     """ALISE's level knobs (no `max_num_batched_tokens`: the budget is Sarathi's tau), with
     other defaults, and the Sarathi-Serve / AccelGen knobs."""
+
     rank: Rank = "normalized"
-    num_queues: int = 16                 # normalized keys span a wider range than times
-    token_budget: int | None = None      # Sarathi tau; None: from tbt_slo_s, else 512
+    num_queues: int = 16  # normalized keys span a wider range than times
+    token_budget: int | None = None  # Sarathi tau; None: from tbt_slo_s, else 512
     tbt_slo_s: float | None = None
     tile_size: int = 128
-    slo_aware_budget: bool = True        # shrink the step budget to the tightest TBT objective
+    slo_aware_budget: bool = True  # shrink the step budget to the tightest TBT objective
     era: bool = True
-    long_prompt_tokens: int | None = None   # None: longer than the token budget
+    long_prompt_tokens: int | None = None  # None: longer than the token budget
     max_long_prompts: int = 1
-    max_window: int = 16                 # candidates compared per level window
-    preempt_level_gap: int | None = 2    # None: new requests never evict running ones
+    max_window: int = 16  # candidates compared per level window
+    preempt_level_gap: int | None = 2  # None: new requests never evict running ones
     t_max_window: int = 32
 
     def __post_init__(self) -> None:
@@ -75,13 +77,14 @@ class HybridPolicy(SrtfPolicy):
     PreemptivePolicy (preemptive.py): `budget` and `seqs`, virtual aging (`_age`,
     `_track_waits`), eviction candidates by EWT (`_victims_by_ewt`, cached per step in
     `_victims`) and ALISE Algorithm 2 (`_rebalance`). The step itself is this class's."""
+
     knobs_type = HybridKnobs
     knobs: HybridKnobs
     # set by `bind`
-    tbt: dict[str, float]                # requests with their own TBT objective
-    ttft_heap: list[tuple[float, str]]   # (TTFT deadline, request) of those not started
-    long_inflight: set[str]              # long prompts being prefilled (ERA)
-    recent: deque[float]                 # durations of the last steps (T_max)
+    tbt: dict[str, float]  # requests with their own TBT objective
+    ttft_heap: list[tuple[float, str]]  # (TTFT deadline, request) of those not started
+    long_inflight: set[str]  # long prompts being prefilled (ERA)
+    recent: deque[float]  # durations of the last steps (T_max)
 
     def step_budget(self, sched: Scheduler) -> int:
         k = self.knobs
@@ -99,7 +102,7 @@ class HybridPolicy(SrtfPolicy):
         super().on_add(req, now)
         if req.slo.tbt_s:
             self.tbt[req.request_id] = req.slo.tbt_s
-        if not req.output_token_ids:       # re-admitted: TTFT is behind it
+        if not req.output_token_ids:  # re-admitted: TTFT is behind it
             self._push_ttft(req)
 
     def _push_ttft(self, req: Request) -> None:
@@ -129,7 +132,7 @@ class HybridPolicy(SrtfPolicy):
         self._ongoing_prefills(b)
         if not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs:
             urgent = self._urgent(now)
-            self._admit(b, urgent[:self.knobs.max_window])
+            self._admit(b, urgent[: self.knobs.max_window])
             for req in urgent:
                 if req.request_id not in b.scheduled and req.status is not RUNNING:
                     self._push_ttft(req)
@@ -153,13 +156,17 @@ class HybridPolicy(SrtfPolicy):
             context += req.num_computed_tokens
         if self.knobs.slo_aware_budget and self.tbt:
             tight = self.sched.cost_model.token_budget(
-                min(self.tbt.values()), self.knobs.tile_size, b.num_tokens, context, self.budget)
+                min(self.tbt.values()), self.knobs.tile_size, b.num_tokens, context, self.budget
+            )
             b.token_budget = max(b.num_tokens, min(self.budget, tight))
 
     def _ongoing_prefills(self, b: Batch) -> None:
         level = self.q.level_of
-        ongoing = [r for r in self.sched.running.values()
-                   if r.num_uncomputed_tokens > 1 and r.request_id not in b.scheduled]
+        ongoing = [
+            r
+            for r in self.sched.running.values()
+            if r.num_uncomputed_tokens > 1 and r.request_id not in b.scheduled
+        ]
         ongoing.sort(key=lambda r: level.get(r.request_id, 0))
         for req in ongoing:
             n = min(req.num_uncomputed_tokens, b.tokens_left)
@@ -190,8 +197,11 @@ class HybridPolicy(SrtfPolicy):
         t_max = max(self.recent) if self.recent else 0.0
         heap, reqs = self.ttft_heap, self.sched.requests
         out: list[Request] = []
-        while (heap and len(out) < self.knobs.max_window
-               and heap[0][0] - now <= t_max + self._prefill_estimate(heap[0][1])):
+        while (
+            heap
+            and len(out) < self.knobs.max_window
+            and heap[0][0] - now <= t_max + self._prefill_estimate(heap[0][1])
+        ):
             _, rid = heapq.heappop(heap)
             req = reqs.get(rid)
             if req is not None and not req.is_finished and req.status is not RUNNING:
@@ -208,11 +218,11 @@ class HybridPolicy(SrtfPolicy):
         """New and swapped work by priority, one level window at a time (`urgent`: that one
         window instead)."""
         skips, reqs = 0, self.sched.requests
-        for window in ([urgent] if urgent is not None else self._windows()):
+        for window in [urgent] if urgent is not None else self._windows():
             if b.tokens_left < 1 or b.num_seqs >= self.seqs or not window:
                 break
             self._room_for(b, window[0])
-            before = len(b.scheduled)       # select_nearest only adds to the batch
+            before = len(b.scheduled)  # select_nearest only adds to the batch
             left = select_nearest(b, window, self.watermark_blocks, self._allowed(b), self.seqs)
             for rid in islice(b.scheduled, before, None):
                 self._started(reqs[rid], b)
@@ -236,10 +246,12 @@ class HybridPolicy(SrtfPolicy):
 
     def _allowed(self, b: Batch) -> Veto:
         """ERA: a new long prompt waits while `max_long_prompts` are being prefilled."""
+
         def allowed(req: Request) -> bool:
             if not self.knobs.era or req.num_computed_tokens > 0 or not self._is_long(req, b):
                 return True
             return len(self.long_inflight) < self.knobs.max_long_prompts
+
         return allowed
 
     def _is_long(self, req: Request, b: Batch) -> bool:
@@ -264,8 +276,11 @@ class HybridPolicy(SrtfPolicy):
         if need <= bm.num_free_device_blocks:
             return
         floor = level.get(req.request_id, 0) + gap
-        victims = [r for _, r in self._victims_by_ewt(b)
-                   if level.get(r.request_id, 0) >= floor and r.request_id not in b.swapped_in]
+        victims = [
+            r
+            for _, r in self._victims_by_ewt(b)
+            if level.get(r.request_id, 0) >= floor and r.request_id not in b.swapped_in
+        ]
         held = sum(bm.num_device_blocks_of(v.request_id) for v in victims)
         if bm.num_free_device_blocks + held < need:
             return

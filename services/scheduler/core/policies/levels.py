@@ -3,6 +3,7 @@
 Both avoid re-sorting every request every step: a request changes level only when its own
 state changes (it ran, it was demoted, it aged), and aging pops only due entries from a heap.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -60,8 +61,9 @@ class LevelQueues:
         return chain.from_iterable(list(level.values()) for level in self.levels if level)
 
     def lowest_first(self) -> Iterator[Request]:
-        return chain.from_iterable(reversed(list(level.values()))
-                                   for level in reversed(self.levels) if level)
+        return chain.from_iterable(
+            reversed(list(level.values())) for level in reversed(self.levels) if level
+        )
 
 
 def bucket(value: float, base: float, ratio: float, num_levels: int) -> int:
@@ -77,7 +79,7 @@ class AgingClock:
     def __init__(self, threshold: float | None) -> None:
         self.threshold = threshold
         self.since: dict[str, float] = {}
-        self._heap: list[tuple[float, int, str, float]] = []   # (due, seq, request, start)
+        self._heap: list[tuple[float, int, str, float]] = []  # (due, seq, request, start)
         self._seq = 0
 
     def start(self, rid: str, now: float) -> None:
@@ -104,7 +106,7 @@ class AgingClock:
         fired: dict[str, int] = {}
         heap, since = self._heap, self.since
         k = self.threshold
-        if k is None:       # never due: nothing is pushed without a threshold
+        if k is None:  # never due: nothing is pushed without a threshold
             return fired
         if limit is None:
             limit = len(heap)
@@ -115,5 +117,5 @@ class AgingClock:
                 fired[rid] = fired.get(rid, 0) + periods
                 heapq.heapreplace(heap, (t + periods * k, seq, rid, stamp))
             else:
-                heapq.heappop(heap)         # it ran or finished since: stale
+                heapq.heappop(heap)  # it ran or finished since: stale
         return fired

@@ -11,6 +11,7 @@ cost of a pick stays proportional to the number of distinct prompts in the windo
 taken in queue order, each candidate chunked to what is left. With `whole=True` (no chunking)
 a prompt is only taken when all of it fits.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -27,8 +28,9 @@ Veto = Callable[["Request"], bool]
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 
 
-def demand(bm: BlockManager, req: Request, a_c: int, a_m: int, reserve: int,
-           whole: bool = False) -> tuple[int, int] | None:
+def demand(
+    bm: BlockManager, req: Request, a_c: int, a_m: int, reserve: int, whole: bool = False
+) -> tuple[int, int] | None:
     """(tokens, device blocks) `req` would take now, or None when it cannot fit (with `whole`,
     when its whole remaining work does not fit)."""
     rid, bs = req.request_id, bm.block_size
@@ -51,9 +53,14 @@ def demand(bm: BlockManager, req: Request, a_c: int, a_m: int, reserve: int,
     return n, blocks
 
 
-def select_nearest(b: Batch, candidates: Sequence[Request], reserve_new: int,
-                   allowed: Veto | None = None, max_seqs: int = 1 << 30,
-                   whole: bool = False) -> list[Request]:
+def select_nearest(
+    b: Batch,
+    candidates: Sequence[Request],
+    reserve_new: int,
+    allowed: Veto | None = None,
+    max_seqs: int = 1 << 30,
+    whole: bool = False,
+) -> list[Request]:
     """Schedule candidates into batch `b` nearest-demand first; returns the ones not taken.
     `allowed(req)` may veto a candidate at pick time (exclusive request allocation); `whole`
     takes prompts unchunked (only when all of it fits)."""
@@ -62,7 +69,7 @@ def select_nearest(b: Batch, candidates: Sequence[Request], reserve_new: int,
     rest: list[Request] = []
     while b.tokens_left >= 1 and b.num_seqs < max_seqs:
         a_c, a_m = b.tokens_left, bm.num_free_device_blocks
-        best: list[Request] | Request | None = None      # a decode group or a request
+        best: list[Request] | Request | None = None  # a decode group or a request
         best_d: int | None = None
         best_n = 0
         if dec0:
@@ -79,7 +86,7 @@ def select_nearest(b: Batch, candidates: Sequence[Request], reserve_new: int,
             reserve = 0 if req.status is RUNNING else reserve_new
             dm = demand(bm, req, a_c, a_m, reserve, whole)
             if dm is None:
-                rest.append(req)         # resources only shrink: it will not fit this step
+                rest.append(req)  # resources only shrink: it will not fit this step
                 continue
             keep.append(req)
             d = (a_c - dm[0]) ** 2 + ((a_m - dm[1]) * bs) ** 2
@@ -102,8 +109,9 @@ def select_nearest(b: Batch, candidates: Sequence[Request], reserve_new: int,
     return rest + general + dec0[::-1] + dec1[::-1]
 
 
-def _split_decodes(bm: BlockManager, candidates: Sequence[Request]
-                   ) -> tuple[list[Request], list[Request], list[Request]]:
+def _split_decodes(
+    bm: BlockManager, candidates: Sequence[Request]
+) -> tuple[list[Request], list[Request], list[Request]]:
     """(decodes that need no new block, decodes that need one, the others); the decode
     lists are reversed, so pop() takes the most urgent first."""
     dec0: list[Request] = []
@@ -119,9 +127,14 @@ def _split_decodes(bm: BlockManager, candidates: Sequence[Request]
     return dec0, dec1, general
 
 
-def select_in_order(b: Batch, candidates: Sequence[Request], reserve_new: int,
-                    allowed: Veto | None = None, max_seqs: int = 1 << 30,
-                    whole: bool = False) -> list[Request]:
+def select_in_order(
+    b: Batch,
+    candidates: Sequence[Request],
+    reserve_new: int,
+    allowed: Veto | None = None,
+    max_seqs: int = 1 << 30,
+    whole: bool = False,
+) -> list[Request]:
     """Schedule candidates into batch `b` in the given order, each chunked to what is left of
     the budget and KV (skipping those that do not fit); returns the ones not taken. Same
     arguments as `select_nearest`: the ablation of nearest-demand selection."""

@@ -4,6 +4,7 @@ The true length is read from `Request.true_len` when set; otherwise, for a reque
 EOS, `max_tokens` is its exact length (the simulator replays traces that way); otherwise
 `max_tokens` is the best upper bound available.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

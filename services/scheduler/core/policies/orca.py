@@ -5,6 +5,7 @@ prompt while the batch holds fewer than `max_batch_size` requests. Orca has no p
 admitted request reserves KV for its maximum length (prompt + max_tokens), so decodes never run
 out of memory and nothing is ever preempted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class OrcaKnobs(Knobs):
     max_batch_size: int = 32
-    max_num_batched_tokens: int | None = None   # None: max(2048, max_model_len)
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -35,9 +36,9 @@ class OrcaPolicy(Policy):
     knobs_type = OrcaKnobs
     knobs: OrcaKnobs
     # set by `bind`
-    budget: int                 # tokens per step
-    reserved: int               # blocks promised to admitted requests (their max length)
-    promise: dict[str, int]     # those blocks per request
+    budget: int  # tokens per step
+    reserved: int  # blocks promised to admitted requests (their max length)
+    promise: dict[str, int]  # those blocks per request
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)

@@ -10,6 +10,7 @@ Memory modes (ALISE section 3.2): 'swap' (EWT-ordered offload to host, the paper
 'recompute' (drop the KV of evicted jobs), 'defer' (never evict for a new job: a new arrival
 waits while memory is full; a resident job that cannot grow evicts by recompute).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,19 +38,18 @@ class PreemptiveKnobs(Knobs):
     max_num_seqs: int = 256
     watermark: float = 0.01
     num_queues: int = 8
-    aging_threshold_s: float | None = None   # K: promote one level per K seconds waited
-    aging_per_step: int | None = 64          # most requests promoted per step (bounds a burst
-                                             # of due promotions; the rest follow); None: all
-    memory_mode: MemoryMode = "swap"         # swap | recompute | defer
-    gpu_job_limit: int | None = None         # M: jobs allowed on the device; None: memory decides
-    prefetch_per_step: int = 4               # swapped jobs uploaded ahead of need per step
-    max_skips: int = 32                      # prompts skipped for not fitting before giving up
+    aging_threshold_s: float | None = None  # K: promote one level per K seconds waited
+    aging_per_step: int | None = 64  # most requests promoted per step (bounds a burst
+    # of due promotions; the rest follow); None: all
+    memory_mode: MemoryMode = "swap"  # swap | recompute | defer
+    gpu_job_limit: int | None = None  # M: jobs allowed on the device; None: memory decides
+    prefetch_per_step: int = 4  # swapped jobs uploaded ahead of need per step
+    max_skips: int = 32  # prompts skipped for not fitting before giving up
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.memory_mode not in MEMORY_MODES:
-            raise KnobError(f"memory_mode must be one of {MEMORY_MODES}, "
-                            f"got {self.memory_mode!r}")
+            raise KnobError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
         if self.num_queues < 1:
             raise KnobError("num_queues must be >= 1")
         if self.aging_threshold_s is not None and self.aging_threshold_s <= 0:
@@ -72,16 +72,16 @@ class PreemptivePolicy(Policy):
     knobs_type = PreemptiveKnobs
     knobs: PreemptiveKnobs
     # set by `bind`
-    budget: int                      # tokens per step
-    seqs: int                        # requests per step
-    q: LevelQueues                   # every unfinished request, by priority level
-    aging: AgingClock                # how long each request has been waiting
-    boost: dict[str, int]            # levels gained by aging (kept until it finishes)
-    rem: dict[str, float]            # predicted remaining seconds per request
-    level_rem: list[float]           # their sum per level (for EWT, eq. 6)
-    prev: set[str]                   # requests scheduled in the previous step
-    _booked: dict[str, tuple[int, float]]   # (level, rem) counted in level_rem
-    _res_seq: dict[str, int]         # order of becoming resident (= sched.running)
+    budget: int  # tokens per step
+    seqs: int  # requests per step
+    q: LevelQueues  # every unfinished request, by priority level
+    aging: AgingClock  # how long each request has been waiting
+    boost: dict[str, int]  # levels gained by aging (kept until it finishes)
+    rem: dict[str, float]  # predicted remaining seconds per request
+    level_rem: list[float]  # their sum per level (for EWT, eq. 6)
+    prev: set[str]  # requests scheduled in the previous step
+    _booked: dict[str, tuple[int, float]]  # (level, rem) counted in level_rem
+    _res_seq: dict[str, int]  # order of becoming resident (= sched.running)
     _res_count: int
     # per step: the chosen (request, tokens) and the eviction candidates, made on first need
     _chosen: list[tuple[Request, int]]
@@ -207,12 +207,14 @@ class PreemptivePolicy(Policy):
         for i, (req, n) in enumerate(chosen):
             status = req.status
             if req.request_id in b.touched:
-                continue                    # evicted earlier in this step for a higher job
+                continue  # evicted earlier in this step for a higher job
             if status is RUNNING and b.schedule(req, n):
-                continue                    # fits as it is (most decodes)
+                continue  # fits as it is (most decodes)
             if status is SWAPPED:
-                need = max(bm.num_host_blocks_of(req.request_id),
-                           bm.blocks_for_tokens(req.num_computed_tokens + n))
+                need = max(
+                    bm.num_host_blocks_of(req.request_id),
+                    bm.blocks_for_tokens(req.num_computed_tokens + n),
+                )
             else:
                 reserve = self.watermark_blocks if status is WAITING else 0
                 need = bm.num_new_blocks(req, n) + reserve
@@ -245,7 +247,7 @@ class PreemptivePolicy(Policy):
                 take.append(victim)
                 free += bm.num_device_blocks_of(victim.request_id)
         if free < need:
-            victims.give_back(popped)       # still candidates for lower-ranked jobs
+            victims.give_back(popped)  # still candidates for lower-ranked jobs
             return False
         for victim in take:
             b.preempt(victim, self.knobs.evict_mode)
@@ -258,16 +260,17 @@ class PreemptivePolicy(Policy):
         resident chosen ones from the lowest priority up. Residency is as of this call."""
         chosen = {r.request_id for r, _ in self._chosen}
         lowest = len(self._chosen)
-        tail = [(i, r) for i, (r, _) in reversed(list(enumerate(self._chosen)))
-                if r.status is RUNNING]
+        tail = [
+            (i, r) for i, (r, _) in reversed(list(enumerate(self._chosen))) if r.status is RUNNING
+        ]
         running = self.sched.running
         k = self.knobs.aging_threshold_s
-        if not k:                       # EWT is then monotone in queue order: no sort needed
+        if not k:  # EWT is then monotone in queue order: no sort needed
             resident = set(running) - chosen
             walk = ((lowest, r) for r in self.q.lowest_first() if r.request_id in resident)
             return Victims(walk, tail)
         now = b.now
-        above, total = [], 0.0          # work queued in the levels above each level
+        above, total = [], 0.0  # work queued in the levels above each level
         for level_sum in self.level_rem:
             above.append(total)
             total += level_sum
@@ -280,11 +283,11 @@ class PreemptivePolicy(Policy):
             if level is None:
                 continue
             e, t = cap[level], since.get(rid)
-            if t is not None:           # waiting: promotion comes sooner than the cap
+            if t is not None:  # waiting: promotion comes sooner than the cap
                 promote = level * k - (now - t)
                 if promote < e:
                     e = promote if promote > 0.0 else 0.0
-            ewt.append((-e, -level, order[rid], running[rid]))   # ties: residency order
+            ewt.append((-e, -level, order[rid], running[rid]))  # ties: residency order
         return Victims(((lowest, e[3]) for e in smallest_first(ewt)), tail)
 
     def _batch_cap(self) -> int:
@@ -302,7 +305,7 @@ class PreemptivePolicy(Policy):
         if k.memory_mode != "swap" or not (s.swapped or k.gpu_job_limit):
             return
         if b.preempted and not k.gpu_job_limit:
-            return                          # memory is short right now: no prefetch
+            return  # memory is short right now: no prefetch
         bm, limit = s.block_manager, k.gpu_job_limit or self.seqs
         uploads = k.prefetch_per_step
         for rank, req in enumerate(self.q.in_order()):
@@ -322,6 +325,6 @@ class PreemptivePolicy(Policy):
         for rid in prev - cur:
             if rid in self.q:
                 aging.start(rid, now)
-        for rid in cur - prev:              # the others stopped when they ran last step
+        for rid in cur - prev:  # the others stopped when they ran last step
             aging.stop(rid)
         self.prev = set(cur)

@@ -4,6 +4,7 @@ A new batch forms only when the previous one has completely finished: admit wait
 in arrival order (each reserving KV for its maximum length, up to `max_batch_size`), prefill
 them, then decode the batch until every member is done.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

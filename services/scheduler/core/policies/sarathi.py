@@ -21,6 +21,7 @@ Table 4 ablations (each technique alone):
     behaves the same way).
   * both False would be neither technique: rejected; that baseline is `fcfs` (vLLM).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -43,11 +44,12 @@ if TYPE_CHECKING:
     from services.scheduler.core.request import Request
     from services.scheduler.core.scheduler import Scheduler
 
-DEFAULT_TOKEN_BUDGET = 512   # Sarathi-Serve's 'strict' setting
+DEFAULT_TOKEN_BUDGET = 512  # Sarathi-Serve's 'strict' setting
 
 
-def sarathi_budget(token_budget: int | None, tbt_slo_s: float | None, tile_size: int,
-                   cost_model: CostModel) -> int:
+def sarathi_budget(
+    token_budget: int | None, tbt_slo_s: float | None, tile_size: int, cost_model: CostModel
+) -> int:
     """token_budget knob, else from the TBT target via the cost model, else 512."""
     if token_budget:
         return token_budget
@@ -58,25 +60,29 @@ def sarathi_budget(token_budget: int | None, tbt_slo_s: float | None, tile_size:
 
 @dataclass(frozen=True)
 class SarathiKnobs(Knobs):
-    token_budget: int | None = None     # tau; None: derived from tbt_slo_s, else 512
-    tbt_slo_s: float | None = None      # TBT target used to derive tau with the cost model
-    tile_size: int = 128                # tau is rounded down to a multiple of this
+    token_budget: int | None = None  # tau; None: derived from tbt_slo_s, else 512
+    tbt_slo_s: float | None = None  # TBT target used to derive tau with the cost model
+    tile_size: int = 128  # tau is rounded down to a multiple of this
     max_num_seqs: int = 256
     watermark: float = 0.01
     preemption_mode: PreemptionMode = "recompute"
-    chunked_prefill: bool = True        # False: whole prompts ("hybrid-batching-only")
-    hybrid_batching: bool = True        # False: prefill-only or decode-only steps
+    chunked_prefill: bool = True  # False: whole prompts ("hybrid-batching-only")
+    hybrid_batching: bool = True  # False: prefill-only or decode-only steps
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key, value in (("chunked_prefill", self.chunked_prefill),
-                           ("hybrid_batching", self.hybrid_batching)):
+        for key, value in (
+            ("chunked_prefill", self.chunked_prefill),
+            ("hybrid_batching", self.hybrid_batching),
+        ):
             if not isinstance(value, bool):
                 raise KnobError(f"{key} must be true or false, got {value!r}")
         if not self.chunked_prefill and not self.hybrid_batching:
-            raise KnobError("chunked_prefill=false with hybrid_batching=false leaves "
-                            "neither Sarathi-Serve technique; use the `fcfs` policy (vLLM: "
-                            "whole-prompt prefill-only steps, else decode-only steps)")
+            raise KnobError(
+                "chunked_prefill=false with hybrid_batching=false leaves "
+                "neither Sarathi-Serve technique; use the `fcfs` policy (vLLM: "
+                "whole-prompt prefill-only steps, else decode-only steps)"
+            )
 
     def watermark_fraction(self) -> float:
         return self.watermark or 0.0
@@ -87,9 +93,9 @@ class SarathiPolicy(Policy):
     knobs_type = SarathiKnobs
     knobs: SarathiKnobs
     # set by `bind`
-    budget: int                 # tau, tokens per step
-    seqs: int                   # requests per step
-    last_was_prefill: bool      # kind of the previous step (hybrid_batching=False)
+    budget: int  # tau, tokens per step
+    seqs: int  # requests per step
+    last_was_prefill: bool  # kind of the previous step (hybrid_batching=False)
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -141,8 +147,11 @@ class SarathiPolicy(Policy):
 
     def _ongoing_prefills(self, b: Batch, victims: Iterator[Request]) -> None:
         for req in list(self.sched.running.values()):
-            if (req.status is RUNNING and req.num_uncomputed_tokens > 1
-                    and req.request_id not in b.scheduled):
+            if (
+                req.status is RUNNING
+                and req.num_uncomputed_tokens > 1
+                and req.request_id not in b.scheduled
+            ):
                 n = self._chunk(b, req)
                 if n < 1 or b.num_seqs >= self.seqs:
                     break
@@ -188,8 +197,10 @@ class SarathiPolicy(Policy):
             n = self._chunk(b, req)
             if n < 1 or b.num_seqs >= self.seqs:
                 break
-            need = max(bm.num_host_blocks_of(req.request_id),
-                       bm.blocks_for_tokens(req.num_computed_tokens + n))
+            need = max(
+                bm.num_host_blocks_of(req.request_id),
+                bm.blocks_for_tokens(req.num_computed_tokens + n),
+            )
             if need > bm.num_free_device_blocks or not b.swap_in(req):
                 break
             b.schedule(req, n)

@@ -16,6 +16,7 @@ JCT (deadline) requests get a per-iteration allowed wait instead:
     base = (SLO_JCT - T_e,total) / (N_ck + S_g)
 and each iteration's over- or under-use of its allowed wait is carried to the next one.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,15 +31,15 @@ if TYPE_CHECKING:
     from services.scheduler.core.request import Request
 
 RUNNING = RequestStatus.RUNNING
-Entry = tuple[float, int, str]      # (due, version, request id)
+Entry = tuple[float, int, str]  # (due, version, request id)
 
 
 class SlackQueue:
     def __init__(self, policy: AccelGenPolicy) -> None:
         self.p = policy
         self.by_arrival = not policy.knobs.slack_ordering
-        self.heap: list[Entry] = []         # waiting and swapped requests
-        self.resident: list[Entry] = []     # requests with KV on the device
+        self.heap: list[Entry] = []  # waiting and swapped requests
+        self.resident: list[Entry] = []  # requests with KV on the device
         self.ver: dict[str, int] = {}
         self.due: dict[str, float] = {}
         self.enter: dict[str, float] = {}

@@ -4,6 +4,7 @@ Most steps evict a handful of requests, so ordering every resident request up fr
 wasted work: candidates come from generators (a heap popped on demand, a walk of the level
 queues) and can be handed back when a caller decides not to evict them after all.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     from services.scheduler.core.request import Request
 
-Ranked = tuple[int, "Request"]      # (rank of the chosen job it may be evicted for, request)
+Ranked = tuple[int, "Request"]  # (rank of the chosen job it may be evicted for, request)
 T = TypeVar("T", bound=tuple[object, ...])
 
 
@@ -23,7 +24,7 @@ class Victims:
 
     def __init__(self, *sources: Iterable[Ranked]) -> None:
         self._src: Iterator[Ranked] = itertools.chain(*sources)
-        self._back: list[Ranked] = []          # handed-back items; the last one comes next
+        self._back: list[Ranked] = []  # handed-back items; the last one comes next
 
     def peek(self) -> Ranked | None:
         if not self._back:
