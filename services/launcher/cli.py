@@ -17,8 +17,8 @@ from pathlib import Path
 
 def _curl_example(url: str, model: str) -> str:
     body = (
-        '{"model": "%s", "stream": true, "max_tokens": 64, '
-        '"messages": [{"role": "user", "content": "Tell me a fun fact about owls."}]}' % model
+        f'{{"model": "{model}", "stream": true, "max_tokens": 64, '
+        '"messages": [{"role": "user", "content": "Tell me a fun fact about owls."}]}'
     )
     return f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 

@@ -59,7 +59,7 @@ def embedder_dir(name: str) -> Path:
         spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(f"package {_BUNDLED_PACKAGE!r} is not installed")
-        return Path(list(spec.submodule_search_locations)[0]) / "model"
+        return Path(next(iter(spec.submodule_search_locations))) / "model"
     path = Path(name).expanduser()
     if not (path / "modules.json").exists() and not (path / "config.json").exists():
         raise FileNotFoundError(

@@ -162,9 +162,7 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
         return path
     staging = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     tiny.make_tiny_model(staging / "model", arch, seed=seed)
-    try:
+    with contextlib.suppress(OSError):  # another process won the race: use its copy
         os.rename(staging / "model", path)
-    except OSError:  # another process won the race: use its copy
-        pass
     shutil.rmtree(staging, ignore_errors=True)
     return path

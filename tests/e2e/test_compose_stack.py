@@ -37,7 +37,7 @@ def _engine_or_skip():
 
 
 def test_compose_stack_streams_an_answer():
-    client, compose = _engine_or_skip()
+    _, compose = _engine_or_skip()
     project = ["-p", "alise-test", "-f", str(ROOT / "docker-compose.yml")]
     subprocess.run([*compose, *project, "build"], check=True, cwd=ROOT, timeout=3600)
     subprocess.run([*compose, *project, "up", "-d"], check=True, cwd=ROOT, timeout=1800)

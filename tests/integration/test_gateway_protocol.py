@@ -277,7 +277,7 @@ def test_client_disconnect_aborts_upstream_and_frees_kv(stack, model):
     }
     with httpx.stream("POST", stack["url"] + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
-        assert next(l for l in lines if l.startswith("data: "))
+        assert next(line for line in lines if line.startswith("data: "))
         mid = stats(stack)
         assert mid.running >= 1
 

@@ -186,10 +186,12 @@ async def test_full_queue_is_resource_exhausted(redis_server):
 
 async def test_no_executor_fails_after_grace(redis_server):
     nowhere = f"127.0.0.1:{free_port()}"
-    async with running_scheduler(redis_server.url, [nowhere], executor_grace_s=0.3) as handle:
-        async with aio_channel(handle.address) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            events = await generate(stub, gen_request("g", [7, 8], 4), timeout=10)
+    async with (
+        running_scheduler(redis_server.url, [nowhere], executor_grace_s=0.3) as handle,
+        aio_channel(handle.address) as channel,
+    ):
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        events = await generate(stub, gen_request("g", [7, 8], 4), timeout=10)
     assert len(events) == 1 and events[0].finish_reason == "error"
     assert "no executor" in events[0].error
 

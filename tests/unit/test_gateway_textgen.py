@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,7 +102,7 @@ def test_no_stop_passes_everything_through():
 )
 def test_stop_matches_like_str_find(text, stop, cuts):
     bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out, matched = feed(StopMatcher([stop]), chunks)
     index = text.find(stop)
     assert matched == (index >= 0)

@@ -193,9 +193,10 @@ class Scheduler:
     @staticmethod
     def _stop_reason(req: Request, token: int, limit: int) -> str | None:
         n = len(req.output_token_ids)
-        if n >= req.min_tokens:
-            if token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids):
-                return "stop"
+        if n >= req.min_tokens and (
+            token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids)
+        ):
+            return "stop"
         if n >= req.max_tokens or req.num_tokens >= limit:
             return "length"
         return None
