@@ -2,17 +2,15 @@
 
 import asyncio
 import time
-from types import SimpleNamespace
 
-from services.common.settings import SchedulerSettings
-from services.scheduler.loop import ExecutorLoop
+from services.scheduler.loop import ExecutorLoop, LoopTiming
+from services.scheduler.service import SchedulerService
 
 
 def _loop(spin_ms: float) -> ExecutorLoop:
-    # only the settings are read by _wait_hot; the client's channel is never used here
-    return ExecutorLoop(
-        "127.0.0.1:9", SimpleNamespace(settings=SchedulerSettings(step_spin_ms=spin_ms))
-    )
+    # only the timing is read by _wait_hot: no host call, and the client's channel is unused
+    host: SchedulerService = None  # type: ignore[assignment]
+    return ExecutorLoop("127.0.0.1:9", host, LoopTiming(step_spin_ms=spin_ms))
 
 
 async def test_wait_hot_returns_once_the_step_ends():
