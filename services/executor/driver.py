@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.common.arith import ceil_div
 from services.common.sampling import SamplingParams
 from services.executor.messages import NewRequest, StepInput, StepOutput
 
@@ -45,7 +46,7 @@ class Driver:
         self.steps = 0
 
     def _blocks_for(self, seq: DriverSeq) -> int:
-        return -(-(len(seq.prompt) + seq.max_tokens) // self.engine.block_size)
+        return ceil_div(len(seq.prompt) + seq.max_tokens, self.engine.block_size)
 
     def generate(
         self,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy.optimize import nnls
 
+from services.common.arith import ceil_div
 from services.executor.messages import NewRequest, StepInput
 
 if TYPE_CHECKING:
@@ -64,14 +65,14 @@ class StepTimer:
     def _new(self, step: StepInput, length: int, computed: int) -> str:
         rid = f"profile-{self.n}"
         self.n += 1
-        blocks = [self.free.pop() for _ in range(-(-(length + 8) // self.bs))]
+        blocks = [self.free.pop() for _ in range(ceil_div(length + 8, self.bs))]
         step.new_requests.append(NewRequest(rid, [1] * length))
         step.block_tables[rid] = (blocks, False)
         self._computed[rid] = (computed, blocks)
         return rid
 
     def fits(self, prefill: int, decodes: int, context: int) -> bool:
-        need = -(-(prefill + 8) // self.bs) + decodes * -(-(context + 8) // self.bs)
+        need = ceil_div(prefill + 8, self.bs) + decodes * ceil_div(context + 8, self.bs)
         return (
             need <= len(self.free)
             and prefill + 8 <= self.engine.max_model_len

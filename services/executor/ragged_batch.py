@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.arith import ceil_div
+
 
 @dataclass
 class TokenRun:
@@ -80,7 +82,7 @@ class StepBatch:
 
 def _group(runs: list[TokenRun], row_start: int, block_size: int, device) -> Group:
     q_max = max(r.q_len for r in runs)
-    nb_max = max(-(-r.ctx_after // block_size) for r in runs)
+    nb_max = max(ceil_div(r.ctx_after, block_size) for r in runs)
     q_pos = torch.full((len(runs), q_max), -1, dtype=torch.long)
     q_rows = torch.full((len(runs), q_max), row_start, dtype=torch.long)
     tables = torch.zeros((len(runs), nb_max), dtype=torch.long)
@@ -88,7 +90,7 @@ def _group(runs: list[TokenRun], row_start: int, block_size: int, device) -> Gro
     for i, r in enumerate(runs):
         q_pos[i, : r.q_len] = torch.arange(r.ctx_before, r.ctx_after)
         q_rows[i, : r.q_len] = torch.arange(row, row + r.q_len)
-        nb = -(-r.ctx_after // block_size)
+        nb = ceil_div(r.ctx_after, block_size)
         tables[i, :nb] = torch.tensor(r.block_table[:nb], dtype=torch.long)
         row += r.q_len
     ctx_after = torch.tensor([r.ctx_after for r in runs], dtype=torch.long)
@@ -114,7 +116,7 @@ def split_by_context(
         return [runs] if runs else []
     units: list[list] = []  # [lk, q, runs], ascending lk
     for r in sorted(runs, key=lambda r: (r.ctx_after, r.q_len)):
-        lk = -(-r.ctx_after // block_size) * block_size
+        lk = ceil_div(r.ctx_after, block_size) * block_size
         if units and units[-1][0] == lk and units[-1][1] == r.q_len:
             units[-1][2].append(r)
         else:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.common.arith import ceil_div
 from services.executor.messages import RequestState
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class StepChecker:
                 raise ValueError(f"request {rid!r} is swapped out and has no block table")
             if len(table) * self.bs < end:
                 raise ValueError(
-                    f"request {rid!r} needs {-(-end // self.bs)} blocks for "
+                    f"request {rid!r} needs {ceil_div(end, self.bs)} blocks for "
                     f"{end} tokens but its table has {len(table)}"
                 )
             p.scheduled.append((rid, n))

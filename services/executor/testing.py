@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.common.arith import ceil_div
 from services.executor.messages import NewRequest, StepInput
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ def teacher_forced_logits(
     step = StepInput(0)
     next_block = first_block
     for i, ids in enumerate(prompts):
-        n_blocks = -(-len(ids) // bs)
+        n_blocks = ceil_div(len(ids), bs)
         step.new_requests.append(NewRequest(f"tf{i}", list(ids)))
         step.block_tables[f"tf{i}"] = (list(range(next_block, next_block + n_blocks)), False)
         next_block += n_blocks

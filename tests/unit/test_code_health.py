@@ -439,3 +439,18 @@ def test_no_file_points_outside_the_repository_design_notes():
         f"{needle.decode()} is not in the repository; point at docs/ "
         "instead:\n  " + "\n  ".join(offenders)
     )
+
+
+def test_ceiling_division_has_one_definition():
+    """Blocks for n tokens are `ceil_div(n, block_size)` (services/common/arith.py) everywhere,
+    not the `-(-n // b)` idiom written out again."""
+    home = ROOT / "services" / "common" / "arith.py"
+    idiom = "-(-"
+    offenders = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in modules().values()
+        if path != home
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if idiom in line and "//" in line
+    ]
+    assert not offenders, f"write ceil_div(a, b) instead of -(-a // b): {offenders}"
