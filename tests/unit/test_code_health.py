@@ -445,12 +445,16 @@ def test_ceiling_division_has_one_definition():
     """Blocks for n tokens are `ceil_div(n, block_size)` (services/common/arith.py) everywhere,
     not the `-(-n // b)` idiom written out again."""
     home = ROOT / "services" / "common" / "arith.py"
+    # BlockManager.allocate runs once per scheduled request per step: the call is inlined there
+    hot_path = ROOT / "services" / "scheduler" / "core" / "block_manager.py"
     idiom = "-(-"
     offenders = [
         f"{path.relative_to(ROOT)}:{i}"
         for path in modules().values()
-        if path != home
+        if path not in (home, hot_path)
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if idiom in line and "//" in line
     ]
+    hot = [line for line in hot_path.read_text().splitlines() if idiom in line]
+    assert len(hot) == 1, f"only allocate() inlines it: {hot}"
     assert not offenders, f"write ceil_div(a, b) instead of -(-a // b): {offenders}"

@@ -142,9 +142,10 @@ class Batch:
         new_requests: list[NewRequestData] = []
         decodes: list[str] = []
         context, now = 0, self.now
+        fresh = sched.mark_sent(self.scheduled.keys())
         for rid, n in self.scheduled.items():
             req = reqs[rid]
-            if sched.mark_sent(rid):
+            if rid in fresh:
                 new_requests.append(
                     NewRequestData(rid, req.all_token_ids, req.sampling, len(req.output_token_ids))
                 )

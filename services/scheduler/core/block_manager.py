@@ -83,8 +83,8 @@ class BlockManager:
         rid = req.request_id
         if rid in self._host:
             raise ValueError(f"request {rid} is swapped out; swap it in before allocating")
-        table = self._dev.get(rid)  # num_new_blocks, inlined: this is the hot path
-        need = ceil_div(req.num_computed_tokens + num_new_tokens, self.block_size)
+        table = self._dev.get(rid)  # num_new_blocks and ceil_div inlined: the hot path
+        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
         if table:
             need -= len(table)
         if need <= 0:

@@ -14,6 +14,7 @@ still find the requests whose free may not have reached the executor.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -185,7 +186,7 @@ class Scheduler:
         req.output_logprobs.append(logprob)
         req.token_times.append(now)
         index = len(req.output_token_ids) - 1
-        reason = self._stop_reason(req, token, self.length_limit(req))
+        reason = self._stop_reason(req, token, req.max_model_len or self.max_model_len)
         if reason is not None:
             self._finish(req, reason, now)
         return RequestUpdate(req.request_id, (token, logprob, index), reason is not None, reason)
@@ -241,12 +242,12 @@ class Scheduler:
         self._queue(status)[req.request_id] = req
         self.policy.on_move(req, status)
 
-    def mark_sent(self, request_id: str) -> bool:
-        """The executor learns of `request_id` in the step being built; False if it knew it."""
-        if request_id in self._sent:
-            return False
-        self._sent.add(request_id)
-        return True
+    def mark_sent(self, request_ids: Iterable[str]) -> set[str]:
+        """The executor learns of `request_ids` in the step being built; returns the ones it
+        did not know yet (they go out as new requests). One set operation per step."""
+        fresh = set(request_ids) - self._sent
+        self._sent |= fresh
+        return fresh
 
     def forget(self, request_id: str) -> bool:
         """The executor drops its state of `request_id`; True if it held any (free it)."""
