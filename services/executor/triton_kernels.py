@@ -20,9 +20,79 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
+def _dequantize_block(
+    K, V, KS, KO, VS, VO, blk_base, tile, d, s, BS: tl.constexpr, D: tl.constexpr
+):
+    """One sealed INT8 block as float32 [BS, D]: codes * scale - offset, keys per channel and
+    values per token."""
+    k_codes = tl.load(K + blk_base * BS * D + tile).to(tl.float32)
+    k_scale = tl.load(KS + blk_base * D + d)[None, :].to(tl.float32)
+    k = k_codes * k_scale - tl.load(KO + blk_base * D + d)[None, :].to(tl.float32)
+    v_codes = tl.load(V + blk_base * BS * D + tile).to(tl.float32)
+    v_scale = tl.load(VS + blk_base * BS + s)[:, None].to(tl.float32)
+    v = v_codes * v_scale - tl.load(VO + blk_base * BS + s)[:, None].to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _load_kv_block(
+    blk,
+    n_full,
+    blocks,
+    head_base,
+    stage_base,
+    K,
+    V,
+    KS,
+    KO,
+    VS,
+    VO,
+    KST,
+    VST,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    INT8: tl.constexpr,
+):
+    """Context block `blk` of one request and KV head as float32 K and V tiles [BS, D].
+    blocks: the request's block-table row; head_base: the KV head's block 0 (hk * NB);
+    stage_base: its open block's offset in the INT8 staging area. INT8: sealed blocks (below
+    n_full) are dequantized, the open block comes exact from staging."""
+    d = tl.arange(0, D)
+    s = tl.arange(0, BS)
+    tile = s[:, None] * D + d[None, :]  # [BS, D]
+    if INT8:
+        if blk >= n_full:  # open block: exact
+            k = tl.load(KST + stage_base + tile).to(tl.float32)
+            v = tl.load(VST + stage_base + tile).to(tl.float32)
+        else:
+            b = tl.load(blocks + blk)
+            k, v = _dequantize_block(K, V, KS, KO, VS, VO, head_base + b, tile, d, s, BS, D)
+    else:
+        b = tl.load(blocks + blk)
+        base = (head_base + b) * BS * D
+        k = tl.load(K + base + tile).to(tl.float32)
+        v = tl.load(V + base + tile).to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, valid, m, l_sum, acc):
+    """Fold one K/V tile into the running max m [BG], sum l_sum [BG] and output acc [BG, D];
+    `valid` [BS] masks the tile's positions past the query (causal)."""
+    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BG, BS]
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def paged_attention(
     Q,
-    O,
+    OUT,
     TOK_REQ,
     TOK_POS,
     TABLES,
@@ -48,7 +118,7 @@ def paged_attention(
     INT8: tl.constexpr,
 ):
     """One program per (query token, KV head): its G query heads against the request's
-    context blocks 0..pos//BS, online softmax. Q, O [T, H, D]."""
+    context blocks 0..pos//BS, online softmax. Q, OUT [T, H, D]."""
     t = tl.program_id(0)
     hk = tl.program_id(1)
     r = tl.load(TOK_REQ + t)
@@ -64,40 +134,18 @@ def paged_attention(
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     n_full = tl.load(REQ_CTX + r) // BS
-    slot = tl.load(REQ_SLOT + r)
-    tile = s[:, None] * D + d[None, :]  # [BS, D]
+    blocks = TABLES + r * nb_max  # the request's block-table row
+    head_base = hk * nb_total  # this KV head's block 0
+    stage_base = (hk * n_slots + tl.load(REQ_SLOT + r)) * BS * D  # INT8 open block
     for blk in range(0, pos // BS + 1):
-        if INT8:
-            if blk >= n_full:  # open block: exact
-                base = (hk * n_slots + slot) * BS * D
-                k = tl.load(KST + base + tile).to(tl.float32)
-                v = tl.load(VST + base + tile).to(tl.float32)
-            else:
-                b = tl.load(TABLES + r * nb_max + blk)
-                blk_base = hk * nb_total + b
-                k = tl.load(K + blk_base * BS * D + tile).to(tl.float32) * tl.load(
-                    KS + blk_base * D + d
-                )[None, :].to(tl.float32) - tl.load(KO + blk_base * D + d)[None, :].to(tl.float32)
-                v = tl.load(V + blk_base * BS * D + tile).to(tl.float32) * tl.load(
-                    VS + blk_base * BS + s
-                )[:, None].to(tl.float32) - tl.load(VO + blk_base * BS + s)[:, None].to(tl.float32)
-        else:
-            b = tl.load(TABLES + r * nb_max + blk)
-            base = (hk * nb_total + b) * BS * D
-            k = tl.load(K + base + tile).to(tl.float32)
-            v = tl.load(V + base + tile).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BG, BS]
-        scores = tl.where((blk * BS + s <= pos)[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
+        k, v = _load_kv_block(
+            blk, n_full, blocks, head_base, stage_base, K, V, KS, KO, VS, VO, KST, VST, BS, D, INT8
+        )
+        m, l_sum, acc = _online_softmax_step(q, k, v, blk * BS + s <= pos, m, l_sum, acc)
     out = acc / l_sum[:, None]
     tl.store(
-        O + t * H * D + heads[:, None] * D + d[None, :],
-        out.to(O.dtype.element_ty),
+        OUT + t * H * D + heads[:, None] * D + d[None, :],
+        out.to(OUT.dtype.element_ty),
         mask=gmask[:, None],
     )
 

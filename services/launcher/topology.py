@@ -68,22 +68,26 @@ def local_topology(
             tuple(n for n, _ in executors),
         )
     )
-    specs.append(
-        ServiceSpec(
-            "gateway",
-            ("gateway", "serve"),
-            {
-                "ALISE_GATEWAY_HOST": gateway_host,
-                "ALISE_GATEWAY_PORT": str(gateway_port),
-                "ALISE_SCHEDULER_ADDRESS": f"{host}:{SCHEDULER_PORT}",
-                "ALISE_PREDICTOR_ADDRESSES": f"{host}:{PREDICTOR_PORT}",
-            },
-            (
-                "http",
-                f"http://{host if gateway_host in ('0.0.0.0', '') else gateway_host}:"
-                f"{gateway_port}/health",
-            ),
-            ("scheduler", "predictor"),
-        )
-    )
+    specs.append(_gateway_spec(host, gateway_host, gateway_port))
     return specs
+
+
+def _gateway_spec(host: str, gateway_host: str, gateway_port: int) -> ServiceSpec:
+    """The gateway: listens on gateway_host, reaches the scheduler and predictor on host; its
+    health URL uses host when it listens on all interfaces."""
+    return ServiceSpec(
+        "gateway",
+        ("gateway", "serve"),
+        {
+            "ALISE_GATEWAY_HOST": gateway_host,
+            "ALISE_GATEWAY_PORT": str(gateway_port),
+            "ALISE_SCHEDULER_ADDRESS": f"{host}:{SCHEDULER_PORT}",
+            "ALISE_PREDICTOR_ADDRESSES": f"{host}:{PREDICTOR_PORT}",
+        },
+        (
+            "http",
+            f"http://{host if gateway_host in ('0.0.0.0', '') else gateway_host}:"
+            f"{gateway_port}/health",
+        ),
+        ("scheduler", "predictor"),
+    )

@@ -129,6 +129,23 @@ def _time(methods: dict, singles: list[str], batches: list[list[str]]) -> dict:
     }
 
 
+def _timed_methods(
+    embedder, store, mlp, proxy, model: str, prior: float, k: int, s0: float
+) -> dict[str, Callable[[list[str]], object]]:
+    """Each method as prompts -> lengths, each through its own `LengthPredictor` (the proxy,
+    when there is one, through its own encoder)."""
+    methods = {
+        "prior": lambda ps: [prior] * len(ps),
+        "mlp": LengthPredictor(embedder, None, mlp, prior, k, s0).predict,
+        "retrieval": LengthPredictor(embedder, store, None, prior, k, -1.0).predict,
+        "ours": LengthPredictor(embedder, store, mlp, prior, k, s0).predict,
+    }
+    methods = {m: partial(fn, model) if m != "prior" else fn for m, fn in methods.items()}
+    if proxy is not None:
+        methods["proxy"] = proxy.predict
+    return methods
+
+
 def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     from services.predictor.build import embedding_cache, make_embedder, served_models
     from services.predictor.mlp import length_feature, train
@@ -177,15 +194,7 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
                 1,
             )
             hits["proxy"] = 0.0
-        methods = {
-            "prior": lambda ps: [prior] * len(ps),
-            "mlp": LengthPredictor(embedder, None, mlp, prior, k, s0).predict,
-            "retrieval": LengthPredictor(embedder, store, None, prior, k, -1.0).predict,
-            "ours": LengthPredictor(embedder, store, mlp, prior, k, s0).predict,
-        }
-        methods = {m: partial(fn, model) if m != "prior" else fn for m, fn in methods.items()}
-        if proxy is not None:
-            methods["proxy"] = proxy.predict
+        methods = _timed_methods(embedder, store, mlp, proxy, model, prior, k, s0)
         n_single = min(args.latency_samples, len(test_p))
         batches = [test_p[n_single + 32 * b : n_single + 32 * (b + 1)] for b in range(args.batches)]
         timing = _time(methods, test_p[:n_single], [b for b in batches if b])

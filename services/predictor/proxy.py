@@ -118,8 +118,34 @@ def train_proxy(
     )
     target = torch.from_numpy((y - y_mean) / y_std)  # [N]
     texts = [s.prompt for s in samples]
-    t0, losses = time.perf_counter(), []
-    encoder.train(), head.train()
+    t0 = time.perf_counter()
+    losses = _fit(proxy, opt, texts, target, epochs, batch, t0)
+    encoder.max_seq_length = settings.predictor_embed_tokens
+    path = proxy_dir(settings, model_id)
+    proxy.save(path)
+    return {
+        "path": str(path),
+        "samples": len(samples),
+        "epochs": epochs,
+        "train_tokens": train_tokens,
+        "train_s": round(time.perf_counter() - t0, 1),
+        "final_loss": round(float(np.mean(losses[-20:])), 4),
+    }
+
+
+def _fit(
+    proxy: ProxyPredictor,
+    opt: torch.optim.Optimizer,
+    texts: list[str],
+    target: torch.Tensor,
+    epochs: int,
+    batch: int,
+    t0: float,
+) -> list[float]:
+    """The training loop (encoder and head in train mode, back in eval mode after): MSE on the
+    standardised targets, shuffled batches; returns the loss of every step."""
+    losses: list[float] = []
+    proxy.encoder.train(), proxy.head.train()
     for _ in range(epochs):
         for idx in torch.randperm(len(texts)).split(batch):
             loss = nn.functional.mse_loss(proxy._forward([texts[i] for i in idx]), target[idx])
@@ -134,15 +160,5 @@ def train_proxy(
                     float(np.mean(losses[-20:])),
                     time.perf_counter() - t0,
                 )
-    encoder.eval(), head.eval()
-    encoder.max_seq_length = settings.predictor_embed_tokens
-    path = proxy_dir(settings, model_id)
-    proxy.save(path)
-    return {
-        "path": str(path),
-        "samples": len(samples),
-        "epochs": epochs,
-        "train_tokens": train_tokens,
-        "train_s": round(time.perf_counter() - t0, 1),
-        "final_loss": round(float(np.mean(losses[-20:])), 4),
-    }
+    proxy.encoder.eval(), proxy.head.eval()
+    return losses

@@ -29,6 +29,12 @@ def _rates(text: str) -> list[float]:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    """Options shared by `run` and `sweep`: the workload, then the simulated deployment."""
+    _workload_args(p)
+    _deployment_args(p)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace",
         default="sharegpt",
@@ -48,6 +54,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         default="none",
         help="none | uniform:tbt=S[,ttft=S] | heterogeneous[:scales=a/b/..] (+ ,jct_share=F)",
     )
+
+
+def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         default="a100-80g/llama-2-7b",
@@ -258,6 +267,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser("sim", help="discrete-event simulator of the scheduling core")
     group.set_defaults(_parser=group)
     inner = group.add_subparsers(dest="sim_command", metavar="COMMAND")
+    _register_run(inner)
+    _register_sweep(inner)
+    _register_fidelity(inner)
+    _register_report(inner)
+
+
+def _register_run(inner: argparse._SubParsersAction) -> None:
     run = inner.add_parser("run", help="simulate one policy at one rate; print metrics JSON")
     run.add_argument("--policy", default="fcfs", help="name[:knob=value,...][@prediction]")
     run.add_argument(
@@ -271,6 +287,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--iterations", help="write per-iteration records (JSONL)")
     _common(run)
     run.set_defaults(func=_run)
+
+
+def _register_sweep(inner: argparse._SubParsersAction) -> None:
     sw = inner.add_parser("sweep", help="policies x rates, capacity search, results.json + plots")
     sw.add_argument(
         "--policies",
@@ -307,6 +326,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sw.add_argument("--no-plots", action="store_true")
     _common(sw)
     sw.set_defaults(func=_sweep)
+
+
+def _register_fidelity(inner: argparse._SubParsersAction) -> None:
     fid = inner.add_parser(
         "fidelity",
         help="simulator vs the real in-process executor on "
@@ -333,6 +355,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fid.add_argument("--seed", type=int, default=0)
     fid.add_argument("--json", help="also write the report here")
     fid.set_defaults(func=_fidelity)
+
+
+def _register_report(inner: argparse._SubParsersAction) -> None:
     rep = inner.add_parser("report", help="Markdown tables from a sweep's results.json")
     rep.add_argument("results", help="results.json of `alise sim sweep`")
     rep.add_argument(
