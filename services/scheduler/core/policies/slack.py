@@ -38,6 +38,9 @@ class SlackQueue:
     def __init__(self, policy: AccelGenPolicy) -> None:
         self.p = policy
         self.by_arrival = not policy.knobs.slack_ordering
+        # read on every slack computation: kept here rather than two lookups away
+        self.default_tbt_s = policy.knobs.default_tbt_s
+        self.default_ttft_s = policy.knobs.default_ttft_s
         self.heap: list[Entry] = []  # waiting and swapped requests
         self.resident: list[Entry] = []  # requests with KV on the device
         self.ver: dict[str, int] = {}
@@ -53,8 +56,8 @@ class SlackQueue:
         if req.request_id in self.jct_base:
             return self.jct_base[req.request_id] + self.p.t_max()
         if req.output_token_ids:
-            return req.slo.tbt_s or self.p.knobs.default_tbt_s
-        return req.slo.ttft_s or self.p.knobs.default_ttft_s
+            return req.slo.tbt_s or self.default_tbt_s
+        return req.slo.ttft_s or self.default_ttft_s
 
     def _exec(self, req: Request) -> float:
         n = req.num_uncomputed_tokens
