@@ -101,11 +101,6 @@ class StepRecorder:
                 step.round_trip_s,
             )
 
-    def executor_state(self, loop: ExecutorLoop) -> IterationWrite:
-        w = IterationWrite()
-        w.executors[loop.address] = executor_fields(loop)
-        return w
-
     def record(
         self, addr: str, out: SchedulerOutput, updates: list[RequestUpdate]
     ) -> IterationWrite:
