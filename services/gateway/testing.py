@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -59,10 +60,13 @@ def running_gateway(
 
 
 class ProcessStack:
-    """Executor, scheduler and gateway as separate `alise ... serve` processes on free loopback
-    ports (plus a private embedded Redis), for benchmarks. `model="tiny"` builds a random-
-    weight model with the bundled tokenizer; `with_executor=False` leaves the scheduler
-    without one, so requests wait in its queue (idle streams)."""
+    """Executors, schedulers and a gateway as separate `alise ... serve` processes on free
+    loopback ports (plus a private embedded Redis), for tests and benchmarks that kill and
+    restart services. `model="tiny"` builds a random-weight model with the bundled tokenizer;
+    `with_executor=False` leaves the scheduler without one, so requests wait in its queue (idle
+    streams). Children are named `executor-0..`, `scheduler-0..` (the first is the leader at
+    start, the others stand by), `predictor` (with `with_predictor`) and `gateway`. `watch()`
+    restarts crashed children like `alise serve` does."""
 
     def __init__(
         self,
@@ -71,17 +75,29 @@ class ProcessStack:
         with_executor: bool = True,
         env: dict[str, str] | None = None,
         health_timeout_s: float = 300.0,
+        num_executors: int = 1,
+        num_schedulers: int = 1,
+        with_predictor: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.model = model
-        self.with_executor = with_executor
+        self.num_executors = num_executors if with_executor else 0
+        self.num_schedulers = num_schedulers
+        self.with_predictor = with_predictor
         self.extra_env = env or {}
         self.health_timeout_s = health_timeout_s
         self.supervisor: Supervisor | None = None
         self.redis: EmbeddedRedis | None = None
         self.url = ""
         self.model_id = ""
-        self.scheduler_address = ""
+        self.executor_addresses: list[str] = []
+        self.scheduler_addresses: list[str] = []
+        self._watcher: threading.Thread | None = None
+        self._stop_watch = threading.Event()
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.scheduler_addresses[0]
 
     def _model_setting(self) -> str:
         if self.model != "tiny":
@@ -90,50 +106,71 @@ class ProcessStack:
 
         return str(make_tiny_model(self.run_dir / "tiny-model"))
 
-    def _specs(self, model: str) -> list[ServiceSpec]:
+    def _specs(self) -> list[ServiceSpec]:
         from services.launcher.topology import ServiceSpec
 
-        ex_port, sch_port, gw_port = free_port(), free_port(), free_port()
-        executor = f"127.0.0.1:{ex_port}" if self.with_executor else f"127.0.0.1:{free_port()}"
         specs = []
-        if self.with_executor:
+        for i in range(self.num_executors):
+            port = free_port()
+            self.executor_addresses.append(f"127.0.0.1:{port}")
             specs.append(
                 ServiceSpec(
-                    "executor",
+                    f"executor-{i}",
                     ("executor", "serve"),
-                    {"ALISE_EXECUTOR_PORT": str(ex_port), "ALISE_DEVICE": "cpu"},
-                    ("grpc", executor),
+                    {"ALISE_EXECUTOR_PORT": str(port), "ALISE_DEVICE": "cpu"},
+                    ("grpc", self.executor_addresses[-1]),
                 )
             )
-        specs.append(
-            ServiceSpec(
-                "scheduler",
-                ("scheduler", "serve"),
-                {
-                    "ALISE_SCHEDULER_PORT": str(sch_port),
-                    "ALISE_EXECUTORS": executor,
-                    "ALISE_REDIS_URL": self.redis.url,
-                    "ALISE_EXECUTOR_GRACE_S": "3600",
-                },
-                ("grpc", f"127.0.0.1:{sch_port}"),
-                ("executor",) if self.with_executor else (),
+        executors = self.executor_addresses or [f"127.0.0.1:{free_port()}"]
+        predictor = f"127.0.0.1:{free_port()}"
+        if self.with_predictor:
+            specs.append(
+                ServiceSpec(
+                    "predictor",
+                    ("predictor", "serve"),
+                    {"ALISE_PREDICTOR_PORT": predictor.rsplit(":", 1)[1]},
+                    ("grpc", predictor),
+                )
             )
-        )
+        specs += self._scheduler_specs(executors)
+        gw_port = free_port()
         self.url = f"http://127.0.0.1:{gw_port}"
-        self.scheduler_address = f"127.0.0.1:{sch_port}"
         specs.append(
             ServiceSpec(
                 "gateway",
                 ("gateway", "serve"),
                 {
                     "ALISE_GATEWAY_PORT": str(gw_port),
-                    "ALISE_SCHEDULER_ADDRESS": f"127.0.0.1:{sch_port}",
-                    "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}",
+                    "ALISE_SCHEDULER_ADDRESS": ",".join(self.scheduler_addresses),
+                    "ALISE_PREDICTOR_ADDRESSES": predictor,
                 },
                 ("http", self.url + "/v1/models"),
-                ("scheduler",),
+                ("scheduler-0",),
             )
         )
+        return specs
+
+    def _scheduler_specs(self, executors: list[str]) -> list[ServiceSpec]:
+        from services.launcher.topology import ServiceSpec
+
+        specs = []
+        for i in range(self.num_schedulers):
+            port = free_port()
+            self.scheduler_addresses.append(f"127.0.0.1:{port}")
+            specs.append(
+                ServiceSpec(
+                    f"scheduler-{i}",
+                    ("scheduler", "serve"),
+                    {
+                        "ALISE_SCHEDULER_PORT": str(port),
+                        "ALISE_EXECUTORS": ",".join(executors),
+                        "ALISE_REDIS_URL": self.redis.url,
+                        "ALISE_EXECUTOR_GRACE_S": "3600",
+                    },
+                    ("grpc", self.scheduler_addresses[-1]),
+                    tuple(f"executor-{j}" for j in range(self.num_executors)),
+                )
+            )
         return specs
 
     def __enter__(self) -> ProcessStack:
@@ -154,7 +191,7 @@ class ProcessStack:
                 **self.extra_env,
             }
         )
-        self.supervisor = Supervisor(self._specs(model), self.run_dir / "logs", env)
+        self.supervisor = Supervisor(self._specs(), self.run_dir / "logs", env)
         try:
             self.supervisor.start_all(self.health_timeout_s)
         except BaseException:
@@ -164,9 +201,37 @@ class ProcessStack:
 
     @property
     def gateway_pid(self) -> int:
-        return self.supervisor.pids()["gateway"]
+        return self.pid("gateway")
+
+    def pid(self, name: str) -> int:
+        return self.supervisor.pids()[name]
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` (e.g. signal.SIGKILL, SIGSTOP, SIGCONT) to one child."""
+        os.kill(self.pid(name), sig)
+
+    def restart(self, name: str) -> None:
+        """Start a child again that was killed (not waiting for its health)."""
+        child = self.supervisor.child(name)
+        if child.process is not None and child.process.poll() is None:
+            child.process.kill()
+            child.process.wait()
+        child.start(self.supervisor.env)
+
+    def watch(self, interval_s: float = 0.2) -> None:
+        """Restart crashed children in the background, as `alise serve` does."""
+
+        def run() -> None:
+            while not self._stop_watch.wait(interval_s):
+                self.supervisor.poll()
+
+        self._watcher = threading.Thread(target=run, name="stack-watch", daemon=True)
+        self._watcher.start()
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_watch.set()
+        if self._watcher is not None:
+            self._watcher.join(5)
         if self.supervisor is not None:
             self.supervisor.stop_all(timeout=10)
         if self.redis is not None:

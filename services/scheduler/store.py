@@ -69,13 +69,21 @@ def decode_tokens(blob: bytes | None) -> list[tuple[int, float, float]]:
     return [TOKEN.unpack_from(blob, off) for off in range(0, usable, TOKEN.size)]
 
 
+class Fenced(Exception):
+    """A write was refused: another scheduler holds a newer leadership epoch (lease.py)."""
+
+
 class Store:
-    """Async Redis access: reads, one-off writes, and the pipelined iteration commit."""
+    """Async Redis access: reads, one-off writes, and the pipelined iteration commit.
+
+    `epoch` is this scheduler's leadership epoch (0 = unfenced); commits carry it and Redis
+    refuses them once another scheduler has taken over (store_script.py)."""
 
     def __init__(self, url: str, namespace: str = "alise", retention_s: float = 300.0) -> None:
         self.client = aioredis.Redis.from_url(url, decode_responses=False)
         self.keys = Keys(namespace)
         self.retention_s = retention_s
+        self.epoch = 0
         self._script = None
 
     async def close(self) -> None:
@@ -142,7 +150,9 @@ class Store:
         if self._script is None:
             self._script = self.client.register_script(LUA)
         ttl_ms = max(1, int(self.retention_s * 1000))
-        await self._script(args=script_args(self.keys.ns, ttl_ms, writes))
+        done = await self._script(args=script_args(self.keys.ns, ttl_ms, writes, self.epoch))
+        if done == -1:
+            raise Fenced(f"epoch {self.epoch} is no longer the leader's")
 
 
 class StoreWriter:

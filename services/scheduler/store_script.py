@@ -2,7 +2,7 @@
 reply instead of ~2 per request, which keeps the client-side cost of a 64-request iteration
 small (parsing a reply per command dominated the pipeline version).
 
-ARGV[1] is JSON: [ns, ttl_ms, queues, writes]; each write is
+ARGV[1] is JSON: [ns, ttl_ms, queues, writes, epoch]; each write is
     {"t": [[rid, start, blob_index], ...],          output tokens (blob = ARGV[blob_index])
      "f": [[rid, k1, v1, k2, v2, ...], ...],         record fields (values as strings)
      "q": [[rid, queue or "", score], ...],          queue moves ("" = finished: in none)
@@ -12,6 +12,11 @@ ARGV[1] is JSON: [ns, ttl_ms, queues, writes]; each write is
      "c": [[name, delta], ...]}                      counters
 Every command is idempotent given the same arguments (SETRANGE at fixed offsets, HSET, ZADD,
 SADD/SREM), so a retried commit is harmless.
+
+Fencing: `epoch` is the leadership epoch of the scheduler that built the commit (lease.py). When
+it is not 0 and `{ns}:epoch` holds another value, a newer leader has taken over since: the
+script writes nothing and returns -1 (`Store.commit` raises `Fenced`). Epoch 0 = unfenced
+(tests and tools that write without a lease).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from services.scheduler.iteration_write import QUEUES, TOKEN, IterationWrite
 
 LUA = """
 local head = cjson.decode(ARGV[1])
-local ns, ttl, queues, writes = head[1], head[2], head[3], head[4]
+local ns, ttl, queues, writes, epoch = head[1], head[2], head[3], head[4], head[5]
+if epoch ~= 0 and tonumber(redis.call('GET', ns .. ':epoch') or '0') ~= epoch then
+  return -1
+end
 local function k(kind, id) return ns .. ':' .. kind .. ':' .. id end
 for _, w in ipairs(writes) do
   for _, t in ipairs(w.t) do
@@ -74,9 +82,11 @@ def _write_json(w: IterationWrite, blobs: list[bytes]) -> dict:
     }
 
 
-def script_args(namespace: str, ttl_ms: int, writes: list[IterationWrite]) -> list:
+def script_args(
+    namespace: str, ttl_ms: int, writes: list[IterationWrite], epoch: int = 0
+) -> list:
     """ARGV for LUA: the JSON head, then every token blob."""
     blobs: list[bytes] = []
     body = [_write_json(w, blobs) for w in writes]
-    head = json.dumps([namespace, ttl_ms, list(QUEUES), body], separators=(",", ":"))
+    head = json.dumps([namespace, ttl_ms, list(QUEUES), body, epoch], separators=(",", ":"))
     return [head, *blobs]
