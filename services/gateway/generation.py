@@ -4,7 +4,10 @@
 scheduler has accepted it (its initial metadata or first event), so refusals such as a full
 queue become proper HTTP statuses before any byte of a response is sent. `pieces()` then
 yields `Piece`s of text as tokens arrive, detokenized and stop-string-checked; at a stop
-match the request is aborted upstream. `close()` aborts upstream whatever has not finished
+match the request is aborted upstream. When the scheduler's stream breaks (it crashed,
+stopped, or lost its leadership), the request re-attaches with `resume_from` = the tokens
+already received, on the next scheduler of the list, for up to `resume_timeout_s`: the client
+sees a pause, never a repeated or missing token. `close()` aborts upstream whatever has not finished
 (client gone, timeout, error) and, for requests that ended on EOS, reports the true length
 to the predictor.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -88,18 +92,29 @@ class Generation:
         self.usage: scheduler_pb2.Usage | None = None
         self.text_parts: list[str] = []
         self.closed = False  # set by the route once close() bookkeeping ran
+        self.scheduler_index = 0  # which of the upstream's schedulers serves the stream
+        self.received = 0  # token events received: where a re-attach resumes
+        self.reattaches = 0
+        self.resume_pause_s = 0.0
 
     async def start(self, admission_wait_s: float | None = None) -> None:
         """Predict, then submit. Returns once the scheduler answered (first event, or a
-        refusal), or after `admission_wait_s` without news (None = wait as long as it takes)."""
+        refusal), or after `admission_wait_s` without news (None = wait as long as it takes).
+        A scheduler that cannot be reached is retried like a broken stream (`_reopen`)."""
         self.prediction = await self.upstream.predict(self.plan.model, self.plan.prompt_text)
-        self.call = self.upstream.generate(self.plan.to_pb(self.prediction))
+        self.call, self.scheduler_index = self.upstream.generate(self.plan.to_pb(self.prediction))
         await self._admitted(admission_wait_s)
         if self.call.done():
             code = await self.call.code()
-            if code != grpc.StatusCode.OK:
+            if code == grpc.StatusCode.OK:
+                return
+            error = _call_error(
+                code, await self.call.details(), await self.call.trailing_metadata()
+            )
+            if not self._resumable(error):
                 self.finish_reason = "error"
-                raise from_grpc(_call_error(code, await self.call.details()))
+                raise from_grpc(error)
+            await self._reopen(error)
 
     async def _admitted(self, wait_s: float | None) -> None:
         waiter = asyncio.ensure_future(self.call.initial_metadata())
@@ -115,24 +130,94 @@ class Generation:
             try:
                 event = await self.call.read()
             except grpc.aio.AioRpcError as exc:
-                self.finish_reason = "error"
-                raise from_grpc(exc) from exc
-            if event is grpc.aio.EOF:
-                self.finish_reason = "error"
-                raise APIError(
-                    502, "scheduler closed the stream without finishing", code="upstream_error"
-                )
+                if not self._resumable(exc):
+                    self.finish_reason = "error"
+                    raise from_grpc(exc) from exc
+                await self._reopen(exc)
+                continue
+            if event is grpc.aio.EOF:  # ended without a final event (a scheduler stopping)
+                await self._reopen(None)
+                continue
+            if not event.finished and event.index < self.received:
+                continue  # already sent (a re-attach never repeats one; kept for safety)
             piece = self._apply(event)
             if piece is not None and piece.text:
                 self.text_parts.append(piece.text)
                 yield piece
+
+    def _resumable(self, exc: grpc.aio.AioRpcError) -> bool:
+        """A broken connection or a scheduler that stopped or stands by: worth re-attaching.
+        A refusal carrying `retry-after` (e.g. Redis unreachable) goes back to the client."""
+        if any(key == "retry-after" for key, _ in exc.trailing_metadata() or ()):
+            return False
+        return exc.code() in RESUMABLE
+
+    async def _reopen(self, exc: grpc.aio.AioRpcError | None) -> None:
+        """Re-attach (`resume_from` = tokens received) or, when nothing was received and the
+        scheduler never recorded the request, submit it again; on the next scheduler of the
+        list after UNAVAILABLE, with backoff, for up to `resume_timeout_s`."""
+        failed_at = time.monotonic()
+        deadline = failed_at + self.upstream.settings.resume_timeout_s
+        log.warning(
+            "scheduler stream broke; re-attaching",
+            extra={"request_id": self.plan.request_id, "error": _brief(exc), "sent": self.received},
+        )
+        self.upstream.failover(self.scheduler_index)
+        backoff, fresh = 0.05, False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.finish_reason = "error"
+                raise APIError(
+                    503,
+                    f"scheduler unavailable for {self.upstream.settings.resume_timeout_s:g}s "
+                    f"(last error: {_brief(exc)})",
+                    code="scheduler_unavailable",
+                )
+            await asyncio.sleep(min(backoff, left))
+            backoff = min(backoff * 2, 1.0)
+            exc, fresh = await self._try_reopen(fresh, left)
+            if exc is None:
+                self.reattaches += 1
+                self.resume_pause_s += time.monotonic() - failed_at
+                return
+
+    async def _try_reopen(
+        self, fresh: bool, timeout_s: float
+    ) -> tuple[grpc.aio.AioRpcError | None, bool]:
+        """One attempt: (None, _) when a stream is open again, else (the error, whether the
+        next attempt submits afresh)."""
+        if fresh:
+            pb = self.plan.to_pb(self.prediction)
+        else:
+            pb = scheduler_pb2.GenerateRequest(
+                request_id=self.plan.request_id, resume_from=self.received
+            )
+        call, index = self.upstream.generate(pb, timeout_s=timeout_s)
+        waiter = asyncio.ensure_future(call.initial_metadata())
+        waiter.add_done_callback(_consume)
+        await asyncio.wait([waiter], timeout=timeout_s)
+        if not call.done() or await call.code() == grpc.StatusCode.OK:
+            self.call, self.scheduler_index = call, index
+            return None, fresh
+        code = await call.code()
+        error = _call_error(code, await call.details(), await call.trailing_metadata())
+        if code == grpc.StatusCode.NOT_FOUND and not fresh and self.received == 0:
+            return error, True  # never recorded (or lost before any token): submit it again
+        if code == grpc.StatusCode.ALREADY_EXISTS and fresh:
+            return error, False  # an earlier attempt did record it: re-attach
+        if not self._resumable(error):
+            self.finish_reason = "error"
+            raise from_grpc(error)
+        self.upstream.failover(index)
+        return error, fresh
 
     def _apply(self, event: scheduler_pb2.TokenEvent) -> Piece | None:
         if event.HasField("prediction") and self.used_prediction is None:
             self.used_prediction = event.prediction
         if event.finished:
             return self._finish(event)
-        self.completion_tokens = event.index + 1
+        self.completion_tokens = self.received = event.index + 1
         text, matched = self.stops.push(self.detok.push(event.token_id))
         if matched:
             self.finish_reason = "stop"
@@ -184,5 +269,25 @@ def _consume(task: asyncio.Future[grpc.aio.Metadata]) -> None:
         task.exception()  # retrieved: a failed call reports through call.code() instead
 
 
-def _call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def _call_error(
+    code: grpc.StatusCode, details: str, trailing: grpc.aio.Metadata | None = None
+) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details)
+
+
+def _brief(exc: grpc.aio.AioRpcError | None) -> str:
+    if exc is None:
+        return "stream ended without a final event"
+    return f"{exc.code().name}: {exc.details()}"
+
+
+# Codes after which a stream is re-attached: the connection or the scheduler went away.
+RESUMABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.ABORTED,
+    }
+)

@@ -1,5 +1,8 @@
 """The gateway's gRPC side: scheduler (Generate/Abort/Stats/health) and predictor replicas.
 
+Schedulers: one leads, any others stand by (they answer UNAVAILABLE). The gateway keeps the
+index of the one it believes leads and moves to the next on UNAVAILABLE (`failover`).
+
 Predictions are best effort: one Predict with a short deadline, and any failure (slow, down,
 no replica) means the request goes ahead without one. Observations are fire-and-forget
 background tasks. Aborts are also background tasks so they survive the cancellation of the
@@ -35,28 +38,42 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEALTH_CACHE_S = 1.0
+SCHEDULER_SERVICE = "alise.v1.Scheduler"  # SERVING only on the leading scheduler
 STATS_TIMEOUT_S = 2.0
 
 
 class Upstream:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.scheduler_channel = aio_channel(
-            settings.scheduler_address, idempotent_services=["grpc.health.v1.Health"]
-        )
+        # One channel per scheduler: a leader and its standbys, tried in order (not balanced).
+        self.scheduler_channels = [
+            aio_channel(address, idempotent_services=["grpc.health.v1.Health"])
+            for address in settings.scheduler_address
+        ]
+        self.schedulers = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in self.scheduler_channels]
+        self.leader = 0  # index of the scheduler believed to lead
         self.predictor_channel = aio_channel(
             settings.predictor_addresses, idempotent_services=["alise.v1.Predictor"]
         )
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
         self.predictor = predictor_pb2_grpc.PredictorStub(self.predictor_channel)
         self._tasks: set[asyncio.Task[None]] = set()
         self._health: dict[str, tuple[float, bool]] = {}
         self.max_model_len: int = 0  # from the scheduler's Stats, 0 = unknown yet
 
+    @property
+    def scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
+        return self.schedulers[self.leader]
+
+    def failover(self, failed: int) -> None:
+        """The scheduler at index `failed` is down or stands by: try the next one."""
+        if self.leader == failed:
+            self.leader = (failed + 1) % len(self.schedulers)
+
     async def close(self) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
-        await self.scheduler_channel.close()
+        for channel in self.scheduler_channels:
+            await channel.close()
         await self.predictor_channel.close()
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -68,46 +85,70 @@ class Upstream:
     # Scheduler.
 
     async def scheduler_up(self) -> bool:
-        return await self._up("scheduler", self.scheduler_channel)
-
-    async def predictor_up(self) -> bool:
-        return await self._up("predictor", self.predictor_channel)
-
-    async def _up(self, name: str, channel: grpc.aio.Channel) -> bool:
-        """Health check, cached for HEALTH_CACHE_S so /health polling stays cheap."""
-        checked_at, up = self._health.get(name, (0.0, False))
+        """A scheduler leads: the current one, or another (which then becomes current)."""
+        checked_at, up = self._health.get("scheduler", (0.0, False))
         if time.monotonic() - checked_at < HEALTH_CACHE_S:
             return up
-        up = await check_health(channel, timeout=1.0)
-        self._health[name] = (time.monotonic(), up)
+        up = False
+        for _ in self.schedulers:
+            if await check_health(self.scheduler_channels[self.leader], SCHEDULER_SERVICE, 1.0):
+                up = True
+                break
+            self.failover(self.leader)
+        self._health["scheduler"] = (time.monotonic(), up)
+        return up
+
+    async def predictor_up(self) -> bool:
+        """Health check, cached for HEALTH_CACHE_S so /health polling stays cheap."""
+        checked_at, up = self._health.get("predictor", (0.0, False))
+        if time.monotonic() - checked_at < HEALTH_CACHE_S:
+            return up
+        up = await check_health(self.predictor_channel, timeout=1.0)
+        self._health["predictor"] = (time.monotonic(), up)
         return up
 
     async def stats(self) -> scheduler_pb2.StatsResponse | None:
-        try:
-            reply = await self.scheduler.Stats(
-                scheduler_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.debug("scheduler Stats failed: %s", exc.code().name)
-            return None
-        if reply.max_model_len > 0:
-            self.max_model_len = reply.max_model_len
-        return reply
+        for _ in self.schedulers:
+            index = self.leader
+            try:
+                reply = await self.scheduler.Stats(
+                    scheduler_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.debug("scheduler Stats failed: %s", exc.code().name)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    return None
+                self.failover(index)
+                continue
+            if reply.max_model_len > 0:
+                self.max_model_len = reply.max_model_len
+            return reply
+        return None
 
-    def generate(self, request: scheduler_pb2.GenerateRequest) -> GenerateCall:
-        """Start a Generate stream (an async iterator of TokenEvent with .cancel())."""
-        return self.scheduler.Generate(request, timeout=self.settings.request_timeout_s)
+    def generate(
+        self, request: scheduler_pb2.GenerateRequest, timeout_s: float | None = None
+    ) -> tuple[GenerateCall, int]:
+        """Start a Generate stream on the current scheduler: (the call, that scheduler's index).
+        The call is an async iterator of TokenEvent with .cancel()."""
+        timeout = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        return self.scheduler.Generate(request, timeout=timeout), self.leader
 
     def abort(self, request_id: str) -> asyncio.Task[None]:
         return self._background(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> None:
-        try:
-            await self.scheduler.Abort(
-                scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("abort of %s failed: %s", request_id, exc.code().name)
+        for _ in self.schedulers:
+            index = self.leader
+            try:
+                await self.scheduler.Abort(
+                    scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0
+                )
+                return
+            except grpc.aio.AioRpcError as exc:
+                log.warning("abort of %s failed: %s", request_id, exc.code().name)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    return
+                self.failover(index)
 
     # Predictor.
 

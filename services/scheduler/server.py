@@ -6,6 +6,11 @@
     ...
     await handle.stop()
 
+Several schedulers may run against one Redis: the first to take the leader lease serves,
+the others stand by (`handle.leading` is False; Generate answers UNAVAILABLE, and the health
+status of `alise.v1.Scheduler` is NOT_SERVING while the overall status stays SERVING) and take
+over when the leader's lease lapses (leadership.py).
+
 Without `redis_url` an embedded redis-server is started under `data_dir/redis` (and stopped
 with the handle). `metrics_port` > 0 serves Prometheus text on that port.
 """
@@ -16,12 +21,15 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from services.common.grpc_server import GrpcServer, start_server
+from services.common.grpc_server import NOT_SERVING, SERVING, GrpcServer, start_server
 from services.common.pb import scheduler_pb2_grpc
 from services.common.redis_runner import EmbeddedRedis
 from services.common.settings import SchedulerSettings
-from services.scheduler.service import SchedulerService
-from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.core.policies import make_policy
+from services.scheduler.leadership import Leadership, holder_address
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.service import SchedulerService, parse_policy_config
+from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +37,32 @@ log = logging.getLogger(__name__)
 @dataclass
 class SchedulerHandle:
     port: int
-    service: SchedulerService
+    leadership: Leadership
     grpc_server: GrpcServer
     metrics_server: object | None = None
     embedded_redis: EmbeddedRedis | None = None
 
     @property
+    def service(self) -> SchedulerService:
+        """The service while this scheduler leads (a standby has none: RuntimeError)."""
+        if self.leadership.service is None:
+            raise RuntimeError("this scheduler is standing by (another one leads)")
+        return self.leadership.service
+
+    @property
+    def leading(self) -> bool:
+        return self.leadership.service is not None
+
+    @property
     def address(self) -> str:
-        return f"{self.service.settings.scheduler_host}:{self.port}"
+        return f"{self.leadership.settings.scheduler_host}:{self.port}"
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop serving; unfinished requests stay in Redis for the next start."""
-        self.service.stopping = True
+        """Stop serving; unfinished requests stay in Redis for the next leader."""
+        if self.leadership.service is not None:
+            self.leadership.service.stopping = True
         await self.grpc_server.stop(grace)
-        await self.service.stop()
+        await self.leadership.stop()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
@@ -51,27 +71,33 @@ class SchedulerHandle:
 
 
 async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
+    """Serve gRPC, then lead at once when the leader lease is free (else stand by)."""
     embedded = None
     if not settings.redis_url:
         embedded = await asyncio.to_thread(EmbeddedRedis(settings.data_dir / "redis").start)
         settings = settings.model_copy(update={"redis_url": embedded.url})
-    service = None
+    metrics = SchedulerMetrics()
+    make_policy(settings.policy, **parse_policy_config(settings.policy_config))  # check early
+    server = leadership = None
     try:
-        service = SchedulerService(settings)  # unknown policy or knob: ValueError
-        await service.start()
+        servicer = SchedulerServicer()
         server = await start_server(
-            [
-                (
-                    scheduler_pb2_grpc.add_SchedulerServicer_to_server,
-                    SchedulerServicer(service),
-                    "alise.v1.Scheduler",
-                )
-            ],
+            [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, SERVICE_NAME)],
             f"{settings.scheduler_host}:{settings.scheduler_port}",
         )
+        await server.health.set(SERVICE_NAME, NOT_SERVING)
+
+        async def leading(now: bool) -> None:
+            await server.health.set(SERVICE_NAME, SERVING if now else NOT_SERVING)
+
+        leadership = Leadership(settings, metrics, holder_address(server.port), leading)
+        servicer.leadership = leadership
+        await leadership.start()
     except BaseException:
-        if service is not None:
-            await service.stop()
+        if leadership is not None:
+            await leadership.stop()
+        if server is not None:
+            await server.stop(0)
         if embedded is not None:
             embedded.stop()
         raise
@@ -79,9 +105,7 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        metrics_server, _ = start_http_server(
-            settings.metrics_port, registry=service.metrics.registry
-        )
+        metrics_server, _ = start_http_server(settings.metrics_port, registry=metrics.registry)
     log.info(
         "scheduler serving",
         extra={
@@ -89,6 +113,7 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
             "policy": settings.policy,
             "policy_config": settings.policy_config,
             "executors": settings.executors,
+            "leading": leadership.service is not None,
         },
     )
-    return SchedulerHandle(server.port, service, server, metrics_server, embedded)
+    return SchedulerHandle(server.port, leadership, server, metrics_server, embedded)

@@ -21,18 +21,35 @@ from services.scheduler.validation import request_from_pb, request_id_of
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from services.scheduler.leadership import Leadership
     from services.scheduler.loop import ExecutorLoop
     from services.scheduler.service import SchedulerService
 
 
+SERVICE_NAME = "alise.v1.Scheduler"
+NOT_LEADER = "not the leader"  # in the details of a standby's UNAVAILABLE
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, service: SchedulerService) -> None:
-        self.service = service
+    """Serves the current leader's service; a standby answers UNAVAILABLE (NOT_LEADER)."""
+
+    def __init__(self, leadership: Leadership | None = None) -> None:
+        self.leadership = leadership
+
+    @property
+    def service(self) -> SchedulerService:
+        service = self.leadership.service if self.leadership is not None else None
+        if service is None:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"{NOT_LEADER}: this scheduler is standing by"
+            )
+        return service
 
     async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        stream, start = await self._open(request)
+        service = self.service
+        stream, start = await self._open(service, request)
         # Accepted: tell the client now (headers), so it can start its response before the
         # first token while refusals above stay proper status codes.
         await context.send_initial_metadata(())
@@ -43,38 +60,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             completed = True
         finally:
             if not completed:
-                self.service.client_gone(stream)
+                service.client_gone(stream)
 
-    async def _open(self, pb: scheduler_pb2.GenerateRequest) -> tuple[RequestStream, int]:
+    async def _open(
+        self, service: SchedulerService, pb: scheduler_pb2.GenerateRequest
+    ) -> tuple[RequestStream, int]:
         rid = request_id_of(pb)
         if pb.HasField("resume_from"):
             if pb.resume_from < 0:
                 raise invalid(f"resume_from must be >= 0, got {pb.resume_from}")
             if not pb.request_id:
                 raise invalid("resume_from needs the request_id to re-attach to")
-            return await self._reattach(rid), pb.resume_from
-        req = request_from_pb(pb, rid, time.time(), self.service.limits)
-        return await self.service.admit(req), 0
-
-    async def _reattach(self, rid: str) -> RequestStream:
-        entry = self.service.entries.get(rid)
-        if entry is not None:
-            return entry.stream
-        loaded = await self.service.store.load(rid)
-        entry = self.service.entries.get(rid)  # it may have appeared while we read
-        if entry is not None:
-            return entry.stream
-        if loaded is None:
-            raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
-                f"unknown request {rid!r} (never submitted, or expired after the retention window)",
-            )
-        record, tokens = loaded
-        if not record.get("finish_reason"):
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE, f"request {rid!r} is not loaded yet; retry"
-            )
-        return stream_from_record(rid, record, tokens)
+            return await _reattach(service, rid), pb.resume_from
+        req = request_from_pb(pb, rid, time.time(), service.limits)
+        return await service.admit(req), 0
 
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -102,6 +101,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 reply.running += loop.sched.num_running
                 reply.swapped += loop.sched.num_swapped
         return reply
+
+
+async def _reattach(service: SchedulerService, rid: str) -> RequestStream:
+    entry = service.entries.get(rid)
+    if entry is not None:
+        return entry.stream
+    loaded = await service.store.load(rid)
+    entry = service.entries.get(rid)  # it may have appeared while we read
+    if entry is not None:
+        return entry.stream
+    if loaded is None:
+        raise ServiceError(
+            grpc.StatusCode.NOT_FOUND,
+            f"unknown request {rid!r} (never submitted, or expired after the retention window)",
+        )
+    record, tokens = loaded
+    if not record.get("finish_reason"):
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"request {rid!r} is not loaded yet; retry")
+    return stream_from_record(rid, record, tokens)
 
 
 def executor_stats(addr: str, loop: ExecutorLoop) -> scheduler_pb2.ExecutorStats:

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from services.common.tasks import cancel_and_wait
 from services.scheduler.iteration_write import QUEUES, TOKEN, FieldValue, IterationWrite
-from services.scheduler.store_script import LUA, script_args
+from services.scheduler.store_script import CREATE, LUA, script_args
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class Store:
         self.retention_s = retention_s
         self.epoch = 0
         self._script = None
+        self._create = None
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -94,11 +95,12 @@ class Store:
 
     async def create(self, rid: str, record: dict[str, FieldValue], score: float) -> None:
         """Write a new request record and enqueue it as waiting (awaited by Generate only)."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.delete(self.keys.req(rid), self.keys.out(rid))
-            pipe.hset(self.keys.req(rid), mapping=record)
-            pipe.zadd(self.keys.queue("waiting"), {rid: score})
-            await pipe.execute()
+        if self._create is None:
+            self._create = self.client.register_script(CREATE)
+        fields = [x for name, value in record.items() for x in (name, value)]
+        done = await self._create(args=[self.keys.ns, rid, score, self.epoch, *fields])
+        if done == -1:
+            raise Fenced(f"epoch {self.epoch} is no longer the leader's")
 
     async def exists(self, rid: str) -> bool:
         return bool(await self.client.exists(self.keys.req(rid)))

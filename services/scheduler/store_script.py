@@ -58,6 +58,20 @@ return #writes
 """.replace("TOKEN_SIZE", str(TOKEN.size))
 
 
+# A new request: its record replaces any old one and it joins the waiting queue, unless the
+# epoch is stale (as in LUA). ARGV: ns, rid, score, epoch, then the record's fields and values.
+CREATE = """
+local ns, rid, score, epoch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+if epoch ~= 0 and tonumber(redis.call('GET', ns .. ':epoch') or '0') ~= epoch then
+  return -1
+end
+redis.call('DEL', ns .. ':req:' .. rid, ns .. ':out:' .. rid)
+redis.call('HSET', ns .. ':req:' .. rid, unpack(ARGV, 5))
+redis.call('ZADD', ns .. ':q:waiting', score, rid)
+return 1
+"""
+
+
 def _flat(key: str, mapping: dict) -> list:
     out = [key]
     for name, value in mapping.items():

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import grpc
+
+from services.common.grpc_server import ServiceError
 from services.common.pb import common_pb2, scheduler_pb2
 
 
@@ -27,6 +30,7 @@ class RequestStream:
         self.final: scheduler_pb2.TokenEvent | None = None
         self.prediction = prediction
         self.readers = 0
+        self.abandoned = False  # the scheduler lost its leadership: readers must re-attach
         self._wake = asyncio.Event()
 
     @property
@@ -51,6 +55,11 @@ class RequestStream:
         if self.final is None:
             self.final = event
             self._notify()
+
+    def abandon(self) -> None:
+        """End every reader that has caught up with UNAVAILABLE (they re-attach elsewhere)."""
+        self.abandoned = True
+        self._notify()
 
     def _notify(self) -> None:
         self._wake.set()
@@ -82,6 +91,11 @@ class RequestStream:
                         final.prediction.CopyFrom(self.prediction)
                     yield final
                     return
+                if self.abandoned:
+                    raise ServiceError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "this scheduler is no longer the leader; re-attach with resume_from",
+                    )
                 await self._wake.wait()
         finally:
             self.readers -= 1
