@@ -190,6 +190,15 @@ class SchedulerSettings(RedisSettings):
     redis_namespace: str = Field(
         "alise", min_length=1, description="Prefix of every scheduler key in Redis."
     )
+    lease_ttl_s: float = Field(
+        3.0,
+        gt=0,
+        description="Leader lease lifetime: a standby scheduler takes over at most this long "
+        "(plus half the renewal interval) after the leader's last renewal.",
+    )
+    lease_renew_s: float = Field(
+        1.0, gt=0, description="How often the leader renews its lease (must be < lease_ttl_s)."
+    )
     request_max_failures: int = Field(
         3,
         ge=1,
@@ -201,7 +210,17 @@ class SchedulerSettings(RedisSettings):
 class GatewaySettings(CommonSettings):
     gateway_host: str = Field("127.0.0.1", description="Gateway HTTP bind address.")
     gateway_port: int = Field(8000, ge=0, le=65535, description="Gateway HTTP port.")
-    scheduler_address: str = Field("127.0.0.1:50051", description="Scheduler gRPC address.")
+    scheduler_address: StrList = Field(
+        default_factory=lambda: ["127.0.0.1:50051"],
+        description="Scheduler gRPC address, or several (comma-separated: a leader and its "
+        "standbys, tried in order).",
+    )
+    resume_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="When a scheduler's stream breaks, keep re-attaching (with backoff) for "
+        "this long before the client gets an error.",
+    )
     predictor_addresses: StrList = Field(
         default_factory=lambda: ["127.0.0.1:50052"],
         description="Predictor replicas: host:port list, or one DNS name resolving to many.",

@@ -106,6 +106,14 @@ class SchedulerService:
         if self.recorder.step_trace is not None:
             self.recorder.step_trace.close()
 
+    async def abandon(self) -> None:
+        """Another scheduler leads now: stop, and end every open stream with UNAVAILABLE so its
+        client re-attaches there (what was not committed under our epoch is not ours to write)."""
+        self.stopping = True
+        for entry in self.entries.values():
+            entry.stream.abandon()
+        await self.stop()
+
     async def _recover(self) -> None:
         """Rebuild every unfinished request from Redis; all are recomputed from their tokens,
         keeping the output they had (the policy sees it when they are admitted again)."""
