@@ -256,6 +256,12 @@ class GatewaySettings(CommonSettings):
 
 class LauncherSettings(RedisSettings):
     num_executors: int = Field(1, ge=1, le=64, description="Executors `alise serve` starts.")
+    num_schedulers: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Schedulers `alise serve` starts: one leads, the others stand by.",
+    )
     run_dir: Path | None = Field(
         None, description="Per-run logs directory (default data_dir/runs/<timestamp>)."
     )

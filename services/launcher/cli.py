@@ -1,7 +1,8 @@
 """`alise serve`: the whole stack on this machine with one command.
 
 Starts the embedded Redis (unless ALISE_REDIS_URL), the predictor, N executors, the
-scheduler and the gateway, waits for every health check, prints the URL and a curl example,
+scheduler (and, with --schedulers 2 or more, standbys that take over when it fails) and the
+gateway, waits for every health check, prints the URL and a curl example,
 restarts crashed services with backoff, and on Ctrl-C stops everything in reverse order.
 Every flag has an ALISE_* variable (flag wins).
 """
@@ -35,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     gateway = GatewaySettings()
     setup_logging("launcher", settings.log_level, settings.log_format)
     executors = args.executors or settings.num_executors
+    schedulers = args.schedulers or settings.num_schedulers
     port = args.port if args.port is not None else gateway.gateway_port
     host = args.host or gateway.gateway_host
     run_dir = Path(
@@ -52,13 +54,16 @@ def _serve(args: argparse.Namespace) -> int:
         redis_server = EmbeddedRedis(settings.data_dir / "redis").start()
         redis_url = redis_server.url
     supervisor = Supervisor(
-        local_topology(executors, redis_url, gateway_host=host, gateway_port=port),
+        local_topology(
+            executors, redis_url, gateway_host=host, gateway_port=port, num_schedulers=schedulers
+        ),
         run_dir,
         base_env(overrides),
     )
     try:
         print(
-            f"starting ALISE ({executors} executor(s), policy {overrides['ALISE_POLICY']}); "
+            f"starting ALISE ({executors} executor(s), {schedulers} scheduler(s), "
+            f"policy {overrides['ALISE_POLICY']}); "
             f"logs in {run_dir}",
             flush=True,
         )
@@ -93,6 +98,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=0,
         help="number of executors (ALISE_NUM_EXECUTORS, default 1)",
+    )
+    serve.add_argument(
+        "--schedulers",
+        type=int,
+        default=0,
+        help="schedulers: one leads, the others stand by (ALISE_NUM_SCHEDULERS, default 1)",
     )
     serve.add_argument(
         "--port", type=int, default=None, help="gateway port (ALISE_GATEWAY_PORT, default 8000)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SCHEDULER_PORT = 50051
+SCHEDULER_STANDBY_BASE_PORT = 50055  # on one machine the standbys need ports of their own
 PREDICTOR_PORT = 50052
 EXECUTOR_BASE_PORT = 50061
 GATEWAY_PORT = 8000
@@ -25,6 +26,15 @@ def executor_names(num_executors: int) -> list[str]:
     return [f"executor-{i}" for i in range(num_executors)]
 
 
+def scheduler_names(num_schedulers: int) -> list[str]:
+    """The leader at start is `scheduler`; standbys are `scheduler-1`, `scheduler-2`, ..."""
+    return ["scheduler"] + [f"scheduler-{i}" for i in range(1, num_schedulers)]
+
+
+def scheduler_ports(num_schedulers: int) -> list[int]:
+    return [SCHEDULER_PORT] + [SCHEDULER_STANDBY_BASE_PORT + i for i in range(num_schedulers - 1)]
+
+
 def local_topology(
     num_executors: int,
     redis_url: str,
@@ -32,8 +42,10 @@ def local_topology(
     gateway_host: str = "127.0.0.1",
     gateway_port: int = GATEWAY_PORT,
     base_port: int = EXECUTOR_BASE_PORT,
+    num_schedulers: int = 1,
 ) -> list[ServiceSpec]:
-    """Services in start order for one machine (loopback addresses, one port each)."""
+    """Services in start order for one machine (loopback addresses, one port each). With
+    several schedulers the first leads and the others stand by (leader lease in Redis)."""
     executors = [
         (name, f"{host}:{base_port + i}") for i, name in enumerate(executor_names(num_executors))
     ]
@@ -54,25 +66,29 @@ def local_topology(
                 ("grpc", address),
             )
         )
-    specs.append(
-        ServiceSpec(
-            "scheduler",
-            ("scheduler", "serve"),
-            {
-                "ALISE_SCHEDULER_HOST": host,
-                "ALISE_SCHEDULER_PORT": str(SCHEDULER_PORT),
-                "ALISE_EXECUTORS": ",".join(a for _, a in executors),
-                "ALISE_REDIS_URL": redis_url,
-            },
-            ("grpc", f"{host}:{SCHEDULER_PORT}"),
-            tuple(n for n, _ in executors),
+    schedulers = [f"{host}:{port}" for port in scheduler_ports(num_schedulers)]
+    for name, address in zip(scheduler_names(num_schedulers), schedulers):
+        specs.append(
+            ServiceSpec(
+                name,
+                ("scheduler", "serve"),
+                {
+                    "ALISE_SCHEDULER_HOST": host,
+                    "ALISE_SCHEDULER_PORT": address.rsplit(":", 1)[1],
+                    "ALISE_EXECUTORS": ",".join(a for _, a in executors),
+                    "ALISE_REDIS_URL": redis_url,
+                },
+                ("grpc", address),
+                tuple(n for n, _ in executors),
+            )
         )
-    )
-    specs.append(_gateway_spec(host, gateway_host, gateway_port))
+    specs.append(_gateway_spec(host, gateway_host, gateway_port, schedulers))
     return specs
 
 
-def _gateway_spec(host: str, gateway_host: str, gateway_port: int) -> ServiceSpec:
+def _gateway_spec(
+    host: str, gateway_host: str, gateway_port: int, schedulers: list[str]
+) -> ServiceSpec:
     """The gateway: listens on gateway_host, reaches the scheduler and predictor on host; its
     health URL uses host when it listens on all interfaces."""
     return ServiceSpec(
@@ -81,7 +97,7 @@ def _gateway_spec(host: str, gateway_host: str, gateway_port: int) -> ServiceSpe
         {
             "ALISE_GATEWAY_HOST": gateway_host,
             "ALISE_GATEWAY_PORT": str(gateway_port),
-            "ALISE_SCHEDULER_ADDRESS": f"{host}:{SCHEDULER_PORT}",
+            "ALISE_SCHEDULER_ADDRESS": ",".join(schedulers),
             "ALISE_PREDICTOR_ADDRESSES": f"{host}:{PREDICTOR_PORT}",
         },
         (

@@ -22,7 +22,7 @@ def _alise_services():
 
 
 def test_same_services_with_same_commands_as_the_launcher():
-    launcher = {s.name: s for s in local_topology(2, "redis://x")}
+    launcher = {s.name: s for s in local_topology(2, "redis://x", num_schedulers=2)}
     compose = _alise_services()
     assert set(compose) == set(launcher)
     for name, svc in compose.items():
@@ -44,7 +44,7 @@ def test_every_environment_variable_is_a_real_setting():
     for name, svc in _alise_services().items():
         for var in svc.get("environment", {}):
             assert var in known, f"{name}: {var} is not an ALISE setting"
-        launcher = {s.name: s for s in local_topology(2, "redis://x")}[name]
+        launcher = {s.name: s for s in local_topology(2, "redis://x", num_schedulers=2)}[name]
         assert set(launcher.env) <= set(svc["environment"]), name
 
 
@@ -56,9 +56,10 @@ def test_every_service_has_a_health_check_and_dependencies_are_ordered():
             assert cond["condition"] == "service_healthy"
     deps = {n: set(s.get("depends_on") or {}) for n, s in SERVICES.items()}
     assert {"redis", "executor-0"} <= deps["scheduler"]
+    assert deps["scheduler-1"] == deps["scheduler"]  # the standby
     assert {"scheduler", "predictor"} <= deps["gateway"]
     assert "qdrant" in deps["predictor"]
-    for spec in local_topology(2, "redis://x"):  # launcher order respects the same edges
+    for spec in local_topology(2, "redis://x", num_schedulers=2):  # launcher order respects the same edges
         for dep in spec.depends_on:
             assert dep in SERVICES
 
