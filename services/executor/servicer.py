@@ -8,13 +8,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+import grpc
+
 from services.common import sampling_pb
+from services.common.grpc_server import ServiceError
 from services.common.pb import executor_pb2, executor_pb2_grpc
 from services.executor.messages import NewRequest, StepInput, StepOutput
 
 if TYPE_CHECKING:
-    import grpc
-
     from services.executor.engine import Engine
     from services.executor.server import ExecutorMetrics
 
@@ -75,6 +76,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         # one step at a time, whichever RPC brings it (a Step sent after a timed-out one, or a
         # new stream while an abandoned one finishes, must not run beside it)
         self._stepping = asyncio.Lock()
+        self.epoch = 0  # the highest scheduler leadership epoch seen in a Step
 
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -98,6 +100,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         async with self._stepping:
             start = time.perf_counter()
             step = step_from_pb(request)
+            self._fence(request.epoch, step)
             out = await asyncio.to_thread(self.engine.step, step)
             pb = result_to_pb(out)
             # The executor's time is its whole step, encoding the reply included: what the
@@ -106,6 +109,22 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self.metrics is not None:
             self.metrics.observe(out)
         return pb
+
+    def _fence(self, epoch: int, step: StepInput) -> None:
+        """Refuse a deposed scheduler's Step; on a new leader's first, drop every request."""
+        if epoch == 0:
+            return
+        if epoch < self.epoch:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stale scheduler: epoch {epoch} < {self.epoch} (another scheduler leads now)",
+            )
+        if epoch > self.epoch:
+            if self.epoch:
+                step.free_request_ids = list(
+                    dict.fromkeys([*self.engine.requests, *step.free_request_ids])
+                )
+            self.epoch = epoch
 
     async def Profile(
         self, request: executor_pb2.ProfileRequest, context: grpc.aio.ServicerContext

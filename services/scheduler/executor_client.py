@@ -36,6 +36,7 @@ class ExecutorClient:
         )
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self._stream = None
+        self.epoch = 0  # the scheduler's leadership epoch, stamped on every Step (fencing)
 
     async def describe(self, timeout: float = 2.0) -> executor_pb2.ExecutorInfo:
         return await self.stub.Describe(executor_pb2.DescribeRequest(), timeout=timeout)
@@ -43,11 +44,13 @@ class ExecutorClient:
     async def step(
         self, request: executor_pb2.StepRequest, timeout: float
     ) -> executor_pb2.StepResult:
+        request.epoch = self.epoch
         return await self.stub.Step(request, timeout=timeout)
 
     def start_step(self, request: executor_pb2.StepRequest, timeout: float) -> asyncio.Task:
         """Send a Step on the step stream; await the returned task for its StepResult. Raises
         grpc.aio.AioRpcError, TimeoutError or StepStreamClosed."""
+        request.epoch = self.epoch
         return asyncio.ensure_future(self._stream_step(request, timeout))
 
     async def _stream_step(self, request, timeout: float) -> executor_pb2.StepResult:

@@ -92,6 +92,7 @@ class SchedulerService:
             # reached Redis): the first Step frees them all before they are sent again.
             stale = await self.store.held(addr) | set(self.entries)
             loop = ExecutorLoop(addr, self, timing, stale)
+            loop.client.epoch = self.store.epoch  # a deposed leader's Steps are refused
             self.loops[addr] = loop
             loop.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="scheduler-sweeper")

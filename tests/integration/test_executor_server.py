@@ -202,3 +202,23 @@ async def test_malformed_step_is_invalid_argument_and_changes_nothing(executor, 
     r = await stub.Step(_decode(4, "r"))
     assert a.num_decode_tokens == 1 and [s.request_id for s in a.sampled] == ["a"]
     assert a.sampled[0].token_id == r.sampled[0].token_id
+
+
+async def test_steps_of_a_deposed_scheduler_are_refused_and_a_new_leader_starts_clean(executor):
+    handle, stub, _ = executor
+    first = _prefill("old-leader", [5, 6, 7], [0])
+    first.epoch = 4
+    await stub.Step(first)
+    assert set(handle.engine.requests) == {"old-leader"}
+    late = _prefill("late", [5, 6], [1])
+    late.epoch = 3  # a scheduler that lost its leadership wakes up
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Step(late)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale scheduler" in err.value.details()
+    assert set(handle.engine.requests) == {"old-leader"}  # the refused Step changed nothing
+    new = _prefill("new-leader", [8, 9], [0])  # block 0 is free again for the new leader
+    new.epoch = 5
+    reply = await stub.Step(new)
+    assert [s.request_id for s in reply.sampled] == ["new-leader"]
+    assert set(handle.engine.requests) == {"new-leader"}  # the old term's request was dropped
