@@ -53,6 +53,11 @@ DEFAULT_TIMEOUT_S = 30.0
 _SCHEMES = ("unix:", "ipv4:", "ipv6:", "dns:")
 
 
+# Initial metadata a scheduler sends when it accepts a Generate (or a re-attach): a call that
+# fails after it was accepted is resumed, one that fails before is submitted again.
+ACCEPTED_KEY = "alise-accepted"
+
+
 def split_host_port(address: str) -> tuple[str, int]:
     """`host:port` or `[ipv6]:port` -> (host without brackets, port)."""
     if address.startswith("["):

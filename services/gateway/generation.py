@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.common.grpc_client import ACCEPTED_KEY
 from services.common.pb import common_pb2, scheduler_pb2
 from services.gateway.errors import APIError, from_grpc
 from services.gateway.textgen import IncrementalDetokenizer, StopMatcher
@@ -100,21 +101,30 @@ class Generation:
     async def start(self, admission_wait_s: float | None = None) -> None:
         """Predict, then submit. Returns once the scheduler answered (first event, or a
         refusal), or after `admission_wait_s` without news (None = wait as long as it takes).
-        A scheduler that cannot be reached is retried like a broken stream (`_reopen`)."""
+        An unreachable scheduler passes the request to the next of the list (each is tried
+        once: a new request gets a quick 503 when none answers); a stream that breaks after
+        the scheduler accepted it re-attaches (`_reopen`)."""
         self.prediction = await self.upstream.predict(self.plan.model, self.plan.prompt_text)
-        self.call, self.scheduler_index = self.upstream.generate(self.plan.to_pb(self.prediction))
-        await self._admitted(admission_wait_s)
-        if self.call.done():
-            code = await self.call.code()
-            if code == grpc.StatusCode.OK:
+        for attempt in range(len(self.upstream.schedulers)):
+            pb = self.plan.to_pb(self.prediction)
+            self.call, self.scheduler_index = self.upstream.generate(pb)
+            await self._admitted(admission_wait_s)
+            if not self.call.done() or await self.call.code() == grpc.StatusCode.OK:
                 return
+            call = self.call
             error = _call_error(
-                code, await self.call.details(), await self.call.trailing_metadata()
+                await call.code(), await call.details(), await call.trailing_metadata()
             )
-            if not self._resumable(error):
-                self.finish_reason = "error"
-                raise from_grpc(error)
-            await self._reopen(error)
+            if await _accepted(call) or (attempt and error.code() == ALREADY_EXISTS):
+                if self._resumable(error) or error.code() == ALREADY_EXISTS:
+                    await self._reopen(error)
+                    return
+            elif error.code() == UNAVAILABLE and self._resumable(error):
+                self.upstream.failover(self.scheduler_index)
+                if attempt + 1 < len(self.upstream.schedulers):
+                    continue
+            self.finish_reason = "error"
+            raise from_grpc(error)
 
     async def _admitted(self, wait_s: float | None) -> None:
         waiter = asyncio.ensure_future(self.call.initial_metadata())
@@ -162,7 +172,8 @@ class Generation:
             "scheduler stream broke; re-attaching",
             extra={"request_id": self.plan.request_id, "error": _brief(exc), "sent": self.received},
         )
-        self.upstream.failover(self.scheduler_index)
+        if exc is None or exc.code() == UNAVAILABLE:
+            self.upstream.failover(self.scheduler_index)
         backoff, fresh = 0.05, False
         while True:
             left = deadline - time.monotonic()
@@ -275,11 +286,20 @@ def _call_error(
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details)
 
 
+async def _accepted(call: GenerateCall) -> bool:
+    """Whether the scheduler accepted the request before the call ended (it says so in the
+    initial metadata it sends on accepting)."""
+    return any(key == ACCEPTED_KEY for key, _ in await call.initial_metadata() or ())
+
+
 def _brief(exc: grpc.aio.AioRpcError | None) -> str:
     if exc is None:
         return "stream ended without a final event"
     return f"{exc.code().name}: {exc.details()}"
 
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS
 
 # Codes after which a stream is re-attached: the connection or the scheduler went away.
 RESUMABLE = frozenset(

@@ -168,7 +168,9 @@ class ProcessStack:
                         "ALISE_EXECUTOR_GRACE_S": "3600",
                     },
                     ("grpc", self.scheduler_addresses[-1]),
-                    tuple(f"executor-{j}" for j in range(self.num_executors)),
+                    # standbys start once the first is up, so it takes the lease first
+                    tuple(f"executor-{j}" for j in range(self.num_executors))
+                    + (("scheduler-0",) if i else ()),
                 )
             )
         return specs
@@ -205,6 +207,19 @@ class ProcessStack:
 
     def pid(self, name: str) -> int:
         return self.supervisor.pids()[name]
+
+    def leader(self, timeout_s: float = 15.0) -> str:
+        """The name of the scheduler that leads now (waits for one during a takeover)."""
+        from services.common.grpc_client import check_health_sync
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i, address in enumerate(self.scheduler_addresses):
+                if check_health_sync(address, "alise.v1.Scheduler", timeout=1.0):
+                    return f"scheduler-{i}"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no scheduler leads after {timeout_s:g}s")
+            time.sleep(0.1)
 
     def signal(self, name: str, sig: int) -> None:
         """Send `sig` (e.g. signal.SIGKILL, SIGSTOP, SIGCONT) to one child."""

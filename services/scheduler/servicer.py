@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.common.grpc_client import ACCEPTED_KEY
 from services.common.grpc_server import ServiceError, invalid
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.convert import usage_pb
@@ -52,7 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         stream, start = await self._open(service, request)
         # Accepted: tell the client now (headers), so it can start its response before the
         # first token while refusals above stay proper status codes.
-        await context.send_initial_metadata(())
+        await context.send_initial_metadata(((ACCEPTED_KEY, stream.request_id),))
         completed = False
         try:
             async for event in stream.events(start):

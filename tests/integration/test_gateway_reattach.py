@@ -125,10 +125,11 @@ def test_leader_sigkill_standby_takes_over_within_the_lease_bound(stack_factory)
     killed_at = []
 
     def kill_leader() -> None:
-        killed_at.append(time.monotonic())
-        stack.signal("scheduler-0", signal.SIGKILL)  # not restarted: the standby must lead
+        killed_at.append(stack.leader())
+        stack.signal(killed_at[0], signal.SIGKILL)  # not restarted: the standby must lead
 
     clients = asyncio.run(run_all(stack.url, stack.model_id, n, kill_leader))
+    assert stack.leader() != killed_at[0]  # the standby leads now
     assert_intact(clients, reference)
     worst_pause = max(max(c.gaps) for c in clients if c.gaps)
     assert 0.5 < worst_pause < 3.0 + 0.5 + 4.0  # lease TTL + half a renewal + recovery slack
