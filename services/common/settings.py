@@ -64,6 +64,19 @@ class RedisSettings(CommonSettings):
 class ExecutorSettings(CommonSettings):
     executor_host: str = Field("127.0.0.1", description="Executor gRPC bind address.")
     executor_port: int = Field(50061, ge=0, le=65535, description="Executor gRPC port.")
+    registry_url: str | None = Field(
+        None,
+        description="Redis URL to register this executor in, so schedulers find it without "
+        "a restart (unset = not registered; schedulers then need it in ALISE_EXECUTORS).",
+    )
+    advertise_address: str = Field(
+        "",
+        description="host:port schedulers reach this executor at (default: bind host, or the "
+        "host name when bound to every interface, and the bound port).",
+    )
+    redis_namespace: str = Field(
+        "alise", min_length=1, description="Prefix of the registry key in Redis."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present.")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="Weight/activation dtype (auto = fp32 on CPU, bf16 on GPU)."
@@ -189,6 +202,12 @@ class SchedulerSettings(RedisSettings):
     )
     redis_namespace: str = Field(
         "alise", min_length=1, description="Prefix of every scheduler key in Redis."
+    )
+    discovery_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often the executor registry in Redis is read: executors that "
+        "registered get a loop, those whose registration lapsed are dropped.",
     )
     lease_ttl_s: float = Field(
         3.0,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.common.executor_registry import Registration
 from services.common.grpc_server import GrpcServer, start_server
 from services.common.metrics import TOKEN_BUCKETS, Metrics
 from services.common.pb import executor_pb2_grpc
@@ -49,14 +51,28 @@ class ExecutorHandle:
     server: GrpcServer
     engine: Engine
     metrics: ExecutorMetrics
+    registration: Registration | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
 
     async def stop(self) -> None:
+        if self.registration is not None:  # schedulers stop sending before the server goes
+            await self.registration.stop()
         await self.server.stop()
         await asyncio.to_thread(self.engine.close)
+
+
+def advertise_address(settings: ExecutorSettings, port: int) -> str:
+    """Where schedulers reach this executor: the setting, else the bind host (or, bound to
+    every interface, the host name) and the bound port."""
+    if settings.advertise_address:
+        return settings.advertise_address
+    host = settings.executor_host
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 async def start_executor(
@@ -76,6 +92,14 @@ async def start_executor(
     )
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
+    registration = None
+    if settings.registry_url:
+        registration = Registration(
+            settings.registry_url,
+            settings.redis_namespace,
+            advertise_address(settings, server.port),
+        )
+        await registration.start()
     info = engine.describe()
     log.info(
         "executor ready",
@@ -91,4 +115,4 @@ async def start_executor(
             )
         },
     )
-    return ExecutorHandle(server, engine, metrics)
+    return ExecutorHandle(server, engine, metrics, registration)

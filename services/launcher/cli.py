@@ -47,12 +47,8 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    redis_server = None
-    if settings.redis_url:
-        redis_url = settings.redis_url
-    else:
-        redis_server = EmbeddedRedis(settings.data_dir / "redis").start()
-        redis_url = redis_server.url
+    redis_server = None if settings.redis_url else EmbeddedRedis(settings.data_dir / "redis")
+    redis_url = redis_server.start().url if redis_server else settings.redis_url
     supervisor = Supervisor(
         local_topology(
             executors, redis_url, gateway_host=host, gateway_port=port, num_schedulers=schedulers

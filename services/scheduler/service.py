@@ -26,6 +26,7 @@ from services.scheduler.admission import Admission
 from services.scheduler.convert import prediction_pb
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, RequestStatus
+from services.scheduler.discovery import Discovery
 from services.scheduler.entry import Entries, Entry
 from services.scheduler.executors import make_scheduler
 from services.scheduler.iteration_write import IterationWrite
@@ -75,30 +76,55 @@ class SchedulerService:
         self.recorder = StepRecorder(self.entries, self.admission, self.metrics, self.writer, trace)
         self.stopping = False
         self._sweeper: asyncio.Task[None] | None = None
+        self._discover: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         await self.store.ping()
         await self._recover()
         self.writer.start()
+        for addr in self.settings.executors:
+            self.add_executor(addr, await self.store.held(addr))
+        self._sweeper = asyncio.create_task(self._sweep(), name="scheduler-sweeper")
+        self.discovery = Discovery(
+            self.store.client,
+            self.settings.redis_namespace,
+            self.settings.executors,
+            lambda: list(self.loops),
+            self.add_executor,
+            self.remove_executor,
+            self.settings.discovery_interval_s,
+        )
+        await self.discovery.sync()
+        self._discover = asyncio.create_task(self.discovery.run(), name="executor-discovery")
+
+    def add_executor(self, addr: str, held: set[str] | None = None) -> None:
+        """Start a loop for an executor. Any recovered request may still live on it (its
+        placement may not have reached Redis): its first Step frees them all first."""
         s = self.settings
         timing = LoopTiming(
             step_timeout_s=s.step_timeout_s,
             step_spin_ms=s.step_spin_ms,
             poll_interval_s=s.health_poll_s,
         )
-        for addr in s.executors:
-            # Any recovered request may still live on any executor (its placement may not have
-            # reached Redis): the first Step frees them all before they are sent again.
-            stale = await self.store.held(addr) | set(self.entries)
-            loop = ExecutorLoop(addr, self, timing, stale)
-            loop.client.epoch = self.store.epoch  # a deposed leader's Steps are refused
-            self.loops[addr] = loop
-            loop.start()
-        self._sweeper = asyncio.create_task(self._sweep(), name="scheduler-sweeper")
+        loop = ExecutorLoop(addr, self, timing, (held or set()) | set(self.entries))
+        loop.client.epoch = self.store.epoch  # a deposed leader's Steps are refused
+        self.loops[addr] = loop
+        loop.start()
+
+    async def remove_executor(self, addr: str) -> None:
+        """Drop an executor that left: its requests are recomputed on the others."""
+        loop = self.loops[addr]
+        sched, was_up = loop.sched, loop.up
+        await loop.stop()
+        del self.loops[addr]
+        if was_up:
+            self.executor_down(loop, sched, "the executor left the registry")
+        self.metrics.executor_up.labels(addr).set(0)
 
     async def stop(self) -> None:
         self.stopping = True
+        await cancel_and_wait(self._discover)
         await cancel_and_wait(self._sweeper)
         for loop in self.loops.values():
             await loop.stop()

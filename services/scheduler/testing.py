@@ -128,13 +128,18 @@ async def start_tiny_executor(
     num_host_blocks: int = 64,
     block_size: int = 16,
     port: int = 0,
+    registry_url: str | None = None,
 ):
-    """A real executor gRPC server on loopback serving the model in `model_dir` on CPU."""
+    """A real executor gRPC server on loopback serving the model in `model_dir` on CPU
+    (registered in the executor registry at `registry_url` when given)."""
     from services.common.settings import ExecutorSettings
     from services.executor.engine import Engine
     from services.executor.server import start_executor
 
-    engine = Engine(
+    import asyncio
+
+    engine = await asyncio.to_thread(  # off the loop: other services may share it
+        Engine,
         model_dir,
         device="cpu",
         block_size=block_size,
@@ -147,6 +152,7 @@ async def start_tiny_executor(
         executor_port=port,
         device="cpu",
         block_size=block_size,
+        registry_url=registry_url,
     )
     return await start_executor(settings, engine=engine)
 
