@@ -50,7 +50,9 @@ class GatewayState:
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
 
     def max_model_len(self) -> int:
-        return self.upstream.max_model_len or self.config_max_len
+        """The context a request may use: the model's length, and no more than the largest
+        executor KV pool holds (both as the scheduler reports them, once it has)."""
+        return self.upstream.context_limit(self.config_max_len)
 
 
 def model_max_length(settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -73,7 +75,7 @@ async def _load_state(settings: GatewaySettings, metrics: GatewayMetrics) -> Gat
     config_len = await asyncio.to_thread(model_max_length, settings, tokenizer)
     model_id = settings.served_model_name or served_model_id(settings.model)
     upstream = Upstream(settings)
-    prompts = PromptBuilder(tokenizer, model_id, lambda: upstream.max_model_len or config_len)
+    prompts = PromptBuilder(tokenizer, model_id, lambda: upstream.context_limit(config_len))
     state = GatewayState(
         settings, metrics, tokenizer, upstream, prompts, model_id, config_len, int(time.time())
     )

@@ -135,10 +135,9 @@ class PromptBuilder:
     def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         limit = self.max_len()
         if prompt_len >= limit:
-            raise APIError(
-                413,
-                f"This model's maximum context length is {limit} tokens; "
-                f"the prompt has {prompt_len} tokens.",
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens (the model's length, "
+                f"capped by the largest executor KV pool); the prompt has {prompt_len} tokens.",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -146,8 +145,9 @@ class PromptBuilder:
             return limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise bad_request(
-                f"This model's maximum context length is {limit} tokens; the "
-                f"prompt ({prompt_len}) plus max_tokens ({max_tokens}) exceeds it.",
+                f"This model's maximum context length is {limit} tokens (the model's length, "
+                f"capped by the largest executor KV pool); the prompt ({prompt_len}) plus "
+                f"max_tokens ({max_tokens}) exceeds it.",
                 param="max_tokens",
                 code="context_length_exceeded",
             )

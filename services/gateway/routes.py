@@ -57,7 +57,14 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], respon
 async def list_models(request: Request) -> ModelList:
     gw: GatewayState = request.app.state.gateway
     return ModelList(
-        data=[ModelCard(id=gw.model_id, created=gw.started, max_model_len=gw.max_model_len())]
+        data=[
+            ModelCard(
+                id=gw.model_id,
+                created=gw.started,
+                max_model_len=gw.max_model_len(),
+                max_kv_tokens=gw.upstream.max_kv_tokens or None,
+            )
+        ]
     )
 
 

@@ -128,7 +128,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "alise"
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # context a request may use (model length, KV pool)
+    max_kv_tokens: int | None = None  # tokens the largest executor KV pool holds
 
 
 class ModelList(BaseModel):

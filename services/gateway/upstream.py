@@ -59,6 +59,7 @@ class Upstream:
         self._tasks: set[asyncio.Task[None]] = set()
         self._health: dict[str, tuple[float, bool]] = {}
         self.max_model_len: int = 0  # from the scheduler's Stats, 0 = unknown yet
+        self.max_kv_tokens: int = 0  # the largest executor KV pool, from Stats, 0 = unknown
 
     @property
     def scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
@@ -122,8 +123,16 @@ class Upstream:
                 continue
             if reply.max_model_len > 0:
                 self.max_model_len = reply.max_model_len
+            if reply.max_kv_tokens > 0:
+                self.max_kv_tokens = reply.max_kv_tokens
             return reply
         return None
+
+    def context_limit(self, config_max_len: int) -> int:
+        """Tokens one request may use (prompt + output): the model's length, capped by the
+        largest executor KV pool, as far as the scheduler has reported them."""
+        limit = self.max_model_len or config_max_len
+        return min(limit, self.max_kv_tokens) if self.max_kv_tokens else limit
 
     def generate(
         self, request: scheduler_pb2.GenerateRequest, timeout_s: float | None = None

@@ -237,6 +237,7 @@ class SchedulerService:
             max_model_len=min(i.max_model_len for i in infos),
             vocab_size=min(i.vocab_size for i in infos),
             eos_token_ids=tuple(infos[0].eos_token_ids),
+            max_kv_tokens=max(i.num_device_blocks * i.block_size for i in infos),
         )
         self.metrics.executor_up.labels(loop.address).set(1)
         self.admission.placer.forget(loop.address)

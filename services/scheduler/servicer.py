@@ -94,6 +94,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             preemptions=counters.get("preemptions", 0),
             model=service.model_name,
             max_model_len=service.limits.max_model_len or 0,
+            max_kv_tokens=service.limits.max_kv_tokens or 0,
         )
         for addr, loop in service.loops.items():
             reply.executors.append(executor_stats(addr, loop))

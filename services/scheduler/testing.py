@@ -132,11 +132,11 @@ async def start_tiny_executor(
 ):
     """A real executor gRPC server on loopback serving the model in `model_dir` on CPU
     (registered in the executor registry at `registry_url` when given)."""
+    import asyncio
+
     from services.common.settings import ExecutorSettings
     from services.executor.engine import Engine
     from services.executor.server import start_executor
-
-    import asyncio
 
     engine = await asyncio.to_thread(  # off the loop: other services may share it
         Engine,

@@ -22,6 +22,7 @@ class ModelLimits:
     max_model_len: int | None = None
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    max_kv_tokens: int | None = None  # tokens the largest executor's KV pool can hold
 
 
 def request_id_of(pb: scheduler_pb2.GenerateRequest) -> str:
@@ -39,6 +40,11 @@ def _check_prompt(prompt: list[int], limits: ModelLimits) -> None:
             f"prompt has {len(prompt)} tokens; the model's maximum length is "
             f"{limits.max_model_len} (prompt + at least one output token)"
         )
+    if limits.max_kv_tokens is not None and len(prompt) >= limits.max_kv_tokens:
+        raise invalid(
+            f"prompt has {len(prompt)} tokens; the largest executor KV pool holds "
+            f"{limits.max_kv_tokens} tokens (ALISE_KV_MEMORY_GB), prompt + output included"
+        )
     bad = [t for t in prompt if t < 0 or (limits.vocab_size and t >= limits.vocab_size)]
     if bad:
         raise invalid(
@@ -53,9 +59,15 @@ def _sampling(pb: scheduler_pb2.GenerateRequest) -> SamplingParams:
         raise invalid(str(exc)) from None
 
 
-def _check_limits(pb: scheduler_pb2.GenerateRequest) -> None:
+def _check_limits(pb: scheduler_pb2.GenerateRequest, limits: ModelLimits) -> None:
     if pb.max_tokens <= 0:
         raise invalid(f"max_tokens must be > 0, got {pb.max_tokens}")
+    total = len(pb.prompt_token_ids) + pb.max_tokens
+    if limits.max_kv_tokens is not None and total > limits.max_kv_tokens:
+        raise invalid(
+            f"prompt + max_tokens = {total} tokens; the largest executor KV pool holds "
+            f"{limits.max_kv_tokens} tokens (ALISE_KV_MEMORY_GB)"
+        )
     if not 0 <= pb.min_tokens <= pb.max_tokens:
         raise invalid(f"min_tokens must be in [0, max_tokens], got {pb.min_tokens}")
     if any(t < 0 for t in pb.stop_token_ids):
@@ -76,7 +88,7 @@ def request_from_pb(
     the simulator ends requests by max_tokens = their true length, which would leak it.)"""
     prompt = list(pb.prompt_token_ids)
     _check_prompt(prompt, limits)
-    _check_limits(pb)
+    _check_limits(pb, limits)
     sampling = _sampling(pb)
     predicted, source = None, "prior"
     if pb.HasField("prediction") and pb.prediction.length > 0:

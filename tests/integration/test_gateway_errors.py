@@ -152,10 +152,10 @@ def test_unknown_route_and_method_use_the_error_shape(client):
     assert_error(client.delete("/v1/models"), 405)
 
 
-def test_prompt_over_the_model_length_is_413(client):
+def test_prompt_over_the_model_length_is_400_context_length_exceeded(client):
     max_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
     words = " ".join(["token"] * (max_len + 10))  # one token per word, well over the limit
-    error = assert_error(client.post("/v1/completions", json={"prompt": words[:60_000]}), 413)
+    error = assert_error(client.post("/v1/completions", json={"prompt": words[:60_000]}), 400)
     assert error["code"] == "context_length_exceeded"
 
 

@@ -112,7 +112,7 @@ class ExecutorStats(_message.Message):
     def __init__(self, address: _Optional[str] = ..., up: _Optional[bool] = ..., num_device_blocks: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., free_host_blocks: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("policy", "waiting", "running", "swapped", "finished", "aborted", "preemptions", "executors", "model", "max_model_len")
+    __slots__ = ("policy", "waiting", "running", "swapped", "finished", "aborted", "preemptions", "executors", "model", "max_model_len", "max_kv_tokens")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class StatsResponse(_message.Message):
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     waiting: int
     running: int
@@ -133,4 +134,5 @@ class StatsResponse(_message.Message):
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStats]
     model: str
     max_model_len: int
-    def __init__(self, policy: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., preemptions: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    max_kv_tokens: int
+    def __init__(self, policy: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., preemptions: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ...) -> None: ...
