@@ -183,6 +183,17 @@ class SchedulerSettings(RedisSettings):
         300.0, ge=0, description="How long finished requests stay in Redis after streaming."
     )
     step_timeout_s: float = Field(60.0, gt=0, description="A Step slower than this fails.")
+    step_timeout_factor: float = Field(
+        10.0,
+        gt=1,
+        description="A Step slower than this many times its predicted time (cost model, "
+        "corrected by how far off it runs) marks the executor down as hung.",
+    )
+    step_timeout_floor_s: float = Field(
+        5.0,
+        gt=0,
+        description="The hang deadline is never shorter than this (first Steps, busy hosts).",
+    )
     step_spin_ms: float = Field(
         3.0,
         ge=0,

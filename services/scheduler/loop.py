@@ -57,7 +57,11 @@ class LoopHost(Protocol):
 
 @dataclass(frozen=True)
 class LoopTiming:
-    step_timeout_s: float = 30.0
+    step_timeout_s: float = 30.0  # hard cap on one Step
+    # A Step slower than `factor` x its predicted time (but never under the floor) means the
+    # executor hangs (e.g. SIGSTOPped, a stuck device): it is marked down like a crash.
+    step_timeout_factor: float = 10.0
+    step_timeout_floor_s: float = 5.0
     step_spin_ms: float = 3.0  # hybrid polling window before a Step's expected end
     poll_interval_s: float = 0.5  # reconnect attempts while down
     health_interval_s: float = 2.0  # health checks while idle
@@ -222,10 +226,10 @@ class ExecutorLoop:
             compute = self._last_compute + (t_send - t_start)
             self.overheads.append((overhead, self._last_batch, compute))
             self.host.step_overhead(max(0.0, overhead))
-        call = self.client.start_step(pb, timeout=self.timing.step_timeout_s)
+        estimate = self.sched.cost_model.output_time(out)
+        call = self.client.start_step(pb, timeout=self.step_deadline(estimate))
         await asyncio.sleep(0)  # the Step goes out; the previous one is recorded meanwhile
         self._flush_record()
-        estimate = self.sched.cost_model.output_time(out)
         try:
             await self._wait_hot(call, t_send + estimate * self._model_ratio)
             result = await call
@@ -247,6 +251,13 @@ class ExecutorLoop:
             out, updates, result, now + (t_send - t_start), estimate, t_recv - t_send
         )
         self._last_compute = time.perf_counter() - t_recv
+
+    def step_deadline(self, estimate_s: float) -> float:
+        """How long a Step predicted to take `estimate_s` (by the cost model, corrected by how
+        far off it has run on this executor) may take before the executor counts as hung."""
+        t = self.timing
+        expected = estimate_s * self._model_ratio
+        return min(t.step_timeout_s, max(t.step_timeout_floor_s, t.step_timeout_factor * expected))
 
     async def _wait_hot(self, call: asyncio.Future, expected_end: float) -> None:
         """Hybrid polling: sleep until `step_spin_ms` before the Step should end, then keep the

@@ -104,6 +104,8 @@ class SchedulerService:
         s = self.settings
         timing = LoopTiming(
             step_timeout_s=s.step_timeout_s,
+            step_timeout_factor=s.step_timeout_factor,
+            step_timeout_floor_s=s.step_timeout_floor_s,
             step_spin_ms=s.step_spin_ms,
             poll_interval_s=s.health_poll_s,
         )

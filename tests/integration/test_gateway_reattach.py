@@ -11,9 +11,6 @@ import signal
 import time
 
 import httpx
-import pytest
-
-from services.gateway.testing import ProcessStack
 
 MAX_TOKENS = 120
 
@@ -87,20 +84,6 @@ def assert_intact(clients: list[Client], reference: list[Client]) -> None:
         assert c.error is None, (i, c.error)
         assert c.finish == "length", (i, c.finish)
         assert "".join(c.text) == "".join(ref.text), i
-
-
-@pytest.fixture
-def stack_factory(tmp_path):
-    stacks = []
-
-    def make(**kw) -> ProcessStack:
-        stack = ProcessStack(tmp_path / f"s{len(stacks)}", model="tiny", **kw)
-        stacks.append(stack)
-        return stack.__enter__()
-
-    yield make
-    for stack in stacks:
-        stack.__exit__(None, None, None)
 
 
 def test_scheduler_sigkill_mid_stream_every_stream_completes(stack_factory):

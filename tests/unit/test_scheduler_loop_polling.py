@@ -37,3 +37,15 @@ async def test_wait_hot_gives_up_after_three_windows_and_can_be_off():
     assert time.perf_counter() - start < 0.01
     await loop.client.close()
     await off.client.close()
+
+
+async def test_the_hang_deadline_scales_with_the_predicted_step_time():
+    host: SchedulerService = None  # type: ignore[assignment]
+    timing = LoopTiming(step_timeout_s=60, step_timeout_factor=10, step_timeout_floor_s=2)
+    loop = ExecutorLoop("127.0.0.1:9", host, timing)
+    assert loop.step_deadline(0.01) == 2  # short Steps: the floor
+    assert loop.step_deadline(0.5) == 5.0  # 10 x the prediction
+    assert loop.step_deadline(30) == 60  # never past the hard cap
+    loop._model_ratio = 3.0  # this executor runs 3x slower than its cost model says
+    assert loop.step_deadline(0.5) == 15.0
+    await loop.client.close()
