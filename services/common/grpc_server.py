@@ -23,13 +23,19 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+RETRY_AFTER_KEY = "retry-after"  # trailer: the refusal is temporary, retry after N seconds
+
+
 class ServiceError(Exception):
     """An error that carries the gRPC status code the client should see."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # sent as a `retry-after` trailer: not worth retrying
 
 
 def invalid(message: str) -> ServiceError:
@@ -57,6 +63,9 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
         log.exception("unhandled error in %s", method)
     else:
         log.info("%s -> %s: %s", method, code.name, message)
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after)),))
     await context.abort(code, message)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -122,6 +123,23 @@ class EmbeddedRedis:
             proc.kill()
             proc.wait(timeout)
         log.info("embedded redis stopped", extra={"pid": proc.pid})
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: the data directory stays; `start()` again restarts on the same
+        port and replays the append-only file (it may lack the last second of writes)."""
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open, nothing answers (a hung server)."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
 
     @property
     def pid(self) -> int | None:

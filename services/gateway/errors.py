@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.grpc_server import RETRY_AFTER_KEY
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -84,7 +86,12 @@ _GRPC_TO_HTTP = {
 
 def from_grpc(exc: grpc.aio.AioRpcError, retry_after_s: int = 1) -> APIError:
     status, code = _GRPC_TO_HTTP.get(exc.code(), (502, "upstream_error"))
-    headers = {"Retry-After": str(retry_after_s)} if status == 429 else None
+    hinted = [v for k, v in exc.trailing_metadata() or () if k == RETRY_AFTER_KEY]
+    headers = None
+    if hinted:  # the scheduler says how long its refusal lasts (e.g. Redis unreachable)
+        headers = {"Retry-After": str(hinted[0])}
+    elif status == 429:
+        headers = {"Retry-After": str(retry_after_s)}
     detail = exc.details() or exc.code().name
     return APIError(status, f"scheduler: {detail}", code=code, headers=headers)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common.grpc_client import ACCEPTED_KEY
+from services.common.grpc_server import RETRY_AFTER_KEY
 from services.common.pb import common_pb2, scheduler_pb2
 from services.gateway.errors import APIError, from_grpc
 from services.gateway.textgen import IncrementalDetokenizer, StopMatcher
@@ -158,7 +159,7 @@ class Generation:
     def _resumable(self, exc: grpc.aio.AioRpcError) -> bool:
         """A broken connection or a scheduler that stopped or stands by: worth re-attaching.
         A refusal carrying `retry-after` (e.g. Redis unreachable) goes back to the client."""
-        if any(key == "retry-after" for key, _ in exc.trailing_metadata() or ()):
+        if any(key == RETRY_AFTER_KEY for key, _ in exc.trailing_metadata() or ()):
             return False
         return exc.code() in RESUMABLE
 

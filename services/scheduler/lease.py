@@ -12,7 +12,8 @@ leader that wakes up late cannot write; it learns it lost the lease from that re
 its next renewal, and stands by again.
 
 A holder whose lease expired while nobody else took it (e.g. Redis was unreachable for longer
-than the TTL) gets it back with the same epoch, so its queued writes stay valid. A new process
+than the TTL) gets it back with the same epoch, so its queued writes stay valid; a stored epoch
+below the holder's (Redis restarted without its last second of writes) is written back. A new process
 always starts a new epoch; when the recorded holder has this process's own address, it was a
 previous process on the same port, which is dead (the port is bound exclusively), and this one
 takes over at once instead of waiting for the TTL.
@@ -28,6 +29,8 @@ import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
+NOT_LEADER = "not the leader"  # in the details of UNAVAILABLE from a scheduler standing by
+
 # KEYS: leader, epoch. ARGV: holder id, ttl ms, held epoch (0 = none), holder address.
 # Returns the epoch now held, or 0 when another holder has the lease.
 ACQUIRE = """
@@ -42,9 +45,10 @@ if cur and cur ~= ARGV[1] then
   local addr = string.match(cur, '^(.*)/[^/]*$')
   if addr ~= ARGV[4] then return 0 end
 end
-if cur == false and mine > 0 and mine == epoch then
+if cur == false and mine > 0 and mine >= epoch then
+  if mine > epoch then redis.call('SET', KEYS[2], mine) end
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return epoch
+  return mine
 end
 if mine > 0 then return 0 end
 epoch = redis.call('INCR', KEYS[2])

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from redis.exceptions import RedisError
 
 from services.common.grpc_server import ServiceError
 from services.common.tasks import cancel_and_wait
@@ -30,12 +31,14 @@ from services.scheduler.discovery import Discovery
 from services.scheduler.entry import Entries, Entry
 from services.scheduler.executors import make_scheduler
 from services.scheduler.iteration_write import IterationWrite
+from services.scheduler.lease import NOT_LEADER
 from services.scheduler.loop import ExecutorLoop, LoopTiming
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recorder import CompletedStep, StepRecorder, executor_fields, write_status
 from services.scheduler.records import new_record, recompute_copy, request_from_record
+from services.scheduler.resync import full_state
 from services.scheduler.step_trace import StepTrace
-from services.scheduler.store import Store, StoreWriter
+from services.scheduler.store import Fenced, Store, StoreWriter
 from services.scheduler.streams import RequestStream
 from services.scheduler.validation import ModelLimits
 
@@ -46,6 +49,16 @@ if TYPE_CHECKING:
     from services.scheduler.core.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+REDIS_RETRY_AFTER_S = 2  # what a client refused during a Redis outage is told to wait
+
+
+def _redis_down() -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        "the scheduler cannot reach Redis; new requests are refused until it is back",
+        retry_after_s=REDIS_RETRY_AFTER_S,
+    )
 
 
 def parse_policy_config(text: str) -> dict[str, Any]:
@@ -82,7 +95,8 @@ class SchedulerService:
     async def start(self) -> None:
         await self.store.ping()
         await self._recover()
-        self.writer.start()
+        self.writer.resync = lambda: full_state(self.entries, self.loops.values(), self.model_name)
+        await self.writer.start()
         for addr in self.settings.executors:
             self.add_executor(addr, await self.store.held(addr))
         self._sweeper = asyncio.create_task(self._sweep(), name="scheduler-sweeper")
@@ -173,7 +187,13 @@ class SchedulerService:
         rid = req.request_id
         if self.stopping:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down")
-        if rid in self.entries or await self.store.exists(rid) or rid in self.entries:
+        if not self.writer.healthy:
+            raise _redis_down()
+        try:
+            exists = rid in self.entries or await self.store.exists(rid)
+        except (RedisError, OSError):
+            raise _redis_down() from None
+        if exists or rid in self.entries:
             raise ServiceError(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request {rid!r} exists; pass resume_from to re-attach",
@@ -192,6 +212,13 @@ class SchedulerService:
         except asyncio.CancelledError:
             create.add_done_callback(lambda task: self._created(entry, task, client_gone=True))
             raise
+        except Fenced as exc:
+            self._created(entry, create, client_gone=False)
+            self.writer.fence(str(exc))
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{NOT_LEADER}: {exc}") from None
+        except (RedisError, OSError):
+            self._created(entry, create, client_gone=False)
+            raise _redis_down() from None
         except Exception:
             self._created(entry, create, client_gone=False)
             raise

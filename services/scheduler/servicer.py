@@ -16,6 +16,7 @@ from services.common.grpc_client import ACCEPTED_KEY
 from services.common.grpc_server import ServiceError, invalid
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.convert import usage_pb
+from services.scheduler.lease import NOT_LEADER
 from services.scheduler.streams import RequestStream, final_event
 from services.scheduler.validation import request_from_pb, request_id_of
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 
 
 SERVICE_NAME = "alise.v1.Scheduler"
-NOT_LEADER = "not the leader"  # in the details of a standby's UNAVAILABLE
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):

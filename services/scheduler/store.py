@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -32,6 +34,9 @@ from services.scheduler.iteration_write import QUEUES, TOKEN, FieldValue, Iterat
 from services.scheduler.store_script import CREATE, LUA, script_args
 
 log = logging.getLogger(__name__)
+
+REDIS_TIMEOUT_S = 3.0
+RUN_ID_CHECK_S = 0.5
 
 
 class Keys:
@@ -80,7 +85,14 @@ class Store:
     refuses them once another scheduler has taken over (store_script.py)."""
 
     def __init__(self, url: str, namespace: str = "alise", retention_s: float = 300.0) -> None:
-        self.client = aioredis.Redis.from_url(url, decode_responses=False)
+        # Finite timeouts: a Redis that hangs (paused, partitioned) fails calls instead of
+        # blocking them forever; the writer retries, admission refuses meanwhile.
+        self.client = aioredis.Redis.from_url(
+            url,
+            decode_responses=False,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+        )
         self.keys = Keys(namespace)
         self.retention_s = retention_s
         self.epoch = 0
@@ -92,6 +104,11 @@ class Store:
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())
+
+    async def run_id(self) -> str:
+        """The Redis server's run id: it changes when the server restarts."""
+        info = await self.client.info("server")
+        return str(info.get("run_id", ""))
 
     async def create(self, rid: str, record: dict[str, FieldValue], score: float) -> None:
         """Write a new request record and enqueue it as waiting (awaited by Generate only)."""
@@ -161,10 +178,15 @@ class StoreWriter:
     """Background task that commits submitted writes; loops only call `submit` (no await).
 
     Writes submitted while a commit is in flight go together into the next commit. A failed
-    commit is retried (every command in it is idempotent) with backoff until Redis answers.
+    commit is retried (every command in it is idempotent) with backoff until Redis answers;
+    `healthy` is False from a failed commit until one succeeds (admission refuses meanwhile).
+    When Redis answers again with another run id (it restarted and may have lost the last
+    second of writes), `resync()`'s full state is committed first, in the same script call.
+    A `Fenced` commit (another scheduler leads) is dropped with everything pending, and
+    `on_fenced` is called.
     """
 
-    def __init__(self, store: Store, max_backoff_s: float = 2.0) -> None:
+    def __init__(self, store: Store, max_backoff_s: float = 1.0) -> None:
         self.store = store
         self.max_backoff_s = max_backoff_s
         self._pending: list[IterationWrite] = []
@@ -174,12 +196,23 @@ class StoreWriter:
         self._task: asyncio.Task | None = None
         self.commits = 0
         self.errors = 0
+        self.resyncs = 0
+        self.healthy = True
+        self.fenced = False
+        self.run_id = ""
+        self.on_fenced: Callable[[], None] | None = None
+        self.resync: Callable[[], IterationWrite] | None = None
+        self._run_id_checked = time.monotonic()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        try:
+            self.run_id = await self.store.run_id()
+        except (RedisError, OSError):
+            self.healthy = False
         self._task = asyncio.create_task(self._run(), name="store-writer")
 
     def submit(self, write: IterationWrite) -> None:
-        if write.empty:
+        if write.empty or self.fenced:
             return
         self._pending.append(write)
         self._idle.clear()
@@ -215,15 +248,21 @@ class StoreWriter:
         backoff = 0.01
         while True:
             try:
-                await self.store.commit(batch)
+                await self.store.commit(await self._with_resync(batch))
                 break
+            except Fenced as exc:
+                self.fence(str(exc))
+                return
             except (RedisError, OSError) as exc:
                 self.errors += 1
-                log.warning(
-                    "redis commit failed, retrying", extra={"error": str(exc), "writes": len(batch)}
-                )
+                if self.healthy:
+                    log.warning("redis unreachable: commits paused", extra={"error": str(exc)})
+                self.healthy = False
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
+        if not self.healthy:
+            log.warning("redis reachable again: commits caught up", extra={"writes": len(batch)})
+        self.healthy = True
         self.commits += 1
         for write in batch:
             for callback in write.callbacks:
@@ -231,3 +270,29 @@ class StoreWriter:
                     callback()
                 except Exception:  # one bad callback must not stop the writer
                     log.exception("store writer callback failed")
+
+    async def _with_resync(self, batch: list[IterationWrite]) -> list[IterationWrite]:
+        """After a failure, and every RUN_ID_CHECK_S (the client reconnects by itself, so a
+        restart need not fail a commit), check whether Redis restarted; if so, the full state
+        goes first, in the same script call."""
+        if self.healthy and time.monotonic() - self._run_id_checked < RUN_ID_CHECK_S:
+            return batch
+        run_id = await self.store.run_id()
+        self._run_id_checked = time.monotonic()
+        if run_id == self.run_id or self.resync is None:
+            self.run_id = run_id
+            return batch
+        log.warning(
+            "redis restarted: rewriting the full state", extra={"old": self.run_id, "new": run_id}
+        )
+        self.run_id = run_id
+        self.resyncs += 1
+        return [self.resync(), *batch]
+
+    def fence(self, reason: str) -> None:
+        """Another scheduler leads: drop everything pending and tell `on_fenced`."""
+        log.warning("commit refused: another scheduler leads", extra={"reason": reason})
+        self.fenced = True
+        self._pending.clear()
+        if self.on_fenced is not None:
+            self.on_fenced()

@@ -14,9 +14,10 @@ Every command is idempotent given the same arguments (SETRANGE at fixed offsets,
 SADD/SREM), so a retried commit is harmless.
 
 Fencing: `epoch` is the leadership epoch of the scheduler that built the commit (lease.py). When
-it is not 0 and `{ns}:epoch` holds another value, a newer leader has taken over since: the
-script writes nothing and returns -1 (`Store.commit` raises `Fenced`). Epoch 0 = unfenced
-(tests and tools that write without a lease).
+it is not 0 and `{ns}:epoch` holds a larger value, a newer leader has taken over since: the
+script writes nothing and returns -1 (`Store.commit` raises `Fenced`). A smaller stored value
+can only mean Redis lost writes (it restarted from an append-only file missing its last
+second): the epoch is written back. Epoch 0 = unfenced (tests and tools without a lease).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from services.scheduler.iteration_write import QUEUES, TOKEN, IterationWrite
 LUA = """
 local head = cjson.decode(ARGV[1])
 local ns, ttl, queues, writes, epoch = head[1], head[2], head[3], head[4], head[5]
-if epoch ~= 0 and tonumber(redis.call('GET', ns .. ':epoch') or '0') ~= epoch then
-  return -1
+if epoch ~= 0 then
+  local stored = tonumber(redis.call('GET', ns .. ':epoch') or '0')
+  if stored > epoch then return -1 end
+  if stored < epoch then redis.call('SET', ns .. ':epoch', epoch) end
 end
 local function k(kind, id) return ns .. ':' .. kind .. ':' .. id end
 for _, w in ipairs(writes) do
@@ -62,8 +65,10 @@ return #writes
 # epoch is stale (as in LUA). ARGV: ns, rid, score, epoch, then the record's fields and values.
 CREATE = """
 local ns, rid, score, epoch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-if epoch ~= 0 and tonumber(redis.call('GET', ns .. ':epoch') or '0') ~= epoch then
-  return -1
+if epoch ~= 0 then
+  local stored = tonumber(redis.call('GET', ns .. ':epoch') or '0')
+  if stored > epoch then return -1 end
+  if stored < epoch then redis.call('SET', ns .. ':epoch', epoch) end
 end
 redis.call('DEL', ns .. ':req:' .. rid, ns .. ':out:' .. rid)
 redis.call('HSET', ns .. ':req:' .. rid, unpack(ARGV, 5))
@@ -96,9 +101,7 @@ def _write_json(w: IterationWrite, blobs: list[bytes]) -> dict:
     }
 
 
-def script_args(
-    namespace: str, ttl_ms: int, writes: list[IterationWrite], epoch: int = 0
-) -> list:
+def script_args(namespace: str, ttl_ms: int, writes: list[IterationWrite], epoch: int = 0) -> list:
     """ARGV for LUA: the JSON head, then every token blob."""
     blobs: list[bytes] = []
     body = [_write_json(w, blobs) for w in writes]

@@ -15,11 +15,11 @@ import httpx
 MAX_TOKENS = 120
 
 
-def body(model: str, i: int, stream: bool) -> dict:
+def body(model: str, i: int, stream: bool, max_tokens: int = MAX_TOKENS) -> dict:
     return {
         "model": model,
         "prompt": f"Request {i}: tell me about number {i * 7}",
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": stream,
@@ -63,11 +63,13 @@ class Client:
         return self
 
 
-async def run_all(url: str, model: str, n: int, fault=None) -> list[Client]:
+async def run_all(
+    url: str, model: str, n: int, fault=None, max_tokens: int = MAX_TOKENS
+) -> list[Client]:
     clients = [Client() for _ in range(n)]
     async with httpx.AsyncClient(timeout=120) as http:
         tasks = [
-            asyncio.create_task(c.run(http, url, body(model, i, stream=i % 4 != 3)))
+            asyncio.create_task(c.run(http, url, body(model, i, i % 4 != 3, max_tokens)))
             for i, c in enumerate(clients)
         ]
         if fault is not None:

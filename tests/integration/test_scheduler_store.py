@@ -9,7 +9,7 @@ from services.scheduler.store import Store, StoreWriter
 async def test_create_write_tokens_and_finish(redis_server):
     store = Store(redis_server.url, namespace="t", retention_s=0.5)
     writer = StoreWriter(store)
-    writer.start()
+    await writer.start()
     await store.create("a", {"params": "{}", "status": "WAITING", "arrival": 1.0}, 1.0)
     await store.create("b", {"params": "{}", "status": "WAITING", "arrival": 2.0}, 2.0)
     assert await store.active_ids() == ["a", "b"]
