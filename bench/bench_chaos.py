@@ -303,7 +303,21 @@ def summary(args, reference, outcomes, faults, tally, left, errors, duration) ->
         "error_samples": sorted({o.error for o in outcomes if o.error})[:5],
         "leaked": left,
         "p99_added_latency_s": added_latency_p99(outcomes, reference, faults),
+        "added_latency_s": added_latency_all(outcomes, reference),
     }
+
+
+def added_latency_all(outcomes: list[Outcome], reference: list[Outcome]) -> dict[str, float]:
+    """p50 and p99 over every request that completed of latency minus reference latency."""
+    extra = sorted(
+        (g.end_s - g.start_s) - (r.end_s - r.start_s)
+        for g, r in zip(outcomes, reference)
+        if g.error is None
+    )
+    if not extra:
+        return {}
+    pick = lambda q: round(extra[min(len(extra) - 1, int(q * len(extra)))], 3)  # noqa: E731
+    return {"p50": pick(0.5), "p99": pick(0.99)}
 
 
 def print_table(out: dict) -> None:
@@ -314,6 +328,7 @@ def print_table(out: dict) -> None:
     )
     print(f"leaked: {out['leaked']}")
     print(f"p99 added latency per fault kind (s): {out['p99_added_latency_s']}")
+    print(f"added latency, all requests (s): {out['added_latency_s']}")
 
 
 def _run(args: argparse.Namespace) -> int:
