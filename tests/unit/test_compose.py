@@ -59,7 +59,9 @@ def test_every_service_has_a_health_check_and_dependencies_are_ordered():
     assert deps["scheduler-1"] == deps["scheduler"]  # the standby
     assert {"scheduler", "predictor"} <= deps["gateway"]
     assert "qdrant" in deps["predictor"]
-    for spec in local_topology(2, "redis://x", num_schedulers=2):  # launcher order respects the same edges
+    for spec in local_topology(
+        2, "redis://x", num_schedulers=2
+    ):  # launcher order respects the same edges
         for dep in spec.depends_on:
             assert dep in SERVICES
 
