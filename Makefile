@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup run test lint proto clean-venv
+.PHONY: setup run test lint proto clean-venv k8s-check
 
 setup: $(STAMP)
 
@@ -43,3 +43,16 @@ proto: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Render the Kubernetes overlays, validate every object against the 1.32 schemas and run
+# checkov, with both tools in a venv of their own (deploy/k8s, docs/kubernetes.md).
+K8S_VENV := .venv-k8s
+k8s-check:
+	test -x $(K8S_VENV)/bin/checkov || ($(PY) -m venv $(K8S_VENV) && \
+		$(K8S_VENV)/bin/pip install --disable-pip-version-check -q kubernetes-validate checkov)
+	for o in cpu gpu; do \
+		kubectl kustomize deploy/k8s/overlays/$$o > $(K8S_VENV)/$$o.yaml && \
+		$(K8S_VENV)/bin/kubernetes-validate --strict -k 1.32.0 $(K8S_VENV)/$$o.yaml && \
+		$(K8S_VENV)/bin/checkov --quiet --compact --skip-download -f $(K8S_VENV)/$$o.yaml --framework kubernetes \
+			|| exit 1; \
+	done
