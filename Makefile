@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup run test lint proto clean-venv k8s-check
+.PHONY: setup run test lint proto clean-venv k8s-check base-image images
 
 setup: $(STAMP)
 
@@ -56,3 +56,32 @@ k8s-check:
 		$(K8S_VENV)/bin/checkov --quiet --compact --skip-download -f $(K8S_VENV)/$$o.yaml --framework kubernetes \
 			|| exit 1; \
 	done
+
+# Container images, with podman (or docker). `make images` builds on the official bases;
+# `make images LOCAL=1` builds on a Debian base bootstrapped here (`make base-image`, no
+# registry image needed), with host networking, the host's CA bundle and local torch wheel.
+ENGINE ?= $(shell command -v podman || command -v docker)
+LOCAL_BASE := localhost/alise-base:bookworm
+ifdef LOCAL
+IMAGE_BASE ?= $(LOCAL_BASE)
+EXECUTOR_BASE ?= $(LOCAL_BASE)
+IMAGE_TORCH ?= https://pypi.org/simple
+EXECUTOR_TORCH ?= https://pypi.org/simple
+BUILD_FLAGS ?= --network host -v /etc/ssl/certs:/etc/ssl/certs:ro -v /opt/wheels:/opt/wheels:ro \
+	--build-arg PIP_FIND_LINKS=/opt/wheels --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+endif
+IMAGE_BASE ?= python:3.11-slim
+IMAGE_TORCH ?= https://download.pytorch.org/whl/cpu
+EXECUTOR_BASE ?= nvidia/cuda:12.8.1-runtime-ubuntu24.04
+EXECUTOR_TORCH ?= https://pypi.org/simple
+
+base-image:
+	mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm - \
+		| $(ENGINE) import - $(LOCAL_BASE)
+
+images:
+	$(ENGINE) build $(BUILD_FLAGS) --build-arg BASE=$(IMAGE_BASE) \
+		--build-arg TORCH_INDEX_URL=$(IMAGE_TORCH) -f docker/Dockerfile -t alise:latest .
+	$(ENGINE) build $(BUILD_FLAGS) --build-arg BASE=$(EXECUTOR_BASE) \
+		--build-arg TORCH_INDEX_URL=$(EXECUTOR_TORCH) -f docker/Dockerfile.executor \
+		-t alise-executor:latest .

@@ -85,3 +85,25 @@ def test_docker_compose_config_validates():
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+CPU = yaml.safe_load((ROOT / "docker-compose.cpu.yml").read_text())["services"]
+
+
+def test_the_cpu_stack_runs_the_launcher_services_on_local_images():
+    launcher = {s.name: s for s in local_topology(1, "redis://x", num_schedulers=2)}
+    alise = {name: svc for name, svc in CPU.items() if name != "redis"}
+    assert set(alise) == set(launcher)
+    known = env_var_names()
+    for name, svc in alise.items():
+        assert tuple(svc["command"][1:]) == launcher[name].command, name
+        assert set(svc["environment"]) <= known, name
+        assert set(launcher[name].env) <= set(svc["environment"]), name
+    images = {svc["image"] for svc in CPU.values()}
+    assert images == {"alise:latest"}  # nothing pulled from a registry
+    assert "qdrant" not in CPU and "ALISE_QDRANT_URL" not in alise["predictor"]["environment"]
+    assert CPU["executor-0"]["environment"]["ALISE_DEVICE"] == "cpu"
+    assert CPU["gateway"]["environment"]["ALISE_SCHEDULER_ADDRESS"] == (
+        "scheduler:50051,scheduler-1:50051"
+    )
+    assert all(svc["ulimits"]["nofile"]["hard"] == 1024 for svc in CPU.values())
