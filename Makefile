@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup run test lint proto clean-venv k8s-check base-image images
+.PHONY: setup run test lint proto clean-venv k8s-check base-image images test-containers
 
 setup: $(STAMP)
 
@@ -85,3 +85,11 @@ images:
 	$(ENGINE) build $(BUILD_FLAGS) --build-arg BASE=$(EXECUTOR_BASE) \
 		--build-arg TORCH_INDEX_URL=$(EXECUTOR_TORCH) -f docker/Dockerfile.executor \
 		-t alise-executor:latest .
+
+# The CPU compose stack in containers (after `make base-image images LOCAL=1` here):
+# health, a streamed answer, two predictor replicas, a killed scheduler, down/up.
+test-containers: setup
+	test -x .venv-containers/bin/podman-compose || ($(PY) -m venv .venv-containers && \
+		.venv-containers/bin/pip install --disable-pip-version-check -q podman-compose)
+	ALISE_TEST_CONTAINERS=1 PODMAN_COMPOSE=$(CURDIR)/.venv-containers/bin/podman-compose \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_podman_stack.py
