@@ -1,56 +1,98 @@
 """The Kubernetes manifests (deploy/k8s) render with kustomize and describe the same services as
-`alise serve` (services/launcher/topology.py): same commands, real settings, both schedulers
-listed for the gateway, probes on the right ports, non-root containers with limits, GPUs on
-the gpu overlay's executors, and only the gateway reachable from outside."""
+`alise serve` (services/launcher/topology.py), as tests/unit/test_compose.py checks for
+docker-compose.yml: same services and commands, real settings, the same ports on containers,
+Services and probes, addresses that name real Services, both schedulers listed for the
+gateway, non-root containers with limits and writable mounts where they write, GPUs on the gpu
+overlay's executors only, and only the gateway reachable from outside. Where the
+kubernetes-validate package is at hand (imported, or `make k8s-check`'s .venv-k8s), every
+object is also validated against the Kubernetes 1.32 schemas (strict)."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from services.cli import build_parser
 from services.common.settings import env_var_names
-from services.launcher.topology import local_topology
+from services.launcher import topology
+from services.launcher.topology import ServiceSpec, local_topology
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("cpu", "gpu")
 INFRA = {"redis", "qdrant"}
+K8S_VERSION = "1.32.0"
+# The one variable that is not a setting: the pod's name, for ALISE_ADVERTISE_ADDRESS.
+DOWNWARD_API = {"POD_NAME"}
+PORTS = {
+    "gateway": topology.GATEWAY_PORT,
+    "predictor": topology.PREDICTOR_PORT,
+    "scheduler": topology.SCHEDULER_PORT,
+    "executor": topology.EXECUTOR_BASE_PORT,
+}
 
 pytestmark = pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl (with kustomize) is not installed"
 )
 
 
-def render(overlay: str) -> list[dict]:
-    out = subprocess.run(
+@functools.cache
+def rendered(overlay: str) -> str:
+    return subprocess.run(
         ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
-def objects(request) -> list[dict]:
+def render(overlay: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(rendered(overlay)) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def objects(request: pytest.FixtureRequest) -> list[dict]:
     return render(request.param)
 
 
-def workloads(objects: list[dict]) -> dict[str, dict]:
-    kinds = {"Deployment", "StatefulSet"}
+def of_kind(objects: list[dict], *kinds: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] in kinds}
 
 
+def workloads(objects: list[dict]) -> dict[str, dict]:
+    return of_kind(objects, "Deployment", "StatefulSet")
+
+
+def apps(objects: list[dict]) -> dict[str, dict]:
+    return {n: w for n, w in workloads(objects).items() if n not in INFRA}
+
+
+def pod(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
 def container(workload: dict) -> dict:
-    return workload["spec"]["template"]["spec"]["containers"][0]
+    return pod(workload)["containers"][0]
+
+
+def launcher() -> dict[str, list[ServiceSpec]]:
+    """The launcher's services by workload: executor-0, executor-1 -> executor; scheduler,
+    scheduler-1 -> scheduler (a StatefulSet each)."""
+    groups: dict[str, list[ServiceSpec]] = {}
+    for spec in local_topology(2, "redis://x", num_schedulers=2):
+        groups.setdefault(spec.name.split("-")[0], []).append(spec)
+    return groups
 
 
 def env_of(objects: list[dict], workload: dict) -> dict[str, str]:
     """The container's environment: its ConfigMap/Secret sources, then its own entries."""
-    sources = {o["metadata"]["name"]: o for o in objects if o["kind"] in ("ConfigMap", "Secret")}
+    sources = of_kind(objects, "ConfigMap", "Secret")
     env: dict[str, str] = {}
     for ref in container(workload).get("envFrom", []):
         name = (ref.get("configMapRef") or ref.get("secretRef"))["name"]
@@ -60,95 +102,253 @@ def env_of(objects: list[dict], workload: dict) -> dict[str, str]:
     return env
 
 
-def test_the_same_services_and_commands_as_the_launcher(objects):
-    # executor-0, executor-1 -> the executor StatefulSet; scheduler, scheduler-1 -> scheduler
-    launcher = {s.name.split("-")[0]: s for s in local_topology(2, "redis://x", num_schedulers=2)}
-    apps = {n: w for n, w in workloads(objects).items() if n not in INFRA}
-    assert set(apps) == set(launcher)
-    for name, workload in apps.items():
-        assert container(workload)["command"] == ["alise", *launcher[name].command], name
+def resolve(objects: list[dict], address: str) -> tuple[dict, int]:
+    """The Service a `host:port` address names (`svc` or a StatefulSet pod's `pod.svc`), and
+    the port, which the Service must expose."""
+    host, port = address.removeprefix("dns:///").rsplit(":", 1)
+    services = of_kind(objects, "Service")
+    if host in services:
+        service = services[host]
+    else:
+        pod_name, svc = host.split(".")
+        service = services[svc]
+        assert service["spec"].get("clusterIP") == "None", f"{svc}: pod DNS needs a headless one"
+        sets = [
+            w for w in of_kind(objects, "StatefulSet").values() if w["spec"]["serviceName"] == svc
+        ]
+        assert sets, f"{address}: no StatefulSet governs Service {svc}"
+        ordinal = int(pod_name.removeprefix(sets[0]["metadata"]["name"] + "-"))
+        assert 0 <= ordinal < sets[0]["spec"]["replicas"], address
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]], address
+    return service, int(port)
 
 
-def test_every_environment_variable_is_a_real_setting(objects):
-    known = env_var_names() | {"HF_HUB_OFFLINE", "POD_NAME"}
-    launcher = {s.name: s for s in local_topology(2, "redis://x", num_schedulers=2)}
+def test_the_same_services_and_commands_as_the_launcher(objects: list[dict]) -> None:
+    groups = launcher()
+    assert set(apps(objects)) == set(groups)
+    parser = build_parser()
+    for name, workload in apps(objects).items():
+        command = container(workload)["command"]
+        assert command[0] == "alise"
+        assert tuple(command[1:]) == groups[name][0].command, name
+        assert callable(getattr(parser.parse_args(command[1:]), "func", None)), command
+
+
+def test_every_environment_variable_is_a_real_setting(objects: list[dict]) -> None:
+    known = env_var_names() | DOWNWARD_API
+    for name, cm in of_kind(objects, "ConfigMap", "Secret").items():
+        keys = set(cm.get("data") or {}) | set(cm.get("stringData") or {})
+        assert keys <= env_var_names(), f"{name}: {keys - env_var_names()} are not settings"
+    for name, workload in apps(objects).items():
+        env = env_of(objects, workload)
+        assert not set(env) - known, f"{name}: {set(env) - known} are not ALISE settings"
+        spec = launcher()[name][0]
+        assert not set(spec.env) - set(env), f"{name} lacks {set(spec.env) - set(env)}"
+        for var, value in spec.env.items():
+            if var.endswith("_HOST"):
+                assert env[var] == "0.0.0.0", f"{name}: {var} must bind every interface"
+            elif var.endswith("_PORT"):
+                assert env[var] == value, f"{name}: {var} is {env[var]}, the launcher's {value}"
+
+
+def test_containers_services_and_probes_use_each_service_port(objects: list[dict]) -> None:
+    services = of_kind(objects, "Service")
+    for name, workload in apps(objects).items():
+        port = PORTS[name]
+        c = container(workload)
+        assert [p["containerPort"] for p in c["ports"]] == [port], name
+        service = services[name]
+        assert [p["port"] for p in service["spec"]["ports"]] == [port], name
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items(), name
+        if name == "gateway":
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
+            # Liveness must not follow /health: a gateway is alive while the scheduler is down.
+            assert c["livenessProbe"]["tcpSocket"]["port"] == port
+            continue
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            grpc = c[probe]["grpc"]
+            assert grpc["port"] == port, (name, probe)
+            # The overall health status: a standby scheduler is SERVING there, and only the
+            # leader serves `alise.v1.Scheduler`; naming it would kill the standby.
+            assert grpc.get("service", "") == "", (name, probe)
+    for name in INFRA:
+        assert services[name]["spec"]["clusterIP"] == "None", name
+
+
+def test_addresses_name_real_services(objects: list[dict]) -> None:
+    a = apps(objects)
+    gateway = env_of(objects, a["gateway"])
+    schedulers = gateway["ALISE_SCHEDULER_ADDRESS"].split(",")
+    assert schedulers == [f"scheduler-{i}.scheduler:{topology.SCHEDULER_PORT}" for i in range(2)]
+    assert a["scheduler"]["spec"]["replicas"] == len(schedulers) == 2
+    for address in schedulers:
+        assert resolve(objects, address)[0]["metadata"]["name"] == "scheduler"
+    predictors, port = resolve(objects, gateway["ALISE_PREDICTOR_ADDRESSES"])
+    assert gateway["ALISE_PREDICTOR_ADDRESSES"].startswith("dns:///")
+    assert predictors["spec"]["clusterIP"] == "None"  # one DNS name, every replica's address
+    assert (predictors["metadata"]["name"], port) == ("predictor", topology.PREDICTOR_PORT)
+    scheduler = env_of(objects, a["scheduler"])
+    executor = env_of(objects, a["executor"])
+    predictor = env_of(objects, a["predictor"])
+    urls = [scheduler["ALISE_REDIS_URL"], executor["ALISE_REGISTRY_URL"]]
+    urls.append(predictor["ALISE_QDRANT_URL"])
+    for url in urls:
+        resolve(objects, urlsplit(url).netloc)
+    # Executors register where the schedulers look, under their pod DNS names.
+    assert executor["ALISE_REGISTRY_URL"] == scheduler["ALISE_REDIS_URL"]
+    assert scheduler["ALISE_EXECUTORS"] == ""
+    advertised = executor["ALISE_ADVERTISE_ADDRESS"]
+    assert advertised == f"$(POD_NAME).executor:{topology.EXECUTOR_BASE_PORT}"
+    resolve(objects, advertised.replace("$(POD_NAME)", "executor-0"))
+    assert container(a["executor"])["env"][0]["name"] == "POD_NAME"  # defined before its use
+    pdb = of_kind(objects, "PodDisruptionBudget")["scheduler"]["spec"]
+    assert pdb["minAvailable"] == 1
+    assert pdb["selector"]["matchLabels"] == a["scheduler"]["spec"]["selector"]["matchLabels"]
+
+
+def test_containers_run_as_non_root_with_limits(objects: list[dict]) -> None:
     for name, workload in workloads(objects).items():
+        spec = pod(workload)
+        assert spec["automountServiceAccountToken"] is False, name
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] > 0, name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["allowPrivilegeEscalation"] is False, name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert sc["seccompProfile"]["type"] == "RuntimeDefault", name
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), (name, kind)
+
+
+def test_writable_mounts_where_the_services_write(objects: list[dict]) -> None:
+    for name, workload in workloads(objects).items():
+        spec = pod(workload)
+        claims = [t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])]
+        volumes = [v["name"] for v in spec.get("volumes", [])] + claims
+        mounts = {m["mountPath"]: m["name"] for m in container(workload)["volumeMounts"]}
+        assert set(mounts.values()) <= set(volumes), name
         if name in INFRA:
             continue
-        env = env_of(objects, workload)
-        unknown = set(env) - known
-        assert not unknown, f"{name}: {unknown} are not ALISE settings"
-        spec = launcher.get(name) or launcher[f"{name}-0"]
-        missing = set(spec.env) - set(env)
-        assert not missing, f"{name} lacks {missing}"
-
-
-def test_the_gateway_lists_both_schedulers_and_executors_register(objects):
-    apps = workloads(objects)
-    gateway = env_of(objects, apps["gateway"])
-    schedulers = gateway["ALISE_SCHEDULER_ADDRESS"].split(",")
-    assert schedulers == [f"scheduler-{i}.scheduler:50051" for i in range(2)]
-    assert apps["scheduler"]["spec"]["replicas"] == len(schedulers)
-    executor = env_of(objects, apps["executor"])
-    assert executor["ALISE_REGISTRY_URL"].startswith("redis://")
-    assert executor["ALISE_ADVERTISE_ADDRESS"] == "$(POD_NAME).executor:50061"
-    assert gateway["ALISE_PREDICTOR_ADDRESSES"] == "dns:///predictor:50052"
-    pdbs = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
-    assert pdbs and pdbs[0]["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == (
-        "scheduler"
+        data_dir = env_of(objects, workload)["ALISE_DATA_DIR"]
+        assert {data_dir, "/tmp", "/home/alise"} <= set(mounts), name  # data, temp, caches
+    redis = of_kind(objects, "StatefulSet")["redis"]
+    args = " ".join(container(redis)["args"])
+    assert "--appendonly yes" in args and "--appendfsync everysec" in args
+    redis_mounts = {m["mountPath"]: m["name"] for m in container(redis)["volumeMounts"]}
+    assert redis_mounts["/data"] == redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    qdrant = of_kind(objects, "StatefulSet")["qdrant"]
+    qdrant_mounts = {m["mountPath"]: m["name"] for m in container(qdrant)["volumeMounts"]}
+    assert (
+        qdrant_mounts["/qdrant/storage"]
+        == (qdrant["spec"]["volumeClaimTemplates"][0]["metadata"]["name"])
     )
 
 
-def test_probes_use_each_service_port(objects):
-    ports = {"predictor": 50052, "executor": 50061, "scheduler": 50051}
-    apps = workloads(objects)
-    for name, port in ports.items():
-        c = container(apps[name])
-        assert c["readinessProbe"]["grpc"]["port"] == port
-        assert c["livenessProbe"]["grpc"]["port"] == port
-        assert c["ports"][0]["containerPort"] == port
-    assert container(apps["gateway"])["readinessProbe"]["httpGet"]["path"] == "/health"
+def test_gpus_and_images_per_overlay() -> None:
+    for overlay in OVERLAYS:
+        objects = render(overlay)
+        for name, workload in workloads(objects).items():
+            resources = container(workload)["resources"]
+            gpus = {k: resources[k].get("nvidia.com/gpu") for k in ("requests", "limits")}
+            wanted = 1 if (overlay, name) == ("gpu", "executor") else None
+            assert gpus == {"requests": wanted, "limits": wanted}, (overlay, name)
+        a = apps(objects)
+        device = {"cpu": "cpu", "gpu": "cuda"}[overlay]
+        assert env_of(objects, a["executor"])["ALISE_DEVICE"] == device
+        executor_image = {"cpu": "alise:latest", "gpu": "alise-executor:latest"}[overlay]
+        assert container(a["executor"])["image"] == executor_image
+        for name in ("gateway", "predictor", "scheduler"):
+            assert container(a[name])["image"] == "alise:latest", name
+    tolerations = pod(workloads(render("gpu"))["executor"])["tolerations"]
+    assert tolerations[0]["key"] == "nvidia.com/gpu"
 
 
-def test_containers_run_as_non_root_with_limits(objects):
-    for name, workload in workloads(objects).items():
-        pod = workload["spec"]["template"]["spec"]
-        assert pod["automountServiceAccountToken"] is False, name
-        assert pod["securityContext"]["runAsNonRoot"] is True, name
-        c = container(workload)
-        sc = c["securityContext"]
-        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"], name
-        assert sc["capabilities"]["drop"] == ["ALL"], name
-        assert {"cpu", "memory"} <= set(c["resources"]["limits"]), name
-
-
-def test_gpus_only_on_the_gpu_overlay():
-    def gpus(overlay: str) -> object:
-        return container(workloads(render(overlay))["executor"])["resources"]["limits"].get(
-            "nvidia.com/gpu"
-        )
-
-    assert gpus("gpu") == 1
-    assert gpus("cpu") is None
-
-
-def test_only_the_gateway_is_reachable_from_outside(objects):
-    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+def test_only_the_gateway_is_reachable_from_outside(objects: list[dict]) -> None:
+    policies = list(of_kind(objects, "NetworkPolicy").values())
     deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
-    assert deny, "no default-deny ingress policy"
-    open_to_all = [
-        p for p in policies for rule in p["spec"].get("ingress", []) if "from" not in rule
-    ]
-    assert [p["spec"]["podSelector"] for p in open_to_all] == [
-        {"matchLabels": {"app.kubernetes.io/name": "gateway"}}
-    ]
-    services = [o for o in objects if o["kind"] == "Service"]
-    assert all(s["spec"].get("type", "ClusterIP") == "ClusterIP" for s in services)
-    ingress = [o for o in objects if o["kind"] == "Ingress"]
-    backends = {
-        p["backend"]["service"]["name"]
-        for i in ingress
+    assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"], "no default-deny ingress"
+    rules = [(p, rule) for p in policies for rule in p["spec"].get("ingress", [])]
+    for _, rule in rules:  # sources other than pods of this namespace: none
+        for source in rule.get("from", []):
+            assert set(source) == {"podSelector"}, source
+    open_to_all = [(p, rule) for p, rule in rules if "from" not in rule]
+    gateway_labels = {"matchLabels": {"app.kubernetes.io/name": "gateway"}}
+    assert [p["spec"]["podSelector"] for p, _ in open_to_all] == [gateway_labels]
+    assert open_to_all[0][1]["ports"] == [{"port": topology.GATEWAY_PORT, "protocol": "TCP"}]
+    services = of_kind(objects, "Service")
+    assert all(s["spec"].get("type", "ClusterIP") == "ClusterIP" for s in services.values())
+    paths = [
+        p
+        for i in of_kind(objects, "Ingress").values()
         for r in i["spec"]["rules"]
         for p in r["http"]["paths"]
+    ]
+    backends = {
+        (p["backend"]["service"]["name"], p["backend"]["service"]["port"]["number"]) for p in paths
     }
-    assert backends == {"gateway"}
+    assert backends == {("gateway", topology.GATEWAY_PORT)}
+
+
+def test_autoscalers_secret_and_service_monitor(objects: list[dict]) -> None:
+    hpas = of_kind(objects, "HorizontalPodAutoscaler")
+    deployments = of_kind(objects, "Deployment")
+    assert {n: h["spec"]["scaleTargetRef"]["name"] for n, h in hpas.items()} == {
+        "gateway": "gateway",
+        "predictor": "predictor",
+    }
+    for hpa in hpas.values():
+        assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+        assert (
+            hpa["spec"]["minReplicas"] <= deployments[hpa["metadata"]["name"]]["spec"]["replicas"]
+        )
+    secret = of_kind(objects, "Secret")["alise-api-keys"]
+    assert set(secret["stringData"]) == {"ALISE_API_KEYS"}
+    gateway = apps(objects)["gateway"]
+    assert {"secretRef": {"name": "alise-api-keys"}} in container(gateway)["envFrom"]
+    assert all(
+        "secretRef" not in r
+        for w in apps(objects).values()
+        if w is not gateway
+        for r in container(w)["envFrom"]
+    )
+    # No schema for the Prometheus operator's CRD in kubernetes-validate: checked here.
+    monitor = of_kind(objects, "ServiceMonitor")["gateway"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    service = of_kind(objects, "Service")["gateway"]
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    assert [(e["port"] in port_names, e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        (True, "/metrics")
+    ]
+
+
+def _validate_with_cli(cli: Path, overlay: str, tmp_path: Path) -> None:
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text(rendered(overlay))
+    result = subprocess.run(
+        [str(cli), "--strict", "--no-warn", "-k", K8S_VERSION, str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "passed for resource statefulset/scheduler" in result.stdout
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_validate_against_the_kubernetes_schemas(overlay: str, tmp_path: Path) -> None:
+    try:
+        import kubernetes_validate
+    except ImportError:
+        cli = ROOT / ".venv-k8s" / "bin" / "kubernetes-validate"
+        if not cli.exists():
+            pytest.skip("kubernetes-validate is not installed (`make k8s-check` installs it)")
+        return _validate_with_cli(cli, overlay, tmp_path)
+    for obj in render(overlay):
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no schema there (test_autoscalers_secret_and_service_monitor)
+        assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
