@@ -46,7 +46,7 @@ def _health(args: argparse.Namespace) -> int:
     if args.kind == "grpc":
         from services.common.grpc_client import check_health_sync
 
-        ok = check_health_sync(args.target, timeout=args.timeout)
+        ok = check_health_sync(args.target, args.service, timeout=args.timeout)
     else:
         import httpx
 
@@ -63,6 +63,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     health.add_argument("kind", choices=["grpc", "http"])
     health.add_argument("target", help="host:port (grpc) or URL (http)")
     health.add_argument("--timeout", type=float, default=2.0)
+    health.add_argument(
+        "--service",
+        default="",
+        help="gRPC service name (default: the whole server; `alise.v1.Scheduler` is SERVING "
+        "only on the leading scheduler)",
+    )
     health.set_defaults(func=_health)
     proto = subparsers.add_parser("proto", help="regenerate the gRPC stubs from proto/")
     proto.set_defaults(func=_proto)
