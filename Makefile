@@ -61,6 +61,8 @@ k8s-check:
 # `make images LOCAL=1` builds on a Debian base bootstrapped here (`make base-image`, no
 # registry image needed), with host networking, the host's CA bundle and local torch wheel.
 ENGINE ?= $(shell command -v podman || command -v docker)
+# podman's default OCI format drops HEALTHCHECK; the docker format keeps it.
+ENGINE_FLAGS := $(if $(findstring podman,$(ENGINE)),--format docker,)
 LOCAL_BASE := localhost/alise-base:bookworm
 ifdef LOCAL
 IMAGE_BASE ?= $(LOCAL_BASE)
@@ -80,9 +82,9 @@ base-image:
 		| $(ENGINE) import - $(LOCAL_BASE)
 
 images:
-	$(ENGINE) build $(BUILD_FLAGS) --build-arg BASE=$(IMAGE_BASE) \
+	$(ENGINE) build $(ENGINE_FLAGS) $(BUILD_FLAGS) --build-arg BASE=$(IMAGE_BASE) \
 		--build-arg TORCH_INDEX_URL=$(IMAGE_TORCH) -f docker/Dockerfile -t alise:latest .
-	$(ENGINE) build $(BUILD_FLAGS) --build-arg BASE=$(EXECUTOR_BASE) \
+	$(ENGINE) build $(ENGINE_FLAGS) $(BUILD_FLAGS) --build-arg BASE=$(EXECUTOR_BASE) \
 		--build-arg TORCH_INDEX_URL=$(EXECUTOR_TORCH) -f docker/Dockerfile.executor \
 		-t alise-executor:latest .
 

@@ -107,3 +107,16 @@ def test_the_cpu_stack_runs_the_launcher_services_on_local_images():
         "scheduler:50051,scheduler-1:50051"
     )
     assert all(svc["ulimits"]["nofile"]["hard"] == 1024 for svc in CPU.values())
+
+
+def test_dockerfiles_take_a_base_and_run_as_non_root():
+    cpu = (ROOT / "docker" / "Dockerfile").read_text()
+    executor = (ROOT / "docker" / "Dockerfile.executor").read_text()
+    for text in (cpu, executor):
+        assert "ARG BASE=" in text and "FROM ${BASE}" in text
+        assert "USER 10001" in text and "useradd --uid 10001" in text
+    assert cpu.count("FROM ${BASE}") == 2  # build stage, then a runtime without build tools
+    assert "gcc" in executor and "python3-dev" in executor  # Triton compiles at run time
+    assert "HEALTHCHECK" in executor
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "tests"} <= set(ignored)
