@@ -19,21 +19,16 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.redis_runner import async_client
 from services.common.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-REDIS_TIMEOUT_S = 2.0
+REGISTRY_REDIS_TIMEOUT_S = 2.0  # under the registration's lapse time
 
 
 def registry_key(namespace: str) -> str:
     return f"{namespace}:executors"
-
-
-def connect(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
-    )
 
 
 async def live_executors(client: aioredis.Redis, namespace: str) -> list[str]:
@@ -53,7 +48,7 @@ class Registration:
     def __init__(
         self, url: str, namespace: str, address: str, ttl_s: float = 3.0, interval_s: float = 1.0
     ) -> None:
-        self.client = connect(url)
+        self.client = async_client(url, REGISTRY_REDIS_TIMEOUT_S)
         self.key = registry_key(namespace)
         self.address = address
         self.ttl_s = ttl_s

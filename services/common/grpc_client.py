@@ -56,6 +56,9 @@ _SCHEMES = ("unix:", "ipv4:", "ipv6:", "dns:")
 # Initial metadata a scheduler sends when it accepts a Generate (or a re-attach): a call that
 # fails after it was accepted is resumed, one that fails before is submitted again.
 ACCEPTED_KEY = "alise-accepted"
+# The scheduler's gRPC service: its health is SERVING only on the leading scheduler (a standby
+# reports the overall status "" SERVING).
+SCHEDULER_SERVICE = "alise.v1.Scheduler"
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -16,10 +16,19 @@ import time
 from pathlib import Path
 
 import redis
+import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 log = logging.getLogger(__name__)
+
+REDIS_TIMEOUT_S = 3.0
+
+
+def async_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> aioredis.Redis:
+    """An asyncio client whose calls fail after `timeout_s` (connecting included) instead of
+    hanging forever on a paused or partitioned server."""
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
 def redis_server_binary() -> Path:

@@ -210,12 +210,12 @@ class ProcessStack:
 
     def leader(self, timeout_s: float = 15.0) -> str:
         """The name of the scheduler that leads now (waits for one during a takeover)."""
-        from services.common.grpc_client import check_health_sync
+        from services.common.grpc_client import SCHEDULER_SERVICE, check_health_sync
 
         deadline = time.monotonic() + timeout_s
         while True:
             for i, address in enumerate(self.scheduler_addresses):
-                if check_health_sync(address, "alise.v1.Scheduler", timeout=1.0):
+                if check_health_sync(address, SCHEDULER_SERVICE, timeout=1.0):
                     return f"scheduler-{i}"
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no scheduler leads after {timeout_s:g}s")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from services.common.grpc_client import aio_channel, check_health
+from services.common.grpc_client import SCHEDULER_SERVICE, aio_channel, check_health
 from services.common.pb import (
     common_pb2,
     predictor_pb2,
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEALTH_CACHE_S = 1.0
-SCHEDULER_SERVICE = "alise.v1.Scheduler"  # SERVING only on the leading scheduler
 STATS_TIMEOUT_S = 2.0
 
 

@@ -17,9 +17,9 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.redis_runner import async_client
 from services.common.settings import SchedulerSettings
 from services.common.tasks import cancel_and_wait
 from services.scheduler.lease import Lease, LeaseTiming
@@ -28,7 +28,7 @@ from services.scheduler.service import SchedulerService
 
 log = logging.getLogger(__name__)
 
-REDIS_TIMEOUT_S = 2.0
+LEASE_REDIS_TIMEOUT_S = 2.0  # well under the lease TTL
 
 
 def holder_address(port: int) -> str:
@@ -46,11 +46,7 @@ class Leadership:
     ) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.client = aioredis.Redis.from_url(
-            settings.redis_url,
-            socket_timeout=REDIS_TIMEOUT_S,
-            socket_connect_timeout=REDIS_TIMEOUT_S,
-        )
+        self.client = async_client(settings.redis_url, LEASE_REDIS_TIMEOUT_S)
         timing = LeaseTiming(settings.lease_ttl_s, settings.lease_renew_s)
         self.lease = Lease(self.client, settings.redis_namespace, address, timing)
         self.service: SchedulerService | None = None

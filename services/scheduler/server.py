@@ -21,6 +21,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from services.common.grpc_client import SCHEDULER_SERVICE
 from services.common.grpc_server import NOT_SERVING, SERVING, GrpcServer, start_server
 from services.common.pb import scheduler_pb2_grpc
 from services.common.redis_runner import EmbeddedRedis
@@ -29,7 +30,7 @@ from services.scheduler.core.policies import make_policy
 from services.scheduler.leadership import Leadership, holder_address
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.service import SchedulerService, parse_policy_config
-from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer
+from services.scheduler.servicer import SchedulerServicer
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,13 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
     try:
         servicer = SchedulerServicer()
         server = await start_server(
-            [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, SERVICE_NAME)],
+            [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, SCHEDULER_SERVICE)],
             f"{settings.scheduler_host}:{settings.scheduler_port}",
         )
-        await server.health.set(SERVICE_NAME, NOT_SERVING)
+        await server.health.set(SCHEDULER_SERVICE, NOT_SERVING)
 
         async def leading(now: bool) -> None:
-            await server.health.set(SERVICE_NAME, SERVING if now else NOT_SERVING)
+            await server.health.set(SCHEDULER_SERVICE, SERVING if now else NOT_SERVING)
 
         leadership = Leadership(settings, metrics, holder_address(server.port), leading)
         servicer.leadership = leadership

@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
 
 
-SERVICE_NAME = "alise.v1.Scheduler"
-
-
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Serves the current leader's service; a standby answers UNAVAILABLE (NOT_LEADER)."""
 

@@ -26,16 +26,15 @@ import logging
 import time
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.redis_runner import async_client
 from services.common.tasks import cancel_and_wait
 from services.scheduler.iteration_write import QUEUES, TOKEN, FieldValue, IterationWrite
 from services.scheduler.store_script import CREATE, LUA, script_args
 
 log = logging.getLogger(__name__)
 
-REDIS_TIMEOUT_S = 3.0
 RUN_ID_CHECK_S = 0.5
 
 
@@ -87,12 +86,7 @@ class Store:
     def __init__(self, url: str, namespace: str = "alise", retention_s: float = 300.0) -> None:
         # Finite timeouts: a Redis that hangs (paused, partitioned) fails calls instead of
         # blocking them forever; the writer retries, admission refuses meanwhile.
-        self.client = aioredis.Redis.from_url(
-            url,
-            decode_responses=False,
-            socket_timeout=REDIS_TIMEOUT_S,
-            socket_connect_timeout=REDIS_TIMEOUT_S,
-        )
+        self.client = async_client(url)
         self.keys = Keys(namespace)
         self.retention_s = retention_s
         self.epoch = 0
