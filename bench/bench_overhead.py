@@ -190,6 +190,12 @@ async def _run_all(args) -> dict:
 def _run(args: argparse.Namespace) -> int:
     from services.common.runner import run_coroutine
 
+    if args.fake_executors:
+        from bench.fleet import run_fleet
+
+        emit_json(run_fleet(args), args.json)
+        return 0
+
     loops = args.event_loops.split(",")
     runs = {loop: run_coroutine(_run_all(args), loop) for loop in loops}
     result = dict(runs[loops[0]])
@@ -222,5 +228,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="uvloop",
         help="comma-separated: uvloop (what the services run) and/or asyncio; "
         "the first one's figures are the headline",
+    )
+    fleet = p.add_argument_group(
+        "fleet mode (--fake-executors): executors sustained per scheduler, and shards"
+    )
+    fleet.add_argument(
+        "--fake-executors",
+        default="",
+        help="comma-separated stub executor counts to try (e.g. 8,16,32); set = fleet mode",
+    )
+    fleet.add_argument(
+        "--shards", default="1,2", help="comma-separated scheduler shard counts per point"
+    )
+    fleet.add_argument("--step-ms", type=float, default=25.0, help="every stub Step's time")
+    fleet.add_argument(
+        "--per-executor", type=int, default=2, help="streaming requests per executor"
+    )
+    fleet.add_argument("--warmup-s", type=float, default=2.0, help="after all requests stream")
+    fleet.add_argument("--window-s", type=float, default=5.0, help="measurement window")
+    fleet.add_argument(
+        "--budget-ms", type=float, default=2.0, help="scheduler time per iteration (p50) allowed"
     )
     p.set_defaults(func=_run)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -235,6 +235,27 @@ class SchedulerSettings(RedisSettings):
         description="Executor failures one request survives (recomputed each time) "
         "before it fails with finish_reason `error`.",
     )
+    num_shards: int = Field(
+        1,
+        ge=1,
+        description="Scheduler shards: each shard (a leader and its standbys) owns a disjoint "
+        "set of the registered executors, assigned through Redis.",
+    )
+    shard: int = Field(0, ge=0, description="This scheduler's shard, 0 .. num_shards - 1.")
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> SchedulerSettings:
+        if self.shard >= self.num_shards:
+            raise ValueError(f"shard {self.shard} is not below num_shards {self.num_shards}")
+        return self
+
+    @property
+    def state_namespace(self) -> str:
+        """Prefix of this shard's own keys (requests, queues, lease); the executor registry
+        and the shard assignment stay under `redis_namespace`."""
+        if self.num_shards == 1:
+            return self.redis_namespace
+        return f"{self.redis_namespace}:shard{self.shard}"
 
 
 class GatewaySettings(CommonSettings):
@@ -244,6 +265,13 @@ class GatewaySettings(CommonSettings):
         default_factory=lambda: ["127.0.0.1:50051"],
         description="Scheduler gRPC address, or several (comma-separated: a leader and its "
         "standbys, tried in order).",
+    )
+    scheduler_shards: StrList = Field(
+        default_factory=list,
+        description="Scheduler shards, comma-separated; each shard is its leader and standbys "
+        "joined by `|` (e.g. `s0a:50051|s0b:50051,s1a:50051`). Requests go to the shard with "
+        "the least predicted outstanding work per executor. Set, it replaces "
+        "scheduler_address.",
     )
     resume_timeout_s: float = Field(
         30.0,

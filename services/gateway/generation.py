@@ -94,7 +94,8 @@ class Generation:
         self.usage: scheduler_pb2.Usage | None = None
         self.text_parts: list[str] = []
         self.closed = False  # set by the route once close() bookkeeping ran
-        self.scheduler_index = 0  # which of the upstream's schedulers serves the stream
+        self.group = upstream.place()  # the scheduler shard that serves the request
+        self.scheduler_index = 0  # which of the shard's schedulers serves the stream
         self.received = 0  # token events received: where a re-attach resumes
         self.reattaches = 0
         self.resume_pause_s = 0.0
@@ -106,9 +107,9 @@ class Generation:
         once: a new request gets a quick 503 when none answers); a stream that breaks after
         the scheduler accepted it re-attaches (`_reopen`)."""
         self.prediction = await self.upstream.predict(self.plan.model, self.plan.prompt_text)
-        for attempt in range(len(self.upstream.schedulers)):
+        for attempt in range(len(self.group.stubs)):
             pb = self.plan.to_pb(self.prediction)
-            self.call, self.scheduler_index = self.upstream.generate(pb)
+            self.call, self.scheduler_index = self.upstream.generate(self.group, pb)
             await self._admitted(admission_wait_s)
             if not self.call.done() or await self.call.code() == grpc.StatusCode.OK:
                 return
@@ -121,8 +122,8 @@ class Generation:
                     await self._reopen(error)
                     return
             elif error.code() == UNAVAILABLE and self._resumable(error):
-                self.upstream.failover(self.scheduler_index)
-                if attempt + 1 < len(self.upstream.schedulers):
+                self.group.failover(self.scheduler_index)
+                if attempt + 1 < len(self.group.stubs):
                     continue
             self.finish_reason = "error"
             raise from_grpc(error)
@@ -174,7 +175,7 @@ class Generation:
             extra={"request_id": self.plan.request_id, "error": _brief(exc), "sent": self.received},
         )
         if exc is None or exc.code() == UNAVAILABLE:
-            self.upstream.failover(self.scheduler_index)
+            self.group.failover(self.scheduler_index)
         backoff, fresh = 0.05, False
         while True:
             left = deadline - time.monotonic()
@@ -205,7 +206,7 @@ class Generation:
             pb = scheduler_pb2.GenerateRequest(
                 request_id=self.plan.request_id, resume_from=self.received
             )
-        call, index = self.upstream.generate(pb, timeout_s=timeout_s)
+        call, index = self.upstream.generate(self.group, pb, timeout_s=timeout_s)
         waiter = asyncio.ensure_future(call.initial_metadata())
         waiter.add_done_callback(_consume)
         await asyncio.wait([waiter], timeout=timeout_s)
@@ -221,7 +222,7 @@ class Generation:
         if not self._resumable(error):
             self.finish_reason = "error"
             raise from_grpc(error)
-        self.upstream.failover(index)
+        self.group.failover(index)
         return error, fresh
 
     def _apply(self, event: scheduler_pb2.TokenEvent) -> Piece | None:
@@ -257,7 +258,7 @@ class Generation:
     def _cancel_upstream(self) -> None:
         if self.call is not None and not self.call.done():
             self.call.cancel()
-        self.upstream.abort(self.plan.request_id)
+        self.upstream.abort(self.group, self.plan.request_id)
 
     def close(self) -> None:
         """Abort upstream unless it ended there; observe the true length of EOS endings."""

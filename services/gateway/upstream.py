@@ -1,7 +1,7 @@
 """The gateway's gRPC side: scheduler (Generate/Abort/Stats/health) and predictor replicas.
 
-Schedulers: one leads, any others stand by (they answer UNAVAILABLE). The gateway keeps the
-index of the one it believes leads and moves to the next on UNAVAILABLE (`failover`).
+Schedulers: one shard, or several (services/gateway/shards.py); in each, one scheduler leads
+and any others stand by (they answer UNAVAILABLE).
 
 Predictions are best effort: one Predict with a short deadline, and any failure (slow, down,
 no replica) means the request goes ahead without one. Observations are fire-and-forget
@@ -19,15 +19,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from services.common.grpc_client import SCHEDULER_SERVICE, aio_channel, check_health
-from services.common.pb import (
-    common_pb2,
-    predictor_pb2,
-    predictor_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from services.common.grpc_client import aio_channel, check_health
+from services.common.pb import common_pb2, predictor_pb2, predictor_pb2_grpc, scheduler_pb2
 from services.common.settings import GatewaySettings
+from services.gateway.shards import REFRESH_S, SchedulerGroup, pick, shard_addresses
 
 if TYPE_CHECKING:
     # The Generate stream: an async iterator of TokenEvents, with .cancel().
@@ -38,42 +33,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEALTH_CACHE_S = 1.0
-STATS_TIMEOUT_S = 2.0
 
 
 class Upstream:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        # One channel per scheduler: a leader and its standbys, tried in order (not balanced).
-        self.scheduler_channels = [
-            aio_channel(address, idempotent_services=["grpc.health.v1.Health"])
-            for address in settings.scheduler_address
-        ]
-        self.schedulers = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in self.scheduler_channels]
-        self.leader = 0  # index of the scheduler believed to lead
+        self.shards = [SchedulerGroup(a, i) for i, a in enumerate(shard_addresses(settings))]
         self.predictor_channel = aio_channel(
             settings.predictor_addresses, idempotent_services=["alise.v1.Predictor"]
         )
         self.predictor = predictor_pb2_grpc.PredictorStub(self.predictor_channel)
         self._tasks: set[asyncio.Task[None]] = set()
         self._health: dict[str, tuple[float, bool]] = {}
+        self._refreshing: asyncio.Task[None] | None = None
         self.max_model_len: int = 0  # from the scheduler's Stats, 0 = unknown yet
         self.max_kv_tokens: int = 0  # the largest executor KV pool, from Stats, 0 = unknown
-
-    @property
-    def scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return self.schedulers[self.leader]
-
-    def failover(self, failed: int) -> None:
-        """The scheduler at index `failed` is down or stands by: try the next one."""
-        if self.leader == failed:
-            self.leader = (failed + 1) % len(self.schedulers)
 
     async def close(self) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
-        for channel in self.scheduler_channels:
-            await channel.close()
+        for group in self.shards:
+            await group.close()
         await self.predictor_channel.close()
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -82,19 +62,27 @@ class Upstream:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # Scheduler.
+    # Scheduler shards.
+
+    def place(self) -> SchedulerGroup:
+        """The shard for a new request (the only one, or the least loaded); the shards' loads
+        are refreshed in the background when older than REFRESH_S."""
+        if len(self.shards) == 1:
+            return self.shards[0]
+        stale = min(g.load.reported_at for g in self.shards) < time.monotonic() - REFRESH_S
+        if stale and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = self._background(self._refresh())
+        return pick(self.shards)
+
+    async def _refresh(self) -> None:
+        await self.stats()
 
     async def scheduler_up(self) -> bool:
-        """A scheduler leads: the current one, or another (which then becomes current)."""
+        """Some shard has a leading scheduler (cached for HEALTH_CACHE_S)."""
         checked_at, up = self._health.get("scheduler", (0.0, False))
         if time.monotonic() - checked_at < HEALTH_CACHE_S:
             return up
-        up = False
-        for _ in self.schedulers:
-            if await check_health(self.scheduler_channels[self.leader], SCHEDULER_SERVICE, 1.0):
-                up = True
-                break
-            self.failover(self.leader)
+        up = any(await asyncio.gather(*(g.up() for g in self.shards)))
         self._health["scheduler"] = (time.monotonic(), up)
         return up
 
@@ -108,24 +96,17 @@ class Upstream:
         return up
 
     async def stats(self) -> scheduler_pb2.StatsResponse | None:
-        for _ in self.schedulers:
-            index = self.leader
-            try:
-                reply = await self.scheduler.Stats(
-                    scheduler_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.debug("scheduler Stats failed: %s", exc.code().name)
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    return None
-                self.failover(index)
+        """Every shard's Stats (their loads recorded); the first shard's reply that came."""
+        now = time.monotonic()
+        replies = await asyncio.gather(*(g.stats(now) for g in self.shards))
+        for reply in replies:
+            if reply is None:
                 continue
             if reply.max_model_len > 0:
                 self.max_model_len = reply.max_model_len
             if reply.max_kv_tokens > 0:
-                self.max_kv_tokens = reply.max_kv_tokens
-            return reply
-        return None
+                self.max_kv_tokens = max(self.max_kv_tokens, reply.max_kv_tokens)
+        return next((r for r in replies if r is not None), None)
 
     def context_limit(self, config_max_len: int) -> int:
         """Tokens one request may use (prompt + output): the model's length, capped by the
@@ -134,29 +115,18 @@ class Upstream:
         return min(limit, self.max_kv_tokens) if self.max_kv_tokens else limit
 
     def generate(
-        self, request: scheduler_pb2.GenerateRequest, timeout_s: float | None = None
+        self,
+        group: SchedulerGroup,
+        request: scheduler_pb2.GenerateRequest,
+        timeout_s: float | None = None,
     ) -> tuple[GenerateCall, int]:
-        """Start a Generate stream on the current scheduler: (the call, that scheduler's index).
-        The call is an async iterator of TokenEvent with .cancel()."""
+        """Start a Generate stream on the shard's current scheduler: (the call, that
+        scheduler's index). The call is an async iterator of TokenEvent with .cancel()."""
         timeout = self.settings.request_timeout_s if timeout_s is None else timeout_s
-        return self.scheduler.Generate(request, timeout=timeout), self.leader
+        return group.stub.Generate(request, timeout=timeout), group.leader
 
-    def abort(self, request_id: str) -> asyncio.Task[None]:
-        return self._background(self._abort(request_id))
-
-    async def _abort(self, request_id: str) -> None:
-        for _ in self.schedulers:
-            index = self.leader
-            try:
-                await self.scheduler.Abort(
-                    scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0
-                )
-                return
-            except grpc.aio.AioRpcError as exc:
-                log.warning("abort of %s failed: %s", request_id, exc.code().name)
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    return
-                self.failover(index)
+    def abort(self, group: SchedulerGroup, request_id: str) -> asyncio.Task[None]:
+        return self._background(group.abort(request_id))
 
     # Predictor.
 

@@ -48,7 +48,7 @@ class Leadership:
         self.metrics = metrics
         self.client = async_client(settings.redis_url, LEASE_REDIS_TIMEOUT_S)
         timing = LeaseTiming(settings.lease_ttl_s, settings.lease_renew_s)
-        self.lease = Lease(self.client, settings.redis_namespace, address, timing)
+        self.lease = Lease(self.client, settings.state_namespace, address, timing)
         self.service: SchedulerService | None = None
         self.terms = 0  # times this process became leader
         self._on_change = on_change

@@ -37,6 +37,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recorder import CompletedStep, StepRecorder, executor_fields, write_status
 from services.scheduler.records import new_record, recompute_copy, request_from_record
 from services.scheduler.resync import full_state
+from services.scheduler.shards import fenced_epoch
 from services.scheduler.step_trace import StepTrace
 from services.scheduler.store import Fenced, Store, StoreWriter
 from services.scheduler.streams import RequestStream
@@ -79,7 +80,7 @@ class SchedulerService:
         self.knobs = parse_policy_config(settings.policy_config)
         self.probe = make_policy(settings.policy, **self.knobs)  # unknown policy/knob: error
         self.metrics = metrics or SchedulerMetrics()
-        self.store = Store(settings.redis_url, settings.redis_namespace, settings.retention_s)
+        self.store = Store(settings.redis_url, settings.state_namespace, settings.retention_s)
         self.writer = StoreWriter(self.store)
         self.entries: Entries = {}
         self.loops: dict[str, ExecutorLoop] = {}
@@ -98,7 +99,7 @@ class SchedulerService:
         self.writer.resync = lambda: full_state(self.entries, self.loops.values(), self.model_name)
         await self.writer.start()
         for addr in self.settings.executors:
-            self.add_executor(addr, await self.store.held(addr))
+            self.add_executor(addr, held=await self.store.held(addr))
         self._sweeper = asyncio.create_task(self._sweep(), name="scheduler-sweeper")
         self.discovery = Discovery(
             self.store.client,
@@ -108,13 +109,16 @@ class SchedulerService:
             self.add_executor,
             self.remove_executor,
             self.settings.discovery_interval_s,
+            self.settings.shard,
+            self.settings.num_shards,
         )
         await self.discovery.sync()
         self._discover = asyncio.create_task(self.discovery.run(), name="executor-discovery")
 
-    def add_executor(self, addr: str, held: set[str] | None = None) -> None:
+    def add_executor(self, addr: str, generation: int = 0, held: set[str] | None = None) -> None:
         """Start a loop for an executor. Any recovered request may still live on it (its
-        placement may not have reached Redis): its first Step frees them all first."""
+        placement may not have reached Redis): its first Step frees them all first.
+        `generation`: the shard assignment's (0 unsharded), which fences its Steps."""
         s = self.settings
         timing = LoopTiming(
             step_timeout_s=s.step_timeout_s,
@@ -124,7 +128,8 @@ class SchedulerService:
             poll_interval_s=s.health_poll_s,
         )
         loop = ExecutorLoop(addr, self, timing, (held or set()) | set(self.entries))
-        loop.client.epoch = self.store.epoch  # a deposed leader's Steps are refused
+        # a deposed leader's (or a former shard owner's) Steps are refused
+        loop.client.epoch = fenced_epoch(generation, self.store.epoch)
         self.loops[addr] = loop
         loop.start()
 

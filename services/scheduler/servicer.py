@@ -92,10 +92,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             model=service.model_name,
             max_model_len=service.limits.max_model_len or 0,
             max_kv_tokens=service.limits.max_kv_tokens or 0,
+            shard=service.settings.shard,
+            num_shards=service.settings.num_shards,
         )
+        now = time.time()
         for addr, loop in service.loops.items():
             reply.executors.append(executor_stats(addr, loop))
             if loop.sched is not None:
+                reply.outstanding_work_s += loop.sched.outstanding_work(now)
                 reply.waiting += loop.sched.num_waiting
                 reply.running += loop.sched.num_running
                 reply.swapped += loop.sched.num_swapped

@@ -112,7 +112,7 @@ class ExecutorStats(_message.Message):
     def __init__(self, address: _Optional[str] = ..., up: _Optional[bool] = ..., num_device_blocks: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., free_host_blocks: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("policy", "waiting", "running", "swapped", "finished", "aborted", "preemptions", "executors", "model", "max_model_len", "max_kv_tokens")
+    __slots__ = ("policy", "waiting", "running", "swapped", "finished", "aborted", "preemptions", "executors", "model", "max_model_len", "max_kv_tokens", "outstanding_work_s", "shard", "num_shards")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,9 @@ class StatsResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_WORK_S_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     waiting: int
     running: int
@@ -135,4 +138,7 @@ class StatsResponse(_message.Message):
     model: str
     max_model_len: int
     max_kv_tokens: int
-    def __init__(self, policy: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., preemptions: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ...) -> None: ...
+    outstanding_work_s: float
+    shard: int
+    num_shards: int
+    def __init__(self, policy: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., preemptions: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., outstanding_work_s: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
