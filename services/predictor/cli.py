@@ -1,4 +1,4 @@
-"""`alise predictor serve | seed | train [--proxy] | eval | bench-store`."""
+"""`alise predictor serve | seed | train [--proxy] | calibrate | eval | bench-store`."""
 
 from __future__ import annotations
 
@@ -71,6 +71,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from services.predictor.calibrate import calibrate
+
+    logging.basicConfig(level=logging.INFO)
+    report = calibrate(
+        _settings(),
+        args.n,
+        args.max_tokens,
+        Path(args.out) if args.out else None,
+        batch=args.batch,
+        temperature=args.temperature,
+        threads=args.threads,
+    )
+    print(json.dumps(report))
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from services.predictor.evaluate import main
 
@@ -108,6 +128,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--epochs", type=int, default=None, help="MLP 60 (early stop), proxy 1")
     train.set_defaults(func=_train)
 
+    cal = sub.add_parser(
+        "calibrate",
+        help="the served model's own lengths for N train-split prompts (resumable JSONL)",
+    )
+    cal.add_argument("--n", type=int, default=2000, help="prompts the file should hold")
+    cal.add_argument("--max-tokens", type=int, default=256, help="the cap (as a client sends)")
+    cal.add_argument(
+        "--out", help="JSONL file (default: DATA_DIR/calibration/MODEL-capN.jsonl); appended"
+    )
+    cal.add_argument("--batch", type=int, default=32, help="prompts decoded together")
+    cal.add_argument("--temperature", type=float, default=1.0, help="the API's default: 1.0")
+    cal.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    cal.set_defaults(func=_calibrate)
     ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
     ev.add_argument("--json", dest="json_path", default=None, help="write the results here")
     ev.add_argument(

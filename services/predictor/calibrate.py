@@ -1,0 +1,154 @@
+"""`alise predictor calibrate`: the served model's own output lengths for train-split prompts.
+
+ALISE's retrieval predictor is only as good as the lengths in its store, and the paper fills
+it with the served LLM's generations. This runs N ShareGPT train-split prompts the way a chat
+client sends them (the model's chat template, EOS honoured, one `max_tokens` cap, the API's
+default temperature 1.0) through an in-process engine with continuous batching, and appends
+one JSON line per prompt to a calibration file:
+
+    {"id": ..., "length": 137, "censored": false, "prompt_len": 52}
+
+`censored` is true when the answer was cut by the cap (its true length is only known to be
+>= `length`). The file holds one model at one cap (its first line says which); the command is
+resumable: prompts already in the file are skipped, and every batch is appended as it
+finishes. `calibration_file` finds the file for a model and cap (the data dir's, else one bundled
+in services/predictor/calibration/).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.settings import PredictorSettings
+    from services.workload.traces.sharegpt import Sample
+
+log = logging.getLogger(__name__)
+
+BUNDLED = Path(__file__).parent / "calibration"
+DEFAULT_CAP = 256
+
+
+def calibration_name(model: str, max_tokens: int) -> str:
+    return f"{model}-cap{max_tokens}.jsonl"
+
+
+def calibration_file(model: str, data_dir: Path, max_tokens: int = DEFAULT_CAP) -> Path | None:
+    """The calibration file for `model` at `max_tokens`: the data dir's (written by
+    `calibrate`), else one bundled with the package, else None."""
+    for base in (data_dir / "calibration", BUNDLED):
+        path = base / calibration_name(model, max_tokens)
+        if path.exists():
+            return path
+    return None
+
+
+def read_calibration(path: Path) -> tuple[dict, dict[str, dict]]:
+    """(header, id -> row) of a calibration file."""
+    header: dict = {}
+    rows: dict[str, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "header" in row:
+                header = row["header"]
+            else:
+                rows[row["id"]] = row
+    return header, rows
+
+
+def calibrated_samples(samples: list[Sample], rows: dict[str, dict]) -> list[Sample]:
+    """The samples that were calibrated, with the served model's length as `output_len`."""
+    from dataclasses import replace
+
+    return [replace(s, output_len=int(rows[s.id]["length"])) for s in samples if s.id in rows]
+
+
+def calibrate(
+    settings: PredictorSettings,
+    n: int,
+    max_tokens: int = DEFAULT_CAP,
+    out: Path | None = None,
+    batch: int = 32,
+    temperature: float = 1.0,
+    seed: int = 0,
+    threads: int = 0,
+) -> dict:
+    """Run up to `n` train-split prompts (those not yet in `out`) and append their lengths."""
+    from services.common.models import load_tokenizer, served_model_id, weights_dir
+    from services.common.sampling import SamplingParams
+    from services.executor.driver import Driver
+    from services.executor.engine import Engine
+    from services.workload.traces.sharegpt import load_split
+
+    model = served_model_id(settings.model)
+    out = out or settings.data_dir / "calibration" / calibration_name(model, max_tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    done: dict[str, dict] = {}
+    if out.exists():
+        old, done = read_calibration(out)
+        if old and (old["model"], old["max_tokens"]) != (model, max_tokens):
+            raise ValueError(f"{out} holds {old['model']} at cap {old['max_tokens']}")
+    else:
+        out.write_text(json.dumps({"header": header}) + "\n")
+    todo = [s for s in load_split("train", settings.model, settings.data_dir) if s.id not in done]
+    todo = todo[: max(0, n - len(done))]
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(settings.model, settings.data_dir)
+    engine = Engine(weights_dir(settings.model, settings.data_dir), model_name=model, device="cpu")
+    driver = Driver(engine, token_budget=512, max_batch=batch)
+    eos = engine.spec.eos_token_ids
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    t0, tokens = time.perf_counter(), 0
+    for start in range(0, len(todo), batch):
+        chunk = todo[start : start + batch]
+        prompts = [_chat_ids(tokenizer, s.prompt) for s in chunk]
+        seqs = driver.generate(prompts, max_tokens, sampling, eos)
+        with open(out, "a", encoding="utf-8") as f:
+            for s, p, seq in zip(chunk, prompts, seqs, strict=True):
+                row = {
+                    "id": s.id,
+                    "length": len(seq.output),
+                    "censored": len(seq.output) >= max_tokens and seq.output[-1] not in eos,
+                    "prompt_len": len(p),
+                }
+                f.write(json.dumps(row) + "\n")
+        tokens += sum(len(seq.output) for seq in seqs)
+        elapsed = time.perf_counter() - t0
+        log.info(
+            "calibrated %d/%d prompts (%.0f tokens/s, %.0f s)",
+            len(done) + start + len(chunk),
+            len(done) + len(todo),
+            tokens / elapsed,
+            elapsed,
+        )
+    engine.close()
+    _, rows = read_calibration(out)
+    return {
+        "file": str(out),
+        "prompts": len(rows),
+        "new": len(todo),
+        "censored_fraction": round(
+            sum(r["censored"] for r in rows.values()) / max(1, len(rows)), 3
+        ),
+        "run_s": round(time.perf_counter() - t0, 1),
+        "tokens_per_s": round(tokens / max(1e-9, time.perf_counter() - t0), 1),
+    }
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the gateway renders a one-message chat (template, generation prompt)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,47 @@
+"""`alise predictor calibrate`: the served model's own lengths for train-split prompts, with
+the chat template, EOS honoured and one cap; resumable (appends, skips what is done)."""
+
+import json
+
+from services.common.settings import PredictorSettings
+from services.predictor.calibrate import (
+    calibrate,
+    calibrated_samples,
+    calibration_file,
+    read_calibration,
+)
+from services.workload.traces.sharegpt import load_split
+
+
+def test_calibrate_appends_and_resumes(tmp_path):
+    settings = PredictorSettings()
+    out = tmp_path / "cal.jsonl"
+    first = calibrate(settings, 3, max_tokens=8, out=out, batch=3, threads=1)
+    assert first["prompts"] == 3 and first["new"] == 3
+    header, rows = read_calibration(out)
+    assert header["model"] == "smollm2-135m-instruct" and header["max_tokens"] == 8
+    for row in rows.values():
+        assert 1 <= row["length"] <= 8 and row["prompt_len"] > 0
+        if row["censored"]:
+            assert row["length"] == 8  # cut by the cap: a lower bound
+        else:
+            assert not row["censored"]  # stopped by EOS: a true length
+    second = calibrate(settings, 5, max_tokens=8, out=out, batch=4, threads=1)
+    assert second["new"] == 2 and second["prompts"] == 5
+    _, rows2 = read_calibration(out)
+    assert {k: rows2[k] for k in rows} == rows  # earlier rows kept, not recomputed
+    lines = out.read_text().splitlines()
+    assert len(lines) == 6 and "header" in json.loads(lines[0])
+    # the rows are the first train-split prompts, with the served length as output_len
+    train = load_split("train")
+    samples = calibrated_samples(train, rows2)
+    assert [s.id for s in samples] == [s.id for s in train[:5]]
+    assert [s.output_len for s in samples] == [rows2[s.id]["length"] for s in samples]
+
+
+def test_calibration_file_lookup(tmp_path):
+    assert calibration_file("no-such-model", tmp_path) is None
+    mine = tmp_path / "calibration" / "m-cap16.jsonl"
+    mine.parent.mkdir()
+    mine.write_text("")
+    assert calibration_file("m", tmp_path, 16) == mine
