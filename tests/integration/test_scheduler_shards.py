@@ -98,11 +98,16 @@ async def test_two_shards_split_executors_and_share_requests(redis_server, tiny_
         running_scheduler(redis_server.url, shard=1, **common) as s1,
     ):
         # the shards keep their state apart
-        assert (s0.service.store.keys.ns, s1.service.store.keys.ns) == ("alise:shard0", "alise:shard1")
+        assert (s0.service.store.keys.ns, s1.service.store.keys.ns) == (
+            "alise:shard0",
+            "alise:shard1",
+        )
         upstream = Upstream(GatewaySettings(scheduler_shards=[s0.address, s1.address]))
         try:
             for _ in range(2):
-                executors.append(await start_tiny_executor(tiny_model, registry_url=redis_server.url))
+                executors.append(
+                    await start_tiny_executor(tiny_model, registry_url=redis_server.url)
+                )
             await wait_for(lambda: len(up_loops(s0)) == 1 and len(up_loops(s1)) == 1)
             assert up_loops(s0).isdisjoint(up_loops(s1))
             await upstream.stats()
