@@ -89,15 +89,8 @@ def calibrate(
 
     model = served_model_id(settings.model)
     out = out or settings.data_dir / "calibration" / calibration_name(model, max_tokens)
-    out.parent.mkdir(parents=True, exist_ok=True)
     header = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
-    done: dict[str, dict] = {}
-    if out.exists():
-        old, done = read_calibration(out)
-        if old and (old["model"], old["max_tokens"]) != (model, max_tokens):
-            raise ValueError(f"{out} holds {old['model']} at cap {old['max_tokens']}")
-    else:
-        out.write_text(json.dumps({"header": header}) + "\n")
+    done = _open(out, header)
     todo = [s for s in load_split("train", settings.model, settings.data_dir) if s.id not in done]
     todo = todo[: max(0, n - len(done))]
     if threads:
@@ -116,22 +109,10 @@ def calibrate(
         seqs = driver.generate(prompts, max_tokens, sampling, eos)
         with open(out, "a", encoding="utf-8") as f:
             for s, p, seq in zip(chunk, prompts, seqs, strict=True):
-                row = {
-                    "id": s.id,
-                    "length": len(seq.output),
-                    "censored": len(seq.output) >= max_tokens and seq.output[-1] not in eos,
-                    "prompt_len": len(p),
-                }
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(_row(s.id, p, seq.output, max_tokens, eos)) + "\n")
         tokens += sum(len(seq.output) for seq in seqs)
-        elapsed = time.perf_counter() - t0
-        log.info(
-            "calibrated %d/%d prompts (%.0f tokens/s, %.0f s)",
-            len(done) + start + len(chunk),
-            len(done) + len(todo),
-            tokens / elapsed,
-            elapsed,
-        )
+        rate = tokens / (time.perf_counter() - t0)
+        log.info("calibrated %d/%d (%.0f tokens/s)", len(done) + start + len(chunk), n, rate)
     engine.close()
     _, rows = read_calibration(out)
     return {
@@ -143,6 +124,29 @@ def calibrate(
         ),
         "run_s": round(time.perf_counter() - t0, 1),
         "tokens_per_s": round(tokens / max(1e-9, time.perf_counter() - t0), 1),
+    }
+
+
+def _open(out: Path, header: dict) -> dict[str, dict]:
+    """The rows already in `out` (created with `header` when new); refuses another model's
+    or cap's file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        out.write_text(json.dumps({"header": header}) + "\n")
+        return {}
+    old, done = read_calibration(out)
+    key = ("model", "max_tokens")
+    if old and [old[k] for k in key] != [header[k] for k in key]:
+        raise ValueError(f"{out} holds {old['model']} at cap {old['max_tokens']}")
+    return done
+
+
+def _row(sample_id: str, prompt: list[int], output: list[int], cap: int, eos) -> dict:
+    return {
+        "id": sample_id,
+        "length": len(output),
+        "censored": len(output) >= cap and output[-1] not in eos,  # a lower bound only
+        "prompt_len": len(prompt),
     }
 
 

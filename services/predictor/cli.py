@@ -103,6 +103,22 @@ def _bench_store(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cal = sub.add_parser(
+        "calibrate",
+        help="the served model's own lengths for N train-split prompts (resumable JSONL)",
+    )
+    cal.add_argument("--n", type=int, default=2000, help="prompts the file should hold")
+    cal.add_argument("--max-tokens", type=int, default=256, help="the cap (as a client sends)")
+    cal.add_argument(
+        "--out", help="JSONL file (default: DATA_DIR/calibration/MODEL-capN.jsonl); appended"
+    )
+    cal.add_argument("--batch", type=int, default=32, help="prompts decoded together")
+    cal.add_argument("--temperature", type=float, default=1.0, help="the API's default: 1.0")
+    cal.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    cal.set_defaults(func=_calibrate)
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = subparsers.add_parser("predictor", help="output-length predictor service")
     sub = group.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND")
@@ -128,19 +144,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--epochs", type=int, default=None, help="MLP 60 (early stop), proxy 1")
     train.set_defaults(func=_train)
 
-    cal = sub.add_parser(
-        "calibrate",
-        help="the served model's own lengths for N train-split prompts (resumable JSONL)",
-    )
-    cal.add_argument("--n", type=int, default=2000, help="prompts the file should hold")
-    cal.add_argument("--max-tokens", type=int, default=256, help="the cap (as a client sends)")
-    cal.add_argument(
-        "--out", help="JSONL file (default: DATA_DIR/calibration/MODEL-capN.jsonl); appended"
-    )
-    cal.add_argument("--batch", type=int, default=32, help="prompts decoded together")
-    cal.add_argument("--temperature", type=float, default=1.0, help="the API's default: 1.0")
-    cal.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    cal.set_defaults(func=_calibrate)
+    _add_calibrate(sub)
     ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
     ev.add_argument("--json", dest="json_path", default=None, help="write the results here")
     ev.add_argument(
