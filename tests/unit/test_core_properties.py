@@ -8,9 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.policies import available_policies
 from services.scheduler.core.request import Request, Slo
-from tests.unit.test_core_util import EOS, drive, make_sched
+from tests.unit.test_core_util import EOS, check_step, drive, make_sched
 
 POLICIES = available_policies()
 KNOBS = {
@@ -50,6 +51,7 @@ workload = st.fixed_dictionaries(
         "device_tokens": st.integers(48, 600),
         "host_blocks": st.integers(0, 40),
         "knob_set": st.integers(0, 3),
+        "prefix_caching": st.booleans(),
     }
 )
 
@@ -96,6 +98,7 @@ def test_random_workloads_finish_within_limits(policy, w):
         host_blocks=w["host_blocks"],
         block_size=bs,
         max_model_len=256,
+        prefix_caching=w["prefix_caching"],
         **knobs,
     )
     reqs = _requests(rng, w["n"], s.max_model_len)
@@ -140,3 +143,102 @@ def test_accelgen_swapped_in_request_that_cannot_grow_is_not_retried_forever():
     eos_rate = rng.choice([0.0, 0.05, 0.3])
     drive(s, reqs, token=lambda r, i: EOS if rng.random() < eos_rate else 11, max_steps=20_000)
     assert all(r.is_finished for r in reqs)
+
+
+# -- prefix caching: sharing, eviction, swaps, recompute and aborts ----------------------------
+CACHE_POLICIES = {
+    "fcfs": {"preemption_mode": "swap"},
+    "sarathi": {"token_budget": 48, "tile_size": 16},
+    "hybrid": {"token_budget": 64, "tile_size": 16},
+    "alise": {"memory_mode": "recompute"},
+    "accelgen": {"preemption_mode": "swap", "max_token_budget": 64},
+}
+
+
+class _CachedWorkload:
+    """300 requests made on the fly: shared system prompts, follow-ups that extend a finished
+    request's tokens (multi-turn) and fresh prompts, from a tiny vocabulary (accidental
+    sharing too); random aborts while waiting, running or swapped."""
+
+    def __init__(self, rng, s, total=300):
+        self.rng, self.s, self.total, self.made = rng, s, total, 0
+        self.systems = [[rng.randrange(6) for _ in range(rng.randint(4, 40))] for _ in range(3)]
+        self.finished: list[Request] = []
+        self.reqs: list[Request] = []
+
+    def prompt(self):
+        rng, kind = self.rng, self.rng.random()
+        tail = [rng.randrange(6) for _ in range(rng.randint(1, 30))]
+        if kind < 0.35 and self.finished:
+            return rng.choice(self.finished).all_token_ids + tail  # the next turn
+        if kind < 0.75:
+            return rng.choice(self.systems) + tail
+        return tail
+
+    def add(self, now):
+        rng = self.rng
+        prompt = self.prompt()[: self.s.max_model_len - 2]
+        r = Request(
+            f"q{self.made}",
+            prompt,
+            rng.randint(1, 24),
+            now,
+            eos_token_ids=(EOS,),
+            ignore_eos=rng.random() < 0.5,
+            predicted_len=rng.choice([None, rng.randint(1, 30)]),
+            slo=Slo(ttft_s=rng.choice([None, 0.01]), tbt_s=rng.choice([None, 0.005])),
+        )
+        self.made += 1
+        self.s.admit(r)
+        self.reqs.append(r)
+
+    def abort_some(self, now):
+        live = [r for r in self.reqs if not r.is_finished]
+        if live and self.rng.random() < 0.08:
+            self.s.abort(self.rng.choice(live).request_id, now)
+
+
+@pytest.mark.parametrize("policy", sorted(CACHE_POLICIES))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), block_size=st.sampled_from([1, 4, 16]))
+def test_prefix_cache_leaks_nothing_over_300_random_requests(policy, seed, block_size):
+    rng = random.Random(seed)
+    blocks = max(8, rng.randint(160, 640) // block_size)
+    s = make_sched(
+        policy,
+        device_blocks=blocks,
+        host_blocks=rng.randint(0, 30),
+        block_size=block_size,
+        max_model_len=192,
+        prefix_caching=True,
+        **CACHE_POLICIES[policy],
+    )
+    w = _CachedWorkload(rng, s)
+    now, concurrency = 0.0, rng.randint(3, 12)
+    for _ in range(50_000):
+        while w.made < w.total and len(s.requests) < concurrency:
+            w.add(now)
+        if not s.has_unfinished and w.made == w.total:
+            break
+        w.abort_some(now)
+        out = s.schedule(now)
+        check_step(s, out)
+        if out.num_scheduled_tokens or out.swap_out or out.swap_in:
+            reqs = s.requests
+            sampled = {
+                rid: (EOS if rng.random() < 0.1 else rng.randrange(6), -0.1)
+                for rid, n in out.num_scheduled_tokens.items()
+                if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens
+            }
+            now += max(s.cost_model.output_time(out), 1e-4)
+            for u in s.update(StepOutcome(out.step_id, sampled, 0.0), now):
+                if u.finished:
+                    w.finished.append(reqs[u.request_id])
+    bm = s.block_manager
+    assert w.made == 300 and not s.has_unfinished
+    assert all(r.is_finished for r in w.reqs)
+    assert bm.num_free_device_blocks == bm.num_device_blocks  # free or cached-evictable
+    assert not any(bm.cache.ref) and bm.num_device_blocks_of("q0") == 0
+    bm.begin_step()
+    assert bm.num_free_host_blocks == bm.num_host_blocks
+    assert s.stats()["prefix_cache_hits"] > 0  # the workload does share prefixes

@@ -22,12 +22,14 @@ def make_sched(
     block_size=16,
     max_model_len=4096,
     cost=SIMPLE,
+    prefix_caching=False,
     **knobs,
 ) -> Scheduler:
     from services.scheduler.core.policies import make_policy
 
     pol = make_policy(policy, **knobs) if isinstance(policy, str) else policy
-    return Scheduler(pol, BlockManager(device_blocks, host_blocks, block_size), cost, max_model_len)
+    bm = BlockManager(device_blocks, host_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(pol, bm, cost, max_model_len)
 
 
 def req(rid, prompt_len, out_len, t=0.0, **kw) -> Request:
@@ -50,8 +52,11 @@ def check_step(s: Scheduler, out) -> None:
         assert bm.is_on_device(rid) or s.requests[rid].num_computed_tokens == 0
     for rid in s.swapped:
         assert bm.is_swapped(rid)
-    for rid in s.waiting:
-        assert s.requests[rid].num_computed_tokens == 0 and not bm.is_on_device(rid)
+    for rid in s.waiting:  # nothing computed of its own (a cached prefix is attached later)
+        r = s.requests[rid]
+        assert r.num_computed_tokens == r.num_cached_tokens and not bm.is_on_device(rid)
+        assert r.num_computed_tokens % bm.block_size == 0 and r.num_uncomputed_tokens >= 1
+        assert bm.cache is not None or r.num_computed_tokens == 0
 
 
 def drive(

@@ -63,6 +63,8 @@ class Batch:
         status = req.status
         if status is SWAPPED:
             raise ValueError(f"request {rid} is swapped out; swap_in() it first")
+        if status is WAITING and self.bm.cache is not None:
+            num_new_tokens = self._refresh_cached(req, num_new_tokens)
         new = self.bm.allocate(req, num_new_tokens, reserve_blocks)
         if new is None:
             return False
@@ -78,9 +80,30 @@ class Batch:
         self.num_tokens += num_new_tokens
         return True
 
+    def _refresh_cached(self, req: Request, n: int) -> int:
+        """Prefix caching: the cache may have changed since `req` was queued (blocks evicted,
+        or a request sharing its prefix computed more), so its cached prefix is looked up
+        again before it is attached. A grant of the whole uncached rest stays whole (within
+        the leftover budget when the rest grew); a partial grant shrinks to what is left."""
+        cached = self.bm.cached_prefix_len(req)
+        if cached == req.num_computed_tokens:
+            return n
+        whole = n == req.num_uncomputed_tokens
+        req.num_computed_tokens = req.num_cached_tokens = cached
+        left = req.num_uncomputed_tokens
+        if whole:
+            return min(left, max(n, self.tokens_left))
+        return min(n, left)
+
     def swap_in(self, req: Request, reserve_blocks: int = 0) -> bool:
+        """Bring a swapped request's KV back (False when it does not fit). With prefix
+        caching, a request whose shared blocks were evicted while it was swapped out cannot
+        come back: it is preempted by recompute instead (re-attaching what is still cached)."""
         rid = req.request_id
         if rid in self.touched:
+            return False
+        if self.bm.swap_in_lost(rid):
+            self._recompute(req)
             return False
         mapping = self.bm.swap_in(rid, reserve_blocks)
         if mapping is None:
@@ -107,8 +130,14 @@ class Batch:
                 return self._mark(req)
         elif mode not in ("swap", "recompute"):
             raise ValueError(f"preemption mode must be 'swap' or 'recompute', got {mode!r}")
+        return self._recompute(req)
+
+    def _recompute(self, req: Request) -> bool:
+        rid = req.request_id
         self.bm.free(rid)
-        req.num_computed_tokens = 0
+        # with prefix caching its full blocks stay cached: a later admission re-attaches
+        # whatever of them is still there
+        req.num_computed_tokens = req.num_cached_tokens = self.bm.cached_prefix_len(req)
         if self.sched.forget(rid):
             self.freed.append(rid)
         self.sched.move(req, WAITING)
@@ -119,7 +148,7 @@ class Batch:
         rid = req.request_id
         if req.status is not RUNNING or rid in self.swapped_in or req.num_computed_tokens == 0:
             return False
-        if self.bm.num_free_host_blocks < self.bm.blocks_for_tokens(req.num_computed_tokens):
+        if self.bm.num_free_host_blocks < self.bm.num_swap_out_blocks(rid, req.num_computed_tokens):
             return False
         return self.preempt(req, "swap")
 
@@ -145,9 +174,15 @@ class Batch:
         fresh = sched.mark_sent(self.scheduled.keys())
         for rid, n in self.scheduled.items():
             req = reqs[rid]
-            if rid in fresh:
+            if rid in fresh:  # its computed tokens are the cached prefix it was attached
                 new_requests.append(
-                    NewRequestData(rid, req.all_token_ids, req.sampling, len(req.output_token_ids))
+                    NewRequestData(
+                        rid,
+                        req.all_token_ids,
+                        req.sampling,
+                        len(req.output_token_ids),
+                        req.num_computed_tokens,
+                    )
                 )
             if req.num_uncomputed_tokens == 1:
                 decodes.append(rid)

@@ -16,6 +16,9 @@ class NewRequestData:
     token_ids: list[int]  # every known token: prompt + output so far
     sampling: SamplingParams
     num_output_tokens: int  # how many of token_ids are output (seeded sampling offset)
+    # leading tokens whose KV is already in the first blocks of the request's table (prefix
+    # cache hit): prefill starts at this position; always < len(token_ids), whole blocks
+    num_cached_tokens: int = 0
 
 
 @dataclass

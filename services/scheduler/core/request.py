@@ -4,8 +4,14 @@ Progress is two numbers (docs/scheduling.md): `num_computed_tokens` (tokens whos
 and `num_tokens` (prompt + output so far). A request is a prefill while more than one token is
 uncomputed and a decode when exactly one is; there is no phase flag.
 
+With prefix caching, `num_cached_tokens` is the part of the known tokens found in the block
+manager's prefix cache; the scheduler counts it as computed from admission on, so every cost
+estimate and token budget sees only the uncached rest. The cached blocks are attached when the
+request is first scheduled (`Batch.schedule` re-checks the cache then).
+
 Status meaning inside the core:
-  WAITING  no KV anywhere (new, or preempted by recompute);
+  WAITING  no KV of its own anywhere (new, or preempted by recompute); `num_computed_tokens`
+           is 0, or its cached prefix (`num_cached_tokens`) with prefix caching;
   RUNNING  resident: its KV lives in device blocks (it may still be skipped in a step,
            e.g. when a priority policy preempts it in place);
   SWAPPED  its KV lives in host blocks.
@@ -89,6 +95,8 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # leading tokens taken from the prefix cache at this admission (0 without caching)
+    num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     first_scheduled_time: float | None = None
@@ -127,6 +135,12 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self._num_prompt + len(self.output_token_ids) - self.num_computed_tokens
+
+    @property
+    def num_uncached_prompt_tokens(self) -> int:
+        """Prompt tokens not covered by the cached prefix: the prompt's own prefill work."""
+        n = self._num_prompt - self.num_cached_tokens
+        return n if n > 0 else 0
 
     @property
     def all_token_ids(self) -> list[int]:

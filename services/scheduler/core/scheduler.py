@@ -84,7 +84,8 @@ class Scheduler:
         (re-admitted after a scheduler restart or an executor failure): the policy's `on_add`
         then sees that output (ALISE doubles an outgrown prediction, hybrid skips the TTFT
         queue), and prompt + output are recomputed and sent together in `new_requests`
-        (`num_output_tokens` set)."""
+        (`num_output_tokens` set). With prefix caching, its longest cached prefix of full
+        blocks is counted as computed (`num_cached_tokens`)."""
         rid = req.request_id
         if rid in self.requests and not self.requests[rid].is_finished:
             raise ValueError(f"request {rid} already exists")
@@ -108,6 +109,10 @@ class Scheduler:
                 f"request {rid}: {what} leaves no room to generate within max_model_len={limit}"
             )
         req.max_model_len = limit
+        # prefix caching: the cached prefix counts as computed from now on (attached when the
+        # request is first scheduled), so the policy's estimates see only the uncached rest
+        cached = self.block_manager.cached_prefix_len(req)
+        req.num_computed_tokens = req.num_cached_tokens = cached
         self.requests[rid] = req
         self.waiting[rid] = req
         self.policy.on_add(req, req.arrival_time)
@@ -167,11 +172,14 @@ class Scheduler:
         self._drop_freed()
         updates: list[RequestUpdate] = []
         sampled = outcome.sampled
+        commit = self.block_manager.commit if self.block_manager.cache is not None else None
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
+            if commit is not None:
+                commit(req)  # blocks now full of computed tokens become cacheable
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk: no token yet
             tok = sampled.get(rid)
@@ -299,4 +307,5 @@ class Scheduler:
             "free_host_blocks": bm.num_free_host_blocks,
             "device_utilization": bm.device_utilization,
             "host_utilization": bm.host_utilization,
+            **bm.cache_stats(),
         }

@@ -226,7 +226,7 @@ class AccelGenPolicy(Policy):
     def is_long(self, req: Request, budget: int | None) -> bool:
         """Whether `req` is a long prompt for ERA, with `budget` the step's token budget."""
         limit = self.knobs.long_prompt_tokens or budget
-        return limit is not None and req.num_prompt_tokens > limit
+        return limit is not None and req.num_uncached_prompt_tokens > limit
 
     # -- lifecycle --------------------------------------------------------------------------
     def on_add(self, req: Request, now: float) -> None:
@@ -422,7 +422,8 @@ class AccelGenPolicy(Policy):
             return False
         if req.status is WAITING and k.admit_whole and not self._fits_whole(req):
             return False
-        if not k.era or req.num_computed_tokens > 0 or not self.is_long(req, b.token_budget):
+        begun = req.num_computed_tokens > req.num_cached_tokens
+        if not k.era or begun or not self.is_long(req, b.token_budget):
             return True
         if len(self.long_inflight) >= k.max_long_prompts:
             return False
@@ -432,7 +433,8 @@ class AccelGenPolicy(Policy):
         started = {
             rid
             for rid in b.scheduled
-            if reqs[rid].num_computed_tokens == 0 and self.is_long(reqs[rid], budget)
+            if reqs[rid].num_computed_tokens == reqs[rid].num_cached_tokens
+            and self.is_long(reqs[rid], budget)
         }
         return len(self.long_inflight | started) < k.max_long_prompts
 
@@ -444,8 +446,12 @@ class AccelGenPolicy(Policy):
         recompute its chunks are thrown away when it or another request is preempted for
         KV. A prompt longer than the whole pool can only run in pieces, so it is exempt."""
         bm = self.sched.block_manager
-        need = bm.blocks_for_tokens(req.num_tokens) + self.watermark_blocks
-        return need <= bm.num_free_device_blocks or need > bm.num_device_blocks
+        whole = bm.blocks_for_tokens(req.num_tokens) + self.watermark_blocks
+        if whole > bm.num_device_blocks:
+            return True
+        # with prefix caching, cached blocks other requests hold take nothing from the pool
+        need = bm.num_new_blocks(req, req.num_uncomputed_tokens) + self.watermark_blocks
+        return need <= bm.num_free_device_blocks
 
     def _victims(self, b: Batch, req: Request) -> list[Request]:
         """Resident requests `req` may preempt, the next victim last.

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from services.scheduler.core.policies.base import PreemptionMode
     from services.scheduler.core.scheduler import Scheduler
 
-RUNNING = RequestStatus.RUNNING
+RUNNING, SWAPPED = RequestStatus.RUNNING, RequestStatus.SWAPPED
 Queue = OrderedDict[str, Request]
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.core.policies.base import Knobs, Policy, PreemptionMode, register_policy
 from services.scheduler.core.policies.common import (
     RUNNING,
+    SWAPPED,
     admit_fcfs,
     newest_first,
     schedule_or_preempt,
@@ -77,8 +78,11 @@ class FcfsPolicy(Policy):
         for req in list(s.swapped.values()):
             if len(s.running) >= self.seqs or b.tokens_left < 1:
                 break
-            need = s.block_manager.num_host_blocks_of(req.request_id) + 1
-            if need > s.block_manager.num_free_device_blocks:
+            bm = s.block_manager
+            need = max(bm.num_host_blocks_of(req.request_id) + 1, bm.num_swap_in_blocks(req, 1))
+            if need > bm.num_free_device_blocks:
                 break
-            b.swap_in(req)
-            b.schedule(req, min(req.num_uncomputed_tokens, b.tokens_left))
+            if b.swap_in(req):
+                b.schedule(req, min(req.num_uncomputed_tokens, b.tokens_left))
+            elif req.status is SWAPPED:
+                break  # (a request whose shared blocks were evicted is recomputed instead)

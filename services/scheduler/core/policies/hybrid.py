@@ -248,7 +248,8 @@ class HybridPolicy(SrtfPolicy):
         """ERA: a new long prompt waits while `max_long_prompts` are being prefilled."""
 
         def allowed(req: Request) -> bool:
-            if not self.knobs.era or req.num_computed_tokens > 0 or not self._is_long(req, b):
+            started = req.num_computed_tokens > req.num_cached_tokens
+            if not self.knobs.era or started or not self._is_long(req, b):
                 return True
             return len(self.long_inflight) < self.knobs.max_long_prompts
 
@@ -256,7 +257,7 @@ class HybridPolicy(SrtfPolicy):
 
     def _is_long(self, req: Request, b: Batch) -> bool:
         limit = self.knobs.long_prompt_tokens or b.token_budget
-        return limit is not None and req.num_prompt_tokens > limit
+        return limit is not None and req.num_uncached_prompt_tokens > limit
 
     def _started(self, req: Request, b: Batch) -> None:
         if req.num_computed_tokens < req.num_prompt_tokens and self._is_long(req, b):
@@ -270,9 +271,10 @@ class HybridPolicy(SrtfPolicy):
             return
         bm, level = self.sched.block_manager, self.q.level_of
         n = min(req.num_uncomputed_tokens, b.tokens_left)
-        need = bm.blocks_for_tokens(req.num_computed_tokens + n) + self.watermark_blocks
         if req.status is SWAPPED:
-            need = max(need, bm.num_host_blocks_of(req.request_id) + self.watermark_blocks)
+            need = bm.num_swap_in_blocks(req, n) + self.watermark_blocks
+        else:  # a new request: with prefix caching, only its uncached blocks
+            need = bm.num_new_blocks(req, n) + self.watermark_blocks
         if need <= bm.num_free_device_blocks:
             return
         floor = level.get(req.request_id, 0) + gap
@@ -281,7 +283,7 @@ class HybridPolicy(SrtfPolicy):
             for _, r in self._victims_by_ewt(b)
             if level.get(r.request_id, 0) >= floor and r.request_id not in b.swapped_in
         ]
-        held = sum(bm.num_device_blocks_of(v.request_id) for v in victims)
+        held = sum(bm.num_freeable_blocks(v.request_id) for v in victims)
         if bm.num_free_device_blocks + held < need:
             return
         for victim in victims:

@@ -37,17 +37,17 @@ def demand(
     status, computed, left = req.status, req.num_computed_tokens, req.num_uncomputed_tokens
     if status is RUNNING:
         room = (bm.num_device_blocks_of(rid) + a_m) * bs - computed
-    elif status is SWAPPED:
-        room = (a_m - reserve) * bs - computed
+    elif status is SWAPPED:  # its kept shared blocks need no room
+        room = (a_m - reserve + bm.num_kept_blocks_of(rid)) * bs - computed
         if bm.num_host_blocks_of(rid) > a_m - reserve:
             return None
-    else:
-        room = (a_m - reserve) * bs
+    else:  # waiting: a cached prefix takes only its evictable blocks from the free count
+        room = (a_m - reserve - bm.attach_cost(req)) * bs
     n = min(left, a_c, room)
     if n < 1 or (whole and n < left):
         return None
     if status is SWAPPED:
-        blocks = max(bm.num_host_blocks_of(rid), bm.blocks_for_tokens(computed + n))
+        blocks = bm.num_swap_in_blocks(req, n)
     else:
         blocks = bm.num_new_blocks(req, n)
     return n, blocks

@@ -211,10 +211,7 @@ class PreemptivePolicy(Policy):
             if status is RUNNING and b.schedule(req, n):
                 continue  # fits as it is (most decodes)
             if status is SWAPPED:
-                need = max(
-                    bm.num_host_blocks_of(req.request_id),
-                    bm.blocks_for_tokens(req.num_computed_tokens + n),
-                )
+                need = bm.num_swap_in_blocks(req, n)
             else:
                 reserve = self.watermark_blocks if status is WAITING else 0
                 need = bm.num_new_blocks(req, n) + reserve
@@ -245,7 +242,7 @@ class PreemptivePolicy(Policy):
             victim = head[1]
             if victim.status is RUNNING and victim.request_id not in b.swapped_in:
                 take.append(victim)
-                free += bm.num_device_blocks_of(victim.request_id)
+                free += bm.num_freeable_blocks(victim.request_id)
         if free < need:
             victims.give_back(popped)  # still candidates for lower-ranked jobs
             return False

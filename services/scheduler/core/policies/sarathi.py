@@ -197,10 +197,7 @@ class SarathiPolicy(Policy):
             n = self._chunk(b, req)
             if n < 1 or b.num_seqs >= self.seqs:
                 break
-            need = max(
-                bm.num_host_blocks_of(req.request_id),
-                bm.blocks_for_tokens(req.num_computed_tokens + n),
-            )
+            need = bm.num_swap_in_blocks(req, n)
             if need > bm.num_free_device_blocks or not b.swap_in(req):
                 break
             b.schedule(req, n)

@@ -68,7 +68,7 @@ class SlackQueue:
         if req.slo.deadline_s is None:
             return
         t_max = self.p.t_max()
-        n_ck = math.ceil(req.num_prompt_tokens / self.p.avg_chunk())
+        n_ck = math.ceil(req.num_uncached_prompt_tokens / self.p.avg_chunk())
         s_g = self.p.predicted_len(req)
         k = self.p.knobs
         total = n_ck * t_max + s_g * (t_max + k.preempt_max_s * k.preempt_prob)
