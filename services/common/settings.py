@@ -235,6 +235,12 @@ class SchedulerSettings(RedisSettings):
         description="Executor failures one request survives (recomputed each time) "
         "before it fails with finish_reason `error`.",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Automatic prefix caching: full KV blocks are shared between requests "
+        "whose tokens start alike and kept (LRU) after they end; false = every prompt is "
+        "computed from its first token.",
+    )
     num_shards: int = Field(
         1,
         ge=1,

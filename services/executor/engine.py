@@ -31,7 +31,7 @@ from services.executor.messages import RequestState, StepInput, StepOutput, Step
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
 from services.executor.sampler import sample
-from services.executor.step_plan import StepChecker, StepPlan
+from services.executor.step_plan import BlockOwners, StepChecker, StepPlan
 from services.executor.swap import SwapManager
 
 if TYPE_CHECKING:
@@ -92,10 +92,10 @@ class Engine:
         self.profile_path = Path(profile_path) if profile_path else None
         self.instance_id = uuid.uuid4().hex
         self.requests: dict[str, RequestState] = {}
-        self.owner: dict[int, str] = {}  # device block -> request id
+        self.owners = BlockOwners()  # device block -> the requests holding it
         self.checker = StepChecker(
             self.requests,
-            self.owner,
+            self.owners,
             num_device_blocks,
             num_host_blocks,
             block_size,
@@ -196,12 +196,10 @@ class Engine:
         for rid, table in plan.tables.items():
             self._release(rid)
             self.requests[rid].block_table = table
-            self.owner.update(dict.fromkeys(table, rid))
+            self.owners.add(rid, table)
 
     def _release(self, rid: str) -> None:
-        for b in self.requests[rid].block_table or ():
-            if self.owner.get(b) == rid:
-                del self.owner[b]
+        self.owners.release(rid, self.requests[rid].block_table or ())
 
     def _runs(self, plan: StepPlan) -> list[TokenRun]:
         runs = []

@@ -17,6 +17,7 @@ class NewRequest:
     token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix cache hit: prefill starts here (whole blocks)
 
 
 @dataclass

@@ -36,6 +36,7 @@ def step_from_pb(req: executor_pb2.StepRequest) -> StepInput:
                 list(r.token_ids),
                 sampling_pb.from_pb(r.sampling),
                 r.num_output_tokens,
+                r.num_cached_tokens,
             )
             for r in req.new_requests
         ],

@@ -6,8 +6,10 @@ leaves the executor untouched. Semantics, in the contract's order:
   the scheduler sends a replacing table);
 - free forgets requests (unknown ids are ignored: freeing is idempotent);
 - new requests, then block-table appends/replacements, are applied;
-- no device block may end up in two tables, nor be a swap-in target still owned by another
-  request.
+- a device block may end up in two tables only as a shared prefix block (prefix caching): at a
+  table position the request will never write, i.e. whose tokens are all below its computed
+  tokens (a new request's `num_cached_tokens`); a shared block is never swapped out nor a
+  swap-in target while another request holds it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,37 @@ if TYPE_CHECKING:
     from services.scheduler.core.output import NewRequestData, SchedulerOutput
 
 
+class BlockOwners:
+    """Which requests hold each device block: one, or several for a shared prefix block."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[str]] = {}
+
+    def holders(self, block: int) -> set[str]:
+        return self._holders.get(block, _NONE)
+
+    def add(self, rid: str, table: Iterable[int]) -> None:
+        for b in table:
+            self._holders.setdefault(b, set()).add(rid)
+
+    def release(self, rid: str, table: Iterable[int]) -> None:
+        for b in table:
+            held = self._holders.get(b)
+            if held is not None:
+                held.discard(rid)
+                if not held:
+                    del self._holders[b]
+
+    def blocks_of(self, rids: set[str]) -> set[int]:
+        return {b for b, held in self._holders.items() if held & rids}
+
+    def snapshot(self) -> dict[int, frozenset[str]]:
+        return {b: frozenset(held) for b, held in self._holders.items()}
+
+
+_NONE: frozenset[str] = frozenset()
+
+
 @dataclass
 class StepPlan:
     suspended: set[str] = field(default_factory=set)  # swapped-out owners
@@ -37,14 +70,14 @@ class StepChecker:
     def __init__(
         self,
         requests: dict[str, RequestState],
-        owner: dict[int, str],
+        owners: BlockOwners,
         num_device_blocks: int,
         num_host_blocks: int,
         block_size: int,
         max_model_len: int,
         vocab_size: int,
     ) -> None:
-        self.requests, self.owner = requests, owner
+        self.requests, self.owners = requests, owners
         self.nd, self.nh, self.bs = num_device_blocks, num_host_blocks, block_size
         self.max_len, self.vocab = max_model_len, vocab_size
 
@@ -53,8 +86,10 @@ class StepChecker:
         self._swaps(step.swap_out, self.nd, self.nh, "swap_out")
         self._swaps(step.swap_in, self.nh, self.nd, "swap_in")
         for src, _ in step.swap_out:
-            if src in self.owner:
-                p.suspended.add(self.owner[src])
+            holders = self.owners.holders(src)
+            if len(holders) > 1:
+                raise ValueError(f"swap_out of block {src}, shared by {sorted(holders)}")
+            p.suspended.update(holders)
         p.freed = [r for r in dict.fromkeys(step.free_request_ids) if r in self.requests]
         live = set(self.requests) - set(p.freed)
         self._new_requests(step.new_requests, live, p)
@@ -95,7 +130,13 @@ class StepChecker:
                 raise ValueError(f"new request {rid!r} has a token id outside 0..{self.vocab - 1}")
             if not 0 <= nr.num_output_tokens <= len(ids):
                 raise ValueError(f"new request {rid!r}: num_output_tokens out of range")
-            p.new.append(RequestState(rid, ids, nr.sampling, nr.num_output_tokens))
+            cached = nr.num_cached_tokens
+            if not 0 <= cached < len(ids) or cached % self.bs:
+                raise ValueError(
+                    f"new request {rid!r}: num_cached_tokens {cached} is not whole blocks "
+                    f"below its {len(ids)} tokens"
+                )
+            p.new.append(RequestState(rid, ids, nr.sampling, nr.num_output_tokens, cached))
 
     def _current_table(self, rid: str, p: StepPlan) -> list[int] | None:
         if rid in p.tables:
@@ -111,8 +152,10 @@ class StepChecker:
         self, updates: dict[str, tuple[list[int], bool]], live: set[str], p: StepPlan
     ) -> None:
         gone = p.suspended | set(p.freed)
-        released = {b for b, r in self.owner.items() if r in gone} if gone else set()
-        claims: dict[int, str] = {}
+        released = self.owners.blocks_of(gone) if gone else set()
+        claims: dict[int, list[str]] = {}
+        readonly: set[tuple[int, str]] = set()  # (block, request): a shared prefix position
+        computed = {r.request_id: r.num_computed for r in p.new}
         for rid, (ids, replace) in updates.items():
             if rid not in live:
                 raise ValueError(f"block table for unknown request {rid!r}")
@@ -122,28 +165,36 @@ class StepChecker:
                 table = []
             elif table is None:
                 raise ValueError(f"request {rid!r} is swapped out: send a replacing block table")
-            for b in ids:
+            done = computed.get(rid)
+            if done is None:
+                done = self.requests[rid].num_computed
+            seen = set(table)
+            for i, b in enumerate(ids, start=len(table)):
                 if not 0 <= b < self.nd:
                     raise ValueError(f"block id {b} out of range 0..{self.nd - 1} ({rid!r})")
-                if b in table or b in claims:
-                    raise ValueError(f"block {b} given twice ({rid!r}, {claims.get(b, rid)!r})")
-                claims[b] = rid
+                if b in seen:
+                    raise ValueError(f"block {b} given twice to {rid!r}")
+                seen.add(b)
+                claims.setdefault(b, []).append(rid)
+                if (i + 1) * self.bs <= done:
+                    readonly.add((b, rid))
             p.tables[rid] = table + list(ids)
-        for b, rid in claims.items():
-            holder = self.owner.get(b)
-            if holder is not None and holder != rid and b not in released:
-                raise ValueError(f"block {b} given to {rid!r} but still owned by {holder!r}")
+        for b, rids in claims.items():
+            writers = [r for r in rids if (b, r) not in readonly]
+            others = self.owners.holders(b) - set(rids) if b not in released else set()
+            if writers and (len(rids) > 1 or others):
+                holders = sorted({*rids, *others} - {writers[0]})
+                raise ValueError(f"block {b} given to {writers[0]!r} but also held by {holders}")
 
     def _swap_in_targets(self, swap_in: list[tuple[int, int]], p: StepPlan) -> None:
         for _, dst in swap_in:
-            holder = self.owner.get(dst)
-            if (
-                holder
-                and holder not in p.suspended
-                and holder not in p.freed
-                and (holder not in p.tables or dst in p.tables[holder])
-            ):
-                raise ValueError(f"swap_in target block {dst} still belongs to {holder!r}")
+            for holder in self.owners.holders(dst):
+                if (
+                    holder not in p.suspended
+                    and holder not in p.freed
+                    and (holder not in p.tables or dst in p.tables[holder])
+                ):
+                    raise ValueError(f"swap_in target block {dst} still belongs to {holder!r}")
 
     def _scheduled(self, scheduled: dict[str, int], p: StepPlan) -> None:
         new = {r.request_id: r for r in p.new}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.executor.messages import StepInput, StepOutput, StepTimings
-from services.executor.step_plan import StepChecker
+from services.executor.step_plan import BlockOwners, StepChecker
 
 if TYPE_CHECKING:
     from services.executor.server import ExecutorHandle
@@ -45,10 +45,10 @@ class StubEngine:
         self.max_model_len = max_model_len
         self.instance_id = uuid.uuid4().hex
         self.requests: dict = {}
-        self.owner: dict[int, str] = {}
+        self.owners = BlockOwners()
         self.checker = StepChecker(
             self.requests,
-            self.owner,
+            self.owners,
             num_device_blocks,
             num_host_blocks,
             block_size,
@@ -97,7 +97,7 @@ class StubEngine:
             for rid, table in plan.tables.items():
                 self._release(rid)
                 self.requests[rid].block_table = table
-                self.owner.update(dict.fromkeys(table, rid))
+                self.owners.add(rid, table)
             out = StepOutput(step.step_id, {}, StepTimings())
             for rid, n in plan.scheduled:
                 st = self.requests[rid]
@@ -121,9 +121,7 @@ class StubEngine:
         return out
 
     def _release(self, rid: str) -> None:
-        for b in self.requests[rid].block_table or ():
-            if self.owner.get(b) == rid:
-                del self.owner[b]
+        self.owners.release(rid, self.requests[rid].block_table or ())
 
     def close(self) -> None:
         pass

@@ -91,6 +91,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.eos_finish = False
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (from the final usage)
         self.usage: scheduler_pb2.Usage | None = None
         self.text_parts: list[str] = []
         self.closed = False  # set by the route once close() bookkeeping ran
@@ -248,6 +249,7 @@ class Generation:
         self.eos_finish = self.finish_reason == "stop" and not self.plan.ignore_eos
         if event.usage.completion_tokens:
             self.completion_tokens = event.usage.completion_tokens
+        self.cached_tokens = event.usage.cached_tokens
         text, matched = self.stops.push(self.detok.flush())
         if matched:
             self.eos_finish = False

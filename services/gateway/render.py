@@ -50,6 +50,7 @@ def usage_dict(gen: Generation) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": prompt + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
 
 

@@ -32,6 +32,7 @@ def step_request(out: SchedulerOutput) -> executor_pb2.StepRequest:
             token_ids=new.token_ids,
             sampling=sampling_pb.to_pb(new.sampling),
             num_output_tokens=new.num_output_tokens,
+            num_cached_tokens=new.num_cached_tokens,
         )
     add_table = pb.block_tables.add
     for rid, (block_ids, replace) in out.block_tables.items():
@@ -70,6 +71,7 @@ def usage_pb(
     first_token: float | None,
     finished: float,
     num_preemptions: int,
+    cached_tokens: int = 0,
 ) -> scheduler_pb2.Usage:
     return scheduler_pb2.Usage(
         prompt_tokens=prompt_tokens,
@@ -78,4 +80,5 @@ def usage_pb(
         ttft_s=(first_token - arrival) if first_token else 0.0,
         e2e_s=max(0.0, finished - arrival),
         num_preemptions=num_preemptions,
+        cached_tokens=cached_tokens,
     )

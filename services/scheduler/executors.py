@@ -39,6 +39,16 @@ def cost_model_for(info: ExecutorInfo) -> CostModel:
     )
 
 
-def make_scheduler(policy: str, knobs: dict[str, Any], info: ExecutorInfo) -> Scheduler:
-    bm = BlockManager(info.num_device_blocks, info.num_host_blocks, info.block_size)
+def make_scheduler(
+    policy: str, knobs: dict[str, Any], info: ExecutorInfo, prefix_caching: bool = False
+) -> Scheduler:
+    """With `prefix_caching`, full blocks are shared between requests whose tokens start
+    alike; the cache is salted with what changes the KV of equal tokens (model, dtypes)."""
+    bm = BlockManager(
+        info.num_device_blocks,
+        info.num_host_blocks,
+        info.block_size,
+        enable_prefix_caching=prefix_caching,
+        cache_salt=f"{info.model}|{info.dtype}|{info.kv_dtype}",
+    )
     return Scheduler(make_policy(policy, **knobs), bm, cost_model_for(info), info.max_model_len)

@@ -182,6 +182,7 @@ class StepRecorder:
             finished_at=now,
             error=error,
             num_preemptions=req.num_preemptions,
+            cached_tokens=min(req.num_cached_tokens, req.num_prompt_tokens),
         )
         w.finish(rid)
         w.counters["aborted" if reason == "abort" else "finished"] += 1
@@ -193,6 +194,7 @@ class StepRecorder:
             req.token_times[0] if req.token_times else None,
             now,
             req.num_preemptions,
+            min(req.num_cached_tokens, req.num_prompt_tokens),
         )
         event = final_event(rid, n_out, reason, usage, error)
         entries = self.entries

@@ -263,7 +263,7 @@ class SchedulerService:
 
     # -- LoopHost: what the executor loops report --------------------------------------------
     def make_scheduler(self, info: ExecutorInfo) -> Scheduler:
-        return make_scheduler(self.settings.policy, self.knobs, info)
+        return make_scheduler(self.settings.policy, self.knobs, info, self.settings.prefix_caching)
 
     def executor_up(self, loop: ExecutorLoop) -> None:
         infos = [lp.info for lp in self.loops.values() if lp.info is not None]

@@ -157,6 +157,7 @@ def stream_from_record(
         tokens[0][2] if tokens else None,
         num("finished_at") or 0.0,
         int(record.get("num_preemptions", 0)),
+        int(record.get("cached_tokens", 0)),
     )
     stream.finish(
         final_event(rid, len(tokens), record["finish_reason"], usage, record.get("error", ""))

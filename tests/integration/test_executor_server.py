@@ -189,14 +189,14 @@ async def test_malformed_step_is_invalid_argument_and_changes_nothing(executor, 
         rid: (list(s.token_ids), s.num_computed, list(s.block_table))
         for rid, s in engine.requests.items()
     }
-    owner = dict(engine.owner)
+    owners = engine.owners.snapshot()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Step(_malformed(name, info.num_device_blocks))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
     assert {
         rid: (list(s.token_ids), s.num_computed, list(s.block_table))
         for rid, s in engine.requests.items()
-    } == before and engine.owner == owner
+    } == before and engine.owners.snapshot() == owners
     # the next valid steps work, and "a" (named by the bad step) continues exactly like "r"
     a = await stub.Step(_decode(3, "a"))
     r = await stub.Step(_decode(4, "r"))

@@ -58,7 +58,10 @@ def _admit(engine, rid="a", n=20, blocks=(0, 1)):
 
 
 def _state(engine):
-    return (copy.deepcopy({k: vars(v) for k, v in engine.requests.items()}), dict(engine.owner))
+    return (
+        copy.deepcopy({k: vars(v) for k, v in engine.requests.items()}),
+        engine.owners.snapshot(),
+    )
 
 
 BAD_STEPS = {
@@ -77,6 +80,20 @@ BAD_STEPS = {
     "swap out of range": StepInput(1, swap_out=[(0, 99)]),
     "swap into owned block": StepInput(1, swap_in=[(0, 1)]),
     "zero tokens": StepInput(1, num_scheduled_tokens={"a": 0}),
+    # prefix sharing: only whole cached blocks below the cached tokens may be shared
+    "cached tokens not whole blocks": StepInput(
+        1, [NewRequest("b", list(range(100, 120)), num_cached_tokens=5)], {"b": ([0, 5], False)}
+    ),
+    "cached tokens cover every token": StepInput(
+        1, [NewRequest("b", list(range(100, 116)), num_cached_tokens=16)], {"b": ([0], False)}
+    ),
+    "shared block past the cached tokens": StepInput(
+        1,
+        [NewRequest("b", list(range(100, 140)), num_cached_tokens=16)],
+        {"b": ([0, 1, 5], False)},
+        {"b": 24},
+    ),
+    "swap out of a shared block": StepInput(1, swap_out=[(1, 0)]),
     "table for unknown": StepInput(1, block_tables={"zz": ([5], False)}),
 }
 
@@ -125,9 +142,38 @@ def test_free_is_idempotent_and_releases_blocks(tiny_dirs):
     engine = _engine(tiny_dirs)
     _admit(engine)
     engine.step(StepInput(1, free_request_ids=["a", "never-seen"]))
-    assert engine.requests == {} and engine.owner == {}
+    assert engine.requests == {} and engine.owners.snapshot() == {}
     _admit(engine, "b", blocks=(0, 1))  # same blocks, no conflict
-    assert engine.owner == {0: "b", 1: "b"}
+    assert engine.owners.snapshot() == {0: {"b"}, 1: {"b"}}
+
+
+def test_cached_prefix_blocks_are_shared_read_only(tiny_dirs):
+    """A request attached to another's full block (num_cached_tokens) computes only the rest,
+    with the logits of computing everything, and leaves the shared block untouched."""
+    engine = _engine(tiny_dirs)
+    _admit(engine, "a", 20, blocks=(0, 1))  # block 0 = tokens 100..115, full
+    prompt = list(range(100, 116)) + [7, 8, 9, 10, 11]
+    shared = engine.cache.tensors
+    before = {k: t.clone() for k, t in shared.items()}
+    out = engine.step(
+        StepInput(
+            1, [NewRequest("b", prompt, num_cached_tokens=16)], {"b": ([0, 5], False)}, {"b": 5}
+        ),
+        all_logits=True,
+    )
+    assert out.num_prefill_tokens == 5 and out.logits["b"].shape[0] == 5
+    assert engine.owners.snapshot()[0] == {"a", "b"}
+    for k, t in shared.items():  # block 0 not written by b
+        assert torch.equal(t[:, :, 0], before[k][:, :, 0])
+    fresh = _engine(tiny_dirs)
+    ref = fresh.step(
+        StepInput(0, [NewRequest("b", prompt)], {"b": ([3, 4], False)}, {"b": 21}), all_logits=True
+    )
+    assert (out.logits["b"][-1] - ref.logits["b"][-1]).abs().max() < 1e-4
+    assert out.sampled["b"][0] == ref.sampled["b"][0]
+    # a and b go on decoding; freeing a keeps the block with b
+    engine.step(StepInput(2, free_request_ids=["a"], num_scheduled_tokens={"b": 1}))
+    assert engine.owners.snapshot()[0] == {"b"}
 
 
 def test_counts_and_describe(tiny_dirs):
