@@ -47,6 +47,17 @@ class SchedulerMetrics(Metrics):
             "|predicted - true| / true output length.",
             RELATIVE_BUCKETS,
         )
+        self.prefix_queries = self.counter(
+            "prefix_cache_queries", "Prompt tokens of finished requests (prefix cache look-ups)."
+        )
+        self.prefix_hits = self.counter(
+            "prefix_cache_hits", "Of those, prompt tokens whose KV came from the prefix cache."
+        )
+        self.prefix_evictions = self.gauge(
+            "prefix_cache_evicted_blocks",
+            "Cached blocks evicted since the executor's scheduler started.",
+            e,
+        )
         self.overhead = self.histogram(
             "scheduler_iteration_overhead_seconds",
             "Wall time between consecutive Steps minus the executor's step time.",
@@ -56,6 +67,8 @@ class SchedulerMetrics(Metrics):
     def observe_finish(self, req, finish_reason: str, now: float) -> None:
         """Record a finished request's latencies and, on a natural stop, prediction error."""
         self.success.labels(finish_reason).inc()
+        self.prefix_queries.inc(req.num_prompt_tokens)
+        self.prefix_hits.inc(min(req.num_cached_tokens, req.num_prompt_tokens))
         self.e2e.observe(max(0.0, now - req.arrival_time))
         true_len = len(req.output_token_ids)
         if finish_reason == "stop" and req.predicted_len and true_len:

@@ -217,7 +217,10 @@ class StepRecorder:
             waiting += sched.num_waiting
             running += sched.num_running
             swapped += sched.num_swapped
-            m.kv_usage.labels(loop.address).set(sched.block_manager.device_utilization)
+            bm = sched.block_manager
+            m.kv_usage.labels(loop.address).set(bm.device_utilization)
+            if bm.cache is not None:
+                m.prefix_evictions.labels(loop.address).set(bm.cache.evictions)
         m.waiting.set(waiting)
         m.running.set(running)
         m.swapped.set(swapped)

@@ -56,7 +56,14 @@ async def run(redis_url: str, tiny_model, caching: bool, policy: str):
             async with aio_channel(handle.address) as channel:
                 result = await conversation(scheduler_pb2_grpc.SchedulerStub(channel), policy)
             sched = next(iter(handle.service.loops.values())).sched
+            for _ in range(100):  # the last frees reach the executor with the next Step
+                if not sched.requests and not executor.engine.requests:
+                    break
+                await asyncio.sleep(0.05)
             stats = sched.stats()
+            registry = handle.service.metrics.registry
+            stats["metric_hits"] = registry.get_sample_value("alise:prefix_cache_hits_total")
+            stats["metric_queries"] = registry.get_sample_value("alise:prefix_cache_queries_total")
             sched.block_manager.check_invariants()
             assert not sched.requests
             assert executor.engine.requests == {}  # every request freed on the executor
@@ -77,3 +84,5 @@ async def test_cache_on_gives_the_same_tokens_and_skips_cached_prefill(
     assert all(c >= 48 and c % BLOCK == 0 for c in cached_on[3:])
     assert stats["prefix_cache_hits"] >= sum(cached_on[3:])
     assert stats["prefix_cache_free_blocks"] > 0  # finished requests' blocks stay cached
+    assert stats["metric_hits"] == sum(cached_on)  # Prometheus: the usage's cached tokens
+    assert stats["metric_queries"] > stats["metric_hits"]
