@@ -241,6 +241,11 @@ class SchedulerSettings(RedisSettings):
         "whose tokens start alike and kept (LRU) after they end; false = every prompt is "
         "computed from its first token.",
     )
+    cache_aware_placement: bool = Field(
+        True,
+        description="With several executors, place a request where its cached prefix saves "
+        "the most predicted work, balanced against load (false: load only).",
+    )
     num_shards: int = Field(
         1,
         ge=1,

@@ -47,7 +47,7 @@ class Admission:
         self.metrics = metrics
         self.up_executors = up_executors
         self.on_placed = on_placed  # wakes the loop of the executor chosen
-        self.placer = Placer()
+        self.placer = Placer(cache_aware=settings.cache_aware_placement)
         self.pending: dict[str, Entry] = {}  # waiting for an executor
         self.backlog: dict[str, int] = {}  # admitted, never scheduled: rid -> prompt tokens
         self.backlog_tokens = 0

@@ -1,5 +1,6 @@
 """Placement across executors: the core's rule (`core/placement.py`: least predicted outstanding
-work among the executors that can admit the request, ties to the first name) with each
+work, minus the prefill an executor's prefix cache saves the request, among the executors that
+can admit it, ties to the first name) with each
 executor's outstanding work cached for `refresh_s` and bumped by every placement in between,
 so admitting or re-placing N requests costs O(N), not O(N x requests queued)."""
 
@@ -14,8 +15,9 @@ if TYPE_CHECKING:
 
 
 class Placer:
-    def __init__(self, refresh_s: float = 0.05) -> None:
+    def __init__(self, refresh_s: float = 0.05, cache_aware: bool = True) -> None:
         self.refresh_s = refresh_s
+        self.cache_aware = cache_aware
         self._work: dict[str, tuple[float, float]] = {}  # address -> (computed at, seconds)
 
     def choose(self, schedulers: Mapping[str, Scheduler], req: Request, now: float) -> str | None:
@@ -23,7 +25,11 @@ class Placer:
         candidates = [a for a in sorted(schedulers) if schedulers[a].can_admit(req)]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
-        return min(candidates, key=lambda a: (self._work_of(a, schedulers[a], now), a))
+        return min(candidates, key=lambda a: (self._score(a, schedulers[a], req, now), a))
+
+    def _score(self, address: str, sched: Scheduler, req: Request, now: float) -> float:
+        work = self._work_of(address, sched, now)
+        return work - sched.prefix_saving(req) if self.cache_aware else work
 
     def placed(self, address: str, sched: Scheduler, req: Request) -> None:
         """Count the work `req` adds until the next refresh."""

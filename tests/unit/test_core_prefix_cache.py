@@ -338,3 +338,36 @@ def test_multi_turn_conversation_prefill_work_shrinks_with_the_cache():
 
     cold, warm = total_prefill(False), total_prefill(True)
     assert warm < cold / 2
+
+
+# -- placement --------------------------------------------------------------------------------
+def test_cache_aware_placement_prefers_the_cached_prefix_within_one_prefill_of_load():
+    from services.scheduler.core.placement import choose_executor
+
+    def fresh():
+        return make_sched(
+            "fcfs", device_blocks=64, host_blocks=0, block_size=4, prefix_caching=True
+        )
+
+    a, b = fresh(), fresh()
+    first = mk("t1", range(1, 41), out_len=3)
+    a.admit(first)
+    run_until_finished(a, first)
+    follow = mk("t2", first.all_token_ids + [60, 61, 62])
+    saved = a.prefix_saving(follow)
+    assert saved == 40 * a.cost_model.t0 and b.prefix_saving(follow) == 0.0
+    assert "t2" not in a.block_manager.cache._hashes  # looking did not remember the request
+    # equal load: the executor holding the prefix; load only: the first name either way
+    assert choose_executor({"x": b, "y": a}, follow, 1.0) == "y"  # though "x" sorts first
+    assert choose_executor({"x": b, "y": a}, follow, 1.0, cache_aware=False) == "x"
+    # "a" busier by less than the saving: still "a"; by more: "b"
+    filler = mk("f", range(200, 204), out_len=2)
+    a.admit(filler)
+    busy = a.outstanding_work(1.0)
+    assert 0 < busy < saved
+    assert choose_executor({"a": a, "b": b}, follow, 1.0) == "a"
+    for i in range(30):
+        a.admit(mk(f"g{i}", range(300 + i, 340 + i), out_len=20))
+    assert a.outstanding_work(1.0) > saved
+    assert choose_executor({"a": a, "b": b}, follow, 1.0) == "b"
+    assert choose_executor({"a": fresh(), "b": a}, follow, 1.0, cache_aware=False) == "a"

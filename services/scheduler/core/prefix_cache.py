@@ -91,6 +91,18 @@ class PrefixCache:
         last one is always computed, so the step has logits to sample from)."""
         return (req.num_tokens - 1) // self.block_size
 
+    def peek(self, req: Request) -> int:
+        """Leading blocks of `req` this cache holds, without remembering anything about it
+        (placement asks every executor's cache about a request only one will admit)."""
+        h, found, bs = self.root, 0, self.block_size
+        tokens = req.all_token_ids
+        for i in range(self.max_prefix_blocks(req)):
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            if h not in self.by_hash:
+                break
+            found += 1
+        return found
+
     def match(self, req: Request, max_blocks: int) -> list[int]:
         """Cached blocks holding the longest prefix of `req`'s first `max_blocks` blocks."""
         by_hash = self.by_hash

@@ -284,6 +284,14 @@ class Scheduler:
     def predicted_len(self, req: Request) -> int:
         return self.policy.predicted_len(req)
 
+    def prefix_saving(self, req: Request) -> float:
+        """Predicted seconds of prefill this executor's prefix cache would save `req`, which
+        is not admitted here (0 without caching): cache-aware placement subtracts it."""
+        cache = self.block_manager.cache
+        if cache is None:
+            return 0.0
+        return cache.peek(req) * cache.block_size * self.cost_model.t0
+
     def outstanding_work(self, now: float) -> float:
         """Predicted seconds of execution left over every unfinished request (for placement)."""
         cm = self.cost_model
