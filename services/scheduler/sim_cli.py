@@ -39,7 +39,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         "--trace",
         default="sharegpt",
         help="workload: sharegpt[:split=test], mixed[:long_share=0.35,...], "
-        "csv:PATH (Azure/BurstGPT), jsonl:PATH (default: sharegpt)",
+        "multiturn[:turns=8,think=5] (--num-requests = conversations), "
+        "sysprompt[:system=1024,systems=1], csv:PATH (Azure/BurstGPT), jsonl:PATH "
+        "(default: sharegpt)",
     )
     p.add_argument("--num-requests", type=int, default=2000, help="requests per point")
     p.add_argument(
@@ -76,6 +78,17 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
         "--no-overlap-swaps",
         action="store_true",
         help="add swap time to the step instead of overlapping it",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="the core's prefix cache (traces with segments: multiturn, sysprompt)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("cache", "load"),
+        default="cache",
+        help="several executors: cached prefix against load (cache), or load only",
     )
     p.add_argument(
         "--prefill-attention",
@@ -126,6 +139,8 @@ def _base_config(args, policy: str = "fcfs"):
         prediction=args.prediction,
         swap_bandwidth_gbs=args.swap_bandwidth_gbs,
         overlap_swaps=not args.no_overlap_swaps,
+        prefix_caching=args.prefix_caching,
+        cache_aware_placement=args.placement == "cache",
         seed=args.seed,
         prefill_attention_s=_attention(args.prefill_attention),
         clock=args.clock,

@@ -35,6 +35,8 @@ class SimConfig:
     swap_bandwidth_gbs: float = 25.0  # host<->device copy bandwidth (PCIe 4 x16 ~ 25 GB/s)
     kv_bytes_per_token: int | None = None  # default: by model name (KV_BYTES_PER_TOKEN)
     overlap_swaps: bool = True  # swaps run beside compute (ALISE); else serialised
+    prefix_caching: bool = False  # the core's prefix cache (needs traces with segments)
+    cache_aware_placement: bool = True  # with several executors: cached prefix vs load only
     # seconds per (prefill token, context token) pair added to the clock for prefill chunks:
     # the O(n^2) attention FLOPs the linear cost model leaves out (None = off, -1 = from the
     # profile's GPU and model)

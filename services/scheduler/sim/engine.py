@@ -9,14 +9,20 @@ Each executor is one core `Scheduler` (its own policy instance and block manager
 are placed with the core's `choose_executor`. A step lasts the cost model's iteration time of
 its batch; swaps move `blocks x block_size x kv_bytes_per_token` bytes at the configured
 bandwidth, overlapped with the forward pass (ALISE) or added to it. Sampled tokens are
-dummies; a request ends at max_tokens = its true output length (ignore_eos).
+dummies; a request ends at max_tokens = its true output length (ignore_eos). Prompts are
+dummies too, except for trace items with `segments` (multi-turn chats, shared system prompts):
+their ids are built per segment, so with `prefix_caching` the core's prefix cache finds what
+repeats, and placement is cache-aware unless `cache_aware_placement` is off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import random
 from dataclasses import dataclass
+from functools import lru_cache
 
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
@@ -36,6 +42,24 @@ from services.workload.traces.trace import TraceItem
 
 STEP_END, SWAP_DONE, ARRIVAL = 0, 1, 2
 DUMMY_TOKEN = 0
+
+
+def prompt_tokens(item: TraceItem) -> list[int]:
+    """Token ids for a trace item's prompt: its segments' (equal ids give equal runs, so the
+    prefix cache sees what repeats), else dummies (a prompt of its own)."""
+    if not item.segments:
+        return [DUMMY_TOKEN] * item.prompt_len
+    ids: list[int] = []
+    for segment, n in item.segments:
+        ids += _segment_tokens(segment, n)
+    return ids
+
+
+@lru_cache(maxsize=4096)
+def _segment_tokens(segment: str, n: int) -> tuple[int, ...]:
+    seed = int.from_bytes(hashlib.blake2b(segment.encode(), digest_size=8).digest(), "big")
+    rng = random.Random(seed)
+    return tuple(rng.randrange(1, 32000) for _ in range(n))
 
 
 class SimulationError(RuntimeError):
@@ -94,7 +118,13 @@ class Simulation:
         if host is None:
             host = self.profile.get("num_host_blocks", dev)
         policy = make_policy(self.config.policy, **self.config.knobs)
-        bm = BlockManager(int(dev), int(host), int(self.block_size))
+        bm = BlockManager(
+            int(dev),
+            int(host),
+            int(self.block_size),
+            enable_prefix_caching=self.config.prefix_caching,
+            cache_salt="sim",
+        )
         return Executor(name, Scheduler(policy, bm, self.cost, self.config.max_model_len))
 
     # -- events ---------------------------------------------------------------------------
@@ -105,7 +135,7 @@ class Simulation:
         slo = Slo(item.slo.ttft_s, item.slo.tbt_s, item.slo.deadline_s)
         return Request(
             item.request_id,
-            [DUMMY_TOKEN] * item.prompt_len,
+            prompt_tokens(item),
             item.output_len,
             item.arrival_s,
             ignore_eos=True,
@@ -150,7 +180,12 @@ class Simulation:
         else:
             from services.scheduler.core.placement import choose_executor
 
-            target = choose_executor({e.name: e.scheduler for e in self.executors}, req, self.now)
+            target = choose_executor(
+                {e.name: e.scheduler for e in self.executors},
+                req,
+                self.now,
+                self.config.cache_aware_placement,
+            )
             if target is None:
                 raise SimulationError(
                     f"no executor can ever hold {req.request_id} "

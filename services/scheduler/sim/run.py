@@ -50,6 +50,13 @@ def simulate(items: list[TraceItem], config: SimConfig, profile: dict | None = N
     summary["num_swapped_blocks"] = sum(
         i.num_swap_out_blocks + i.num_swap_in_blocks for i in sim.iterations
     )
+    if config.prefix_caching:
+        stats = [e.scheduler.block_manager.cache_stats() for e in sim.executors]
+        queries = sum(s["prefix_cache_queries"] for s in stats)
+        hits = sum(s["prefix_cache_hits"] for s in stats)
+        summary["prefix_cache_hits"] = hits
+        summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+        summary["prefix_cache_evictions"] = sum(s["prefix_cache_evictions"] for s in stats)
     wall = time.perf_counter() - started
     summary["sim_wall_s"] = wall
     return SimResult(config, records, sim.iterations, summary, wall)

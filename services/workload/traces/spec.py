@@ -4,6 +4,10 @@ Workload specs (`name` or `name:key=value,key=value`):
 - `sharegpt` (`split=test|train`)
 - `mixed` (`split`, `long_share=0.35`, `long_min=4096`, `long_max=32768`, `max_output=2048`)
 - `csv:PATH` (Azure or BurstGPT columns; arrivals default to the file's own timestamps)
+- `multiturn` (`turns=8`, `think=5`): ShareGPT conversations turn by turn, n = conversations
+  (traces/multiturn.py)
+- `sysprompt` (`system=1024`, `systems=1`, `split`): ShareGPT prompts behind shared system
+  prompts
 - `jsonl:PATH` (a trace saved by `save_jsonl`; its arrival times and SLOs are kept unless an
   arrival process / SLO scheme is given)
 SLO specs: `none`, `uniform:tbt=0.2[,ttft=1.0]`,
@@ -13,6 +17,7 @@ SLO specs: `none`, `uniform:tbt=0.2[,ttft=1.0]`,
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from services.workload.traces.arrivals import make_arrivals, scale_timestamps
 from services.workload.traces.csv_replay import load_csv
@@ -80,7 +85,31 @@ def _shapes(name: str, opts: dict, n: int | None, seed: int, model: str):
         items = load_jsonl(opts.pop("path"))[:n]
         _reject_unknown(name, opts)
         return None, [i.arrival_s for i in items], items
-    raise ValueError(f"unknown workload {name!r}: sharegpt, mixed, csv:PATH, jsonl:PATH")
+    raise ValueError(
+        f"unknown workload {name!r}: sharegpt, mixed, multiturn, sysprompt, csv:PATH, jsonl:PATH"
+    )
+
+
+def _repeating(name: str, opts: dict, n: int | None, rate: float, seed: int, model: str):
+    """Multi-turn conversations (n = conversations) or a shared system prompt (n = requests)."""
+    from services.workload.traces.multiturn import (
+        multiturn_trace,
+        shared_prompt_trace,
+        sharegpt_conversations,
+    )
+
+    if name == "multiturn":
+        max_turns = _pop(opts, "turns", int, 8)
+        think = _pop(opts, "think", float, 5.0)
+        _reject_unknown(name, opts)
+        convs = sharegpt_conversations(n or 100, model, max_turns=max_turns)
+        return multiturn_trace(convs, rate, think, seed)
+    pool = sharegpt_pool(_pop(opts, "split", str, "test"), model)
+    system, systems = _pop(opts, "system", int, 1024), _pop(opts, "systems", int, 1)
+    _reject_unknown(name, opts)
+    shapes = sample_shapes(pool, n, seed)
+    times = make_arrivals(len(shapes), "poisson", rate, 1.0, seed, None)
+    return shared_prompt_trace(shapes, times, system, systems, seed)
 
 
 def _slos(items, slo: str, seed: int, prefill_time):
@@ -113,16 +142,18 @@ def make_trace(
     """The full trace: shapes + arrivals (`poisson`/`gamma`/`uniform`/`trace`; default
     `trace` for csv/jsonl workloads, else `poisson`) + SLOs (default `none`)."""
     name, opts = parse_spec(workload)
+    if name in ("multiturn", "sysprompt"):
+        if rate is None:
+            raise ValueError(f"the {name} workload needs a rate")
+        items = _repeating(name, opts, n, rate, seed, model)
+        return _slos(items, slo or "none", seed, prefill_time)
     shapes, timestamps, saved = _shapes(name, opts, n, seed, model)
     process = arrival or ("trace" if timestamps is not None else "poisson")
     if saved is not None:
         if process != "trace":
             raise ValueError("a jsonl trace keeps its own arrival times (arrival=trace)")
         times = scale_timestamps(timestamps, rate)
-        items = [
-            TraceItem(i.request_id, t, i.prompt_len, i.output_len, i.prompt, i.sample_id, i.slo)
-            for i, t in zip(saved, times)
-        ]
+        items = [replace(i, arrival_s=t) for i, t in zip(saved, times)]
         return items if slo is None else _slos(items, slo, seed, prefill_time)
     if rate is None and process != "trace":
         raise ValueError(f"arrival process {process!r} needs a rate")

@@ -55,6 +55,11 @@ class TraceItem:
     prompt: str | None = None
     sample_id: str | None = None
     slo: SloSpec = field(default_factory=SloSpec)
+    # What the prompt is made of, for prefix caching: (segment id, tokens) in order; equal ids
+    # are equal token runs (a shared system prompt, a conversation's earlier turns). None = a
+    # prompt of its own. `messages` (role, text) is the chat a live replay sends.
+    segments: tuple[tuple[str, int], ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
 
     def with_slo(self, slo: SloSpec) -> TraceItem:
         return replace(self, slo=slo)
@@ -95,6 +100,9 @@ def load_jsonl(path: str | Path) -> list[TraceItem]:
             try:
                 row = json.loads(line)
                 row["slo"] = SloSpec(**row.get("slo", {}))
+                for key in ("segments", "messages"):
+                    if row.get(key) is not None:
+                        row[key] = tuple(tuple(part) for part in row[key])
                 items.append(TraceItem(**row))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a trace item: {exc}") from exc
