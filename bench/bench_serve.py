@@ -73,6 +73,7 @@ def request_details(results) -> list[dict]:
                 "request_id": r.request_id,
                 "arrival_s": round(r.arrival_s, 4),
                 "prompt_len": r.prompt_len,
+                "cached_tokens": r.cached_tokens,
                 "output_len": r.output_len,
                 "ttft_s": rounded(metrics.ttft(r)),
                 "e2e_s": rounded(metrics.e2e(r)),

@@ -38,6 +38,8 @@ def _body(item: TraceItem, model: str, ignore_eos: bool) -> dict:
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": item.prompt or "Hello"}],
     }
+    if item.messages:  # a multi-turn history or a system prompt (traces/multiturn.py)
+        body["messages"] = [{"role": role, "content": text} for role, text in item.messages]
     slo = {
         k: v * 1000
         for k, v in (
@@ -91,6 +93,7 @@ async def _one(
     tokens = usage["completion_tokens"] if usage else len(record.token_times)
     if usage:
         record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     _pad_token_times(record, tokens)
     record.completed = error is None and tokens > 0
     return LiveResult(record, "".join(text), error, tokens)

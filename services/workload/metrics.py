@@ -44,6 +44,7 @@ class RequestRecord:
     slo_tbt_s: float | None = None
     slo_deadline_s: float | None = None  # relative to arrival
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (live: the usage's)
 
     @property
     def output_len(self) -> int:
@@ -212,6 +213,8 @@ def summarize(
     jct = [r for r in records if r.slo_deadline_s is not None]
     out["jct_slo_attainment"] = (sum(meets_slo(r) for r in jct) / len(jct)) if jct else None
     out["num_preemptions"] = sum(r.num_preemptions for r in records)
+    prompt = sum(r.prompt_len for r in done)
+    out["prefix_cache_hit_rate"] = sum(r.cached_tokens for r in done) / prompt if prompt else None
     out["num_iterations"] = len(iterations)
     out["kv_utilization"] = kv_utilization(iterations)
     out["compute_utilization"] = compute_utilization(iterations, reference_tokens)
