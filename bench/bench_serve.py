@@ -127,29 +127,37 @@ class LiveStack:
     """`alise serve --policy P` on free ports, for one policy of a live sweep."""
 
     def __init__(
-        self, policy: str, log_dir: Path, policy_config: str = "{}", step_trace: bool = False
+        self,
+        policy: str,
+        log_dir: Path,
+        policy_config: str = "{}",
+        step_trace: bool = False,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         from services.common.redis_runner import free_port
 
         self.port = free_port()
         self.policy = policy
-        self.log = open(log_dir / f"serve-{policy}.log", "w")
+        name = name or policy  # names the log file and the run directory
+        self.log = open(log_dir / f"serve-{name}.log", "w")
         env = {
             **os.environ,
             "ALISE_GATEWAY_PORT": str(self.port),
-            "ALISE_RUN_DIR": str(log_dir / f"run-{policy}"),
+            "ALISE_RUN_DIR": str(log_dir / f"run-{name}"),
             "PYTHONUNBUFFERED": "1",
             "ALISE_POLICY_CONFIG": policy_config,
+            **(env or {}),
         }
         if step_trace:
-            env["ALISE_STEP_TRACE"] = str(log_dir / f"run-{policy}" / "steps.jsonl")
+            env["ALISE_STEP_TRACE"] = str(log_dir / f"run-{name}" / "steps.jsonl")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", "--policy", policy],
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        self.log_path = log_dir / f"serve-{policy}.log"
+        self.log_path = log_dir / f"serve-{name}.log"
 
     @property
     def url(self) -> str:
