@@ -17,7 +17,6 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,8 +51,9 @@ def _client(address: str, n: int, prompt_len: int, max_tokens: int, tag: str) ->
 
 
 def _start_executor(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
+    from bench.fleet import spawn_cli
+
     env = dict(
-        os.environ,
         ALISE_MODEL=str(model_dir),
         ALISE_EXECUTOR_PORT=str(port),
         ALISE_DEVICE="cpu",
@@ -63,12 +63,7 @@ def _start_executor(model_dir: Path, port: int, log_path: Path) -> subprocess.Po
         ALISE_LOG_LEVEL="WARNING",
         HF_HUB_OFFLINE="1",
     )
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "executor", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(log_path, "wb"),
-    )
+    return spawn_cli(["executor", "serve"], env, log_path)
 
 
 async def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 120) -> None:

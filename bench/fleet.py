@@ -103,11 +103,20 @@ def _client_main(shards: list[str], n: int, conn) -> None:
 
 
 # -- schedulers (subprocesses) -------------------------------------------------------------
+def spawn_cli(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`alise ARGV...` as a child process with `env` added to ours, stderr to `log`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *argv],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),
+    )
+
+
 def _start_scheduler(
     redis_url: str, namespace: str, shard: int, shards: int, port: int, args, log: Path
 ) -> subprocess.Popen:
     env = dict(
-        os.environ,
         ALISE_REDIS_URL=redis_url,
         ALISE_REDIS_NAMESPACE=namespace,
         ALISE_SHARD=str(shard),
@@ -119,12 +128,7 @@ def _start_scheduler(
         ALISE_LOG_LEVEL="WARNING",
         ALISE_METRICS_PORT="0",
     )
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "scheduler", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "wb"),
-    )
+    return spawn_cli(["scheduler", "serve"], env, log)
 
 
 async def _executors_up(addresses: list[str], want: int, timeout_s: float = 60) -> list[int]:

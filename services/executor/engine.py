@@ -31,7 +31,7 @@ from services.executor.messages import RequestState, StepInput, StepOutput, Step
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
 from services.executor.sampler import sample
-from services.executor.step_plan import BlockOwners, StepChecker, StepPlan
+from services.executor.step_plan import BlockOwners, StepChecker, StepPlan, apply_plan
 from services.executor.swap import SwapManager
 
 if TYPE_CHECKING:
@@ -183,23 +183,11 @@ class Engine:
 
     def _apply(self, step: StepInput | SchedulerOutput, plan: StepPlan) -> None:
         self.swap.swap(list(step.swap_out), list(step.swap_in))
-        for rid in plan.suspended:
-            self._release(rid)
-            self.requests[rid].block_table = None
-        for rid in plan.freed:
-            self._release(rid)
-            self.cache.close_request(rid)
-            del self.requests[rid]
-        for state in plan.new:
-            state.staging_slot = self.cache.open_request(state.request_id)
-            self.requests[state.request_id] = state
-        for rid, table in plan.tables.items():
-            self._release(rid)
-            self.requests[rid].block_table = table
-            self.owners.add(rid, table)
 
-    def _release(self, rid: str) -> None:
-        self.owners.release(rid, self.requests[rid].block_table or ())
+        def open_request(state: RequestState) -> None:
+            state.staging_slot = self.cache.open_request(state.request_id)
+
+        apply_plan(plan, self.requests, self.owners, self.cache.close_request, open_request)
 
     def _runs(self, plan: StepPlan) -> list[TokenRun]:
         runs = []

@@ -14,7 +14,7 @@ leaves the executor untouched. Semantics, in the contract's order:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,37 @@ class BlockOwners:
 
 
 _NONE: frozenset[str] = frozenset()
+
+
+def apply_plan(
+    plan: StepPlan,
+    requests: dict[str, RequestState],
+    owners: BlockOwners,
+    on_free: Callable[[str], None] | None = None,
+    on_new: Callable[[RequestState], None] | None = None,
+) -> None:
+    """Apply a checked plan's bookkeeping: suspend, free, add, then set tables (the engine and
+    the stub executor share it; `on_free` / `on_new` do their own part, e.g. KV staging)."""
+
+    def release(rid: str) -> None:
+        owners.release(rid, requests[rid].block_table or ())
+
+    for rid in plan.suspended:
+        release(rid)
+        requests[rid].block_table = None
+    for rid in plan.freed:
+        release(rid)
+        if on_free is not None:
+            on_free(rid)
+        del requests[rid]
+    for state in plan.new:
+        if on_new is not None:
+            on_new(state)
+        requests[state.request_id] = state
+    for rid, table in plan.tables.items():
+        release(rid)
+        requests[rid].block_table = table
+        owners.add(rid, table)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.executor.messages import StepInput, StepOutput, StepTimings
-from services.executor.step_plan import BlockOwners, StepChecker
+from services.executor.step_plan import BlockOwners, StepChecker, apply_plan
 
 if TYPE_CHECKING:
     from services.executor.server import ExecutorHandle
@@ -86,18 +86,7 @@ class StubEngine:
         start = time.perf_counter()
         with self._lock:
             plan = self.checker.plan(step)
-            for rid in plan.freed:
-                self._release(rid)
-                del self.requests[rid]
-            for rid in plan.suspended:
-                self._release(rid)
-                self.requests[rid].block_table = None
-            for state in plan.new:
-                self.requests[state.request_id] = state
-            for rid, table in plan.tables.items():
-                self._release(rid)
-                self.requests[rid].block_table = table
-                self.owners.add(rid, table)
+            apply_plan(plan, self.requests, self.owners)
             out = StepOutput(step.step_id, {}, StepTimings())
             for rid, n in plan.scheduled:
                 st = self.requests[rid]
@@ -119,9 +108,6 @@ class StubEngine:
             self.marks.append((start, end))
         out.timings.forward_s = out.timings.total_s = end - start
         return out
-
-    def _release(self, rid: str) -> None:
-        self.owners.release(rid, self.requests[rid].block_table or ())
 
     def close(self) -> None:
         pass
