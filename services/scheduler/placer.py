@@ -1,6 +1,6 @@
 """Placement across executors: the core's rule (`core/placement.py`: least predicted outstanding
-work, minus the prefill an executor's prefix cache saves the request, among the executors that
-can admit it, ties to the first name) with each
+work among the executors that can admit the request, or the most prefill saved by a cache among
+those within the imbalance bound; ties to the first name) with each
 executor's outstanding work cached for `refresh_s` and bumped by every placement in between,
 so admitting or re-placing N requests costs O(N), not O(N x requests queued)."""
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+from services.scheduler.core.placement import pick
 
 if TYPE_CHECKING:
     from services.scheduler.core.request import Request
@@ -25,11 +27,16 @@ class Placer:
         candidates = [a for a in sorted(schedulers) if schedulers[a].can_admit(req)]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
-        return min(candidates, key=lambda a: (self._score(a, schedulers[a], req, now), a))
-
-    def _score(self, address: str, sched: Scheduler, req: Request, now: float) -> float:
-        work = self._work_of(address, sched, now)
-        return work - sched.prefix_saving(req) if self.cache_aware else work
+        return pick(
+            [
+                (
+                    a,
+                    self._work_of(a, schedulers[a], now),
+                    schedulers[a].prefix_saving(req) if self.cache_aware else 0.0,
+                )
+                for a in candidates
+            ]
+        )
 
     def placed(self, address: str, sched: Scheduler, req: Request) -> None:
         """Count the work `req` adds until the next refresh."""
