@@ -53,19 +53,26 @@ async def require_api_key(request: Request) -> None:
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
 
 
+def _card(gw: GatewayState) -> ModelCard:
+    return ModelCard(
+        id=gw.model_id,
+        created=gw.started,
+        max_model_len=gw.max_model_len(),
+        max_kv_tokens=gw.upstream.max_kv_tokens or None,
+    )
+
+
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(request.app.state.gateway)])
+
+
+@router.get("/models/{model:path}", response_model=ModelCard)
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    """OpenAI's `models.retrieve`: the served model's card, or a 404 `model_not_found`."""
     gw: GatewayState = request.app.state.gateway
-    return ModelList(
-        data=[
-            ModelCard(
-                id=gw.model_id,
-                created=gw.started,
-                max_model_len=gw.max_model_len(),
-                max_kv_tokens=gw.upstream.max_kv_tokens or None,
-            )
-        ]
-    )
+    gw.prompts.check_model(model)
+    return _card(gw)
 
 
 def _header(name: str, kind: str, description: str) -> dict:

@@ -338,3 +338,13 @@ def test_request_timeout_is_504_and_aborts_upstream(tmp_path, redis_server):
             assert payloads[-1] == b"[DONE]"
             assert json.loads(payloads[-2])["error"]["code"] == "timeout"
             assert wait_for(lambda: stats(backend).aborted >= 2 and stats(backend).waiting == 0)
+
+
+def test_models_retrieve_answers_the_served_model_and_404s_others(openai_client, model):
+    import openai
+
+    card = openai_client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        openai_client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found"
