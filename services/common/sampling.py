@@ -15,15 +15,38 @@ from typing import Any
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy; top_p 1 = disabled (0, the proto's unset value, means disabled
-    too and is stored as 1.0); top_k 0 = disabled; seed None = unseeded. Out-of-range values
-    raise ValueError naming the field."""
+    too and is stored as 1.0); top_k 0 = disabled; seed None = unseeded. Penalties (OpenAI's
+    presence/frequency on output tokens, vLLM's repetition on prompt and output; 1 or 0 = off),
+    min_p (vLLM) and logit_bias ((token id, bias) pairs) change the logits before sampling,
+    greedy or not. Out-of-range values raise ValueError naming the field."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty == 0:
+            object.__setattr__(self, "repetition_penalty", 1.0)  # the proto's unset value
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        bias = tuple(sorted((int(t), float(b)) for t, b in self.logit_bias))
+        if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
+            raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
+        self._check_basic()
+
+    def _check_basic(self) -> None:
         if not self.temperature >= 0:  # `not >=` also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 <= self.top_p <= 1:
@@ -37,6 +60,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties, min_p or a logit bias change this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_p
+            or self.logit_bias
+        )
+
     def to_dict(self) -> dict[str, float | int | None]:
         """JSON-ready fields (the scheduler's Redis record)."""
         return asdict(self)
@@ -44,4 +78,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
         """Inverse of `to_dict`; absent keys (and None values) take their defaults."""
-        return cls(**{k: v for k, v in data.items() if v is not None})
+        fields = {k: v for k, v in data.items() if v is not None}
+        if "logit_bias" in fields:  # JSON gives lists back
+            fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields["logit_bias"])
+        return cls(**fields)

@@ -8,7 +8,14 @@ from services.common.sampling import SamplingParams
 
 def to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     pb = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         pb.seed = params.seed
@@ -22,4 +29,9 @@ def from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         top_p=pb.top_p,
         top_k=pb.top_k,
         seed=pb.seed if pb.HasField("seed") else None,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=pb.repetition_penalty,
+        min_p=pb.min_p,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
     )

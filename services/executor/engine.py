@@ -254,7 +254,10 @@ class Engine:
             return
         states = [self.requests[rid] for rid in batch.sample_ids]
         tokens, logprobs = sample(
-            logits, [s.sampling for s in states], [s.num_output_tokens for s in states]
+            logits,
+            [s.sampling for s in states],
+            [s.num_output_tokens for s in states],
+            [s.token_ids for s in states],
         )
         for st, tok, lp in zip(states, tokens, logprobs):
             st.token_ids.append(tok)

@@ -1,9 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seed; token + logprob.
+"""Token sampling: penalties and logit bias, greedy, temperature, top-k, top-p, min-p,
+per-request seed; token + logprob.
 
 The logprob reported is the token's log-probability under the model's raw distribution
 (log_softmax of the logits, before temperature/top-k/top-p), as OpenAI-style APIs report it.
 A seeded request draws its k-th output token from a generator seeded with (seed, k), so the
 same seed gives the same text whether or not the request was preempted and recomputed.
+Rows whose parameters adjust the logits (`SamplingParams.adjusts_logits`) get, in vLLM's
+order: logit bias, repetition penalty (prompt and output tokens: positive logits divided,
+negative multiplied), frequency and presence penalties (output tokens: minus penalty x count,
+minus penalty once), then temperature, top-k, top-p and min-p; greedy rows take the argmax of
+the adjusted logits.
 """
 
 from __future__ import annotations
@@ -27,6 +33,31 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def _adjust(logits: torch.Tensor, p: SamplingParams, tokens: list[int], n_out: int) -> torch.Tensor:
+    """logits [V] with the bias and penalties of `p`; tokens = prompt + output so far."""
+    x = logits.clone()
+    vocab = x.shape[-1]
+    for token, bias in p.logit_bias:
+        if token < vocab:
+            x[token] += bias
+    if p.repetition_penalty != 1.0 and tokens:
+        seen = torch.tensor(sorted(set(tokens)), device=x.device)
+        picked = x[seen]
+        x[seen] = torch.where(
+            picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
+        )
+    output = tokens[len(tokens) - n_out :] if n_out else []
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=x.device), minlength=vocab)[:vocab]
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def _min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    probs = torch.softmax(x, dim=-1)
+    return x.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Exponential-race sampling: argmax(p / E), E ~ Exp(1)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -34,15 +65,26 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_index: list[int],
+    histories: list[list[int]] | None = None,
 ) -> tuple[list[int], list[float]]:
-    """logits [S, V] fp32 -> (token ids, logprobs); output_index[i] = tokens already output."""
+    """logits [S, V] fp32 -> (token ids, logprobs); output_index[i] = tokens already output;
+    histories[i] = the row's prompt + output tokens (needed by penalties)."""
     logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
     tokens = torch.argmax(logits, dim=-1).tolist()  # greedy default
     for i, p in enumerate(params):
-        if p.greedy:
+        row = logits[i]
+        if p.adjusts_logits:
+            row = _adjust(row, p, histories[i] if histories else [], output_index[i])
+            if p.greedy:
+                tokens[i] = int(torch.argmax(row if not p.min_p else _min_p(row, p.min_p)))
+                continue
+        elif p.greedy:
             continue
-        probs = torch.softmax(_filter(logits[i], p), dim=-1)
+        x = _filter(row, p)
+        probs = torch.softmax(_min_p(x, p.min_p) if p.min_p else x, dim=-1)
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=logits.device)

@@ -125,7 +125,7 @@ class PromptBuilder:
             prompt_ids=ids,
             max_tokens=max_tokens,
             stops=body.stop_list(),
-            sampling=_sampling(body),
+            sampling=_sampling(body, self.vocab_size),
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             priority=_priority(body, headers),
@@ -178,7 +178,7 @@ def _single_prompt(prompt: str | list[str]) -> str:
 
 
 def _refuse_common(body: _Request) -> None:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
 
 
@@ -206,13 +206,46 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
         raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest) -> common_pb2.SamplingParams:
-    """The schema has checked the ranges already (a refusal there is a 400)."""
+def _sampling(
+    body: CompletionRequest | ChatCompletionRequest, vocab_size: int
+) -> common_pb2.SamplingParams:
+    """The schema has checked the ranges already (a refusal there is a 400); null = default."""
+
+    def value(name: str, default: float) -> float:
+        got = getattr(body, name)
+        return default if got is None else got
+
     return sampling_pb.to_pb(
         SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+            temperature=value("temperature", 1.0),
+            top_p=value("top_p", 1.0),
+            top_k=body.top_k,
+            seed=None if body.seed is None else body.seed % 2**64,
+            presence_penalty=value("presence_penalty", 0.0),
+            frequency_penalty=value("frequency_penalty", 0.0),
+            repetition_penalty=value("repetition_penalty", 1.0),
+            min_p=value("min_p", 0.0),
+            logit_bias=_logit_bias(body.logit_bias, vocab_size),
         )
     )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys are token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(
+                f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})",
+                param="logit_bias",
+            )
+        out.append((token, value))
+    return tuple(sorted(out))
 
 
 def _header_number(headers: Mapping[str, str], name: str, cast: Callable[[str], _N]) -> _N | None:

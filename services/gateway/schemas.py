@@ -1,10 +1,12 @@
 """OpenAI request and response bodies (pydantic), with ALISE's extensions.
 
-Requests accept the fields OpenAI clients send; sampling knobs the engine has no use for
-(penalties, logit_bias, user) are accepted and ignored so unmodified clients keep working,
-while features that would silently change the answer's shape (n > 1, logprobs, tools) are
-refused with a 400. Extensions: `priority`, `slo`, `ignore_eos`, `top_k`, `min_tokens`
-(vLLM's names) and `return_token_times` (each chunk carries the scheduler's token time).
+Requests accept the fields OpenAI clients send, an explicit null wherever OpenAI allows one
+(it means the default). Sampling knobs are honoured in the executor's sampler: temperature,
+top_p, seed (any integer), presence and frequency penalties, logit_bias, and vLLM's top_k,
+min_p and repetition_penalty. Features not built yet that would change the answer's shape
+(n > 1, logprobs, tools, JSON mode) are refused with a 400 naming the field. Extensions:
+`priority`, `slo`, `ignore_eos`, `top_k`, `min_tokens`, `min_p`, `repetition_penalty` (vLLM's
+names) and `return_token_times` (each chunk carries the scheduler's token time).
 """
 
 from __future__ import annotations
@@ -43,14 +45,20 @@ class _GenerationParams(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    n: int = Field(1, ge=1, le=128, description="Only 1 is supported.")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="Any integer.")
+    n: int | None = Field(1, ge=1, le=128, description="Only 1 is supported.")
     user: str | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Accepted, ignored.")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Accepted, ignored.")
-    logit_bias: dict[str, float] | None = Field(None, description="Accepted, ignored.")
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit."
+    )
+    repetition_penalty: float | None = Field(
+        1.0, gt=0.0, le=2.0, description="vLLM extension: > 1 discourages repeats."
+    )
+    min_p: float | None = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
     # Extensions.
     priority: int | None = Field(
         None, ge=-(2**31), le=2**31 - 1, description="Larger = more important (ALISE extension)."

@@ -108,6 +108,24 @@ def test_second_key_works_and_health_needs_none(url):
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "stream": "sometimes"}, "stream"),
         ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, "logit_bias"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 1}},
+            "logit_bias",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}},
+            "logit_bias.5",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
+            "presence_penalty",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, "min_p"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0},
+            "repetition_penalty",
+        ),
     ],
 )
 def test_invalid_chat_parameters_are_400(client, body, param):

@@ -348,3 +348,34 @@ def test_models_retrieve_answers_the_served_model_and_404s_others(openai_client,
     with pytest.raises(openai.NotFoundError) as err:
         openai_client.models.retrieve("no-such-model")
     assert err.value.body["code"] == "model_not_found"
+
+
+def test_sampling_controls_are_honoured_and_nulls_accepted(openai_client, model):
+    def complete(**kw):
+        kw.setdefault("max_tokens", 6)
+        return openai_client.completions.create(
+            model=model, prompt="Once upon a time", temperature=0, **kw
+        )
+
+    plain = complete()
+    # a +100 bias makes one token win every step: its text repeated
+    forced = complete(logit_bias={"330": 100}, extra_body={"ignore_eos": True})
+    piece = forced.choices[0].text[: len(forced.choices[0].text) // 6]
+    assert forced.choices[0].text == piece * 6 and forced.choices[0].text != plain.choices[0].text
+    # a strong frequency penalty keeps greedy decoding from repeating a token
+    looped = complete(logit_bias={"330": 3}, max_tokens=8)
+    spread = complete(logit_bias={"330": 3}, max_tokens=8, frequency_penalty=2.0)
+    assert spread.choices[0].text != looped.choices[0].text
+    # explicit nulls and any integer seed, as OpenAI clients send them
+    ok = openai_client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=None,
+        top_p=None,
+        n=None,
+        seed=-1,
+        presence_penalty=None,
+        extra_body={"min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert ok.choices[0].message.content is not None and ok.usage.completion_tokens >= 1

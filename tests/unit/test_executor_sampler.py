@@ -49,3 +49,59 @@ def test_seed_and_output_index_make_draws_reproducible():
 def test_logprob_is_under_the_raw_distribution():
     _, logprobs = sample(LOGITS, [SamplingParams(temperature=0.5, top_k=1)], [0])
     assert math.isclose(logprobs[0], torch.log_softmax(LOGITS[0], -1)[0].item(), rel_tol=1e-6)
+
+
+def test_logit_bias_and_penalties_change_greedy_choices():
+    # a bias of +5 on token 3 makes it the argmax; -100 on token 0 removes the old winner
+    tokens, _ = sample(LOGITS, [SamplingParams(logit_bias=((3, 5.0),))], [0], [[1]])
+    assert tokens == [3]
+    tokens, _ = sample(LOGITS, [SamplingParams(logit_bias=((0, -100.0),))], [0], [[1]])
+    assert tokens == [1]
+    # token 0 was output twice: a frequency penalty of 1 takes 2 off its logit (2 -> 0)
+    history = [4, 0, 0]  # prompt [4], outputs [0, 0]
+    freq = SamplingParams(frequency_penalty=1.0)
+    assert sample(LOGITS, [freq], [2], [history])[0] == [1]
+    # presence counts once: 2 - 0.8 = 1.2 still beats 1.0
+    assert sample(LOGITS, [SamplingParams(presence_penalty=0.8)], [2], [history])[0] == [0]
+    # repetition divides positive logits of every seen token, prompt included
+    rep, logits = SamplingParams(repetition_penalty=2.0), torch.tensor([[1.5, 1.0, -1.0]])
+    assert sample(logits, [rep], [0], [[0]])[0] == [1]  # 1.5 / 2 = 0.75 < 1.0
+    assert sample(logits, [rep], [0], [[0, 1]])[0] == [0]  # both halved: 0.75 vs 0.5
+    from services.executor.sampler import _adjust
+
+    assert _adjust(-logits[0], rep, [1, 2], 0).tolist() == [-1.5, -2.0, 0.5]  # neg. multiplied
+
+    # penalties only count output tokens: the same token in the prompt is not penalized
+    assert sample(LOGITS, [freq], [0], [[0, 0]])[0] == [0]
+
+
+def test_min_p_drops_unlikely_tokens_from_sampling():
+    p = SamplingParams(temperature=1.0, min_p=0.3, seed=1)
+    probs = torch.softmax(LOGITS[0], -1)
+    allowed = {i for i in range(5) if probs[i] >= 0.3 * probs.max()}
+    drawn = {
+        sample(LOGITS, [SamplingParams(temperature=1.0, min_p=0.3, seed=s)], [0], [[]])[0][0]
+        for s in range(200)
+    }
+    assert drawn == allowed and len(allowed) < 5 and p.adjusts_logits
+
+
+def test_new_fields_round_trip_through_proto_and_json():
+    from services.common import sampling_pb
+
+    p = SamplingParams(
+        temperature=0.5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.5,
+        min_p=0.125,
+        logit_bias=((7, 2.5), (3, -1.0)),
+    )
+    assert sampling_pb.from_pb(sampling_pb.to_pb(p)) == p  # (values exact in float32)
+    assert (
+        SamplingParams.from_dict(__import__("json").loads(__import__("json").dumps(p.to_dict())))
+        == p
+    )
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 200.0),))
+    assert SamplingParams(repetition_penalty=0).repetition_penalty == 1.0  # proto unset
