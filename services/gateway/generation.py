@@ -53,6 +53,9 @@ class Plan:
     ignore_eos: bool = False
     priority: int | None = None
     slo: common_pb2.Slo | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop: bool = False  # the matched stop string or stop token stays in the text
+    skip_special_tokens: bool = True
 
     def to_pb(self, prediction: common_pb2.Prediction | None) -> scheduler_pb2.GenerateRequest:
         request = scheduler_pb2.GenerateRequest(
@@ -63,6 +66,7 @@ class Plan:
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             model=self.model,
+            stop_token_ids=self.stop_token_ids,
         )
         if self.priority is not None:
             request.priority = self.priority
@@ -83,8 +87,10 @@ class Generation:
     def __init__(self, plan: Plan, upstream: Upstream, tokenizer: PreTrainedTokenizerBase) -> None:
         self.plan = plan
         self.upstream = upstream
-        self.detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids)
-        self.stops = StopMatcher(plan.stops)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, plan.prompt_ids, skip_special_tokens=plan.skip_special_tokens
+        )
+        self.stops = StopMatcher(plan.stops, plan.include_stop)
         self.prediction: common_pb2.Prediction | None = None  # the predictor's answer
         self.used_prediction: common_pb2.Prediction | None = None  # what the scheduler used
         self.call: GenerateCall | None = None
@@ -232,6 +238,8 @@ class Generation:
         if event.finished:
             return self._finish(event)
         self.completion_tokens = self.received = event.index + 1
+        if event.token_id in self.plan.stop_token_ids and not self.plan.include_stop:
+            return Piece("", event.time)  # a stop token ends the answer without its text
         text, matched = self.stops.push(self.detok.push(event.token_id))
         if matched:
             self.finish_reason = "stop"

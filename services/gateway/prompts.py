@@ -126,11 +126,23 @@ class PromptBuilder:
             max_tokens=max_tokens,
             stops=body.stop_list(),
             sampling=_sampling(body, self.vocab_size),
+            stop_token_ids=self._stop_ids(body.stop_token_ids),
+            include_stop=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             priority=_priority(body, headers),
             slo=_slo(body, headers),
         )
+
+    def _stop_ids(self, ids: list[int] | None) -> list[int]:
+        bad = [i for i in ids or [] if not 0 <= i < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                param="stop_token_ids",
+            )
+        return list(ids or [])
 
     def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         limit = self.max_len()

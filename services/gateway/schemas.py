@@ -59,6 +59,15 @@ class _GenerationParams(BaseModel):
         1.0, gt=0.0, le=2.0, description="vLLM extension: > 1 discourages repeats."
     )
     min_p: float | None = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=64, description="vLLM extension: token ids that end the answer."
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM extension: keep the matched stop string or token."
+    )
+    skip_special_tokens: bool = Field(
+        True, description="vLLM extension: leave special tokens out of the text."
+    )
     # Extensions.
     priority: int | None = Field(
         None, ge=-(2**31), le=2**31 - 1, description="Larger = more important (ALISE extension)."

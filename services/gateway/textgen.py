@@ -73,8 +73,9 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Finds the earliest stop string in streamed text; never emits text past it."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.pending = ""
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -82,9 +83,11 @@ class StopMatcher:
         if not self.stops:
             return text, False
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, size = min(hits)
+            out = self.pending[: at + size] if self.include_stop else self.pending[:at]
+            self.pending = ""
             return out, True
         keep = self._partial_tail()
         cut = len(self.pending) - keep

@@ -379,3 +379,25 @@ def test_sampling_controls_are_honoured_and_nulls_accepted(openai_client, model)
         extra_body={"min_p": 0.05, "repetition_penalty": 1.1},
     )
     assert ok.choices[0].message.content is not None and ok.usage.completion_tokens >= 1
+
+
+def test_stop_token_ids_end_the_answer_with_or_without_their_text(openai_client, model):
+    def complete(**extra):
+        return openai_client.completions.create(
+            model=model,
+            prompt="Once upon a time",
+            max_tokens=6,
+            temperature=0,
+            logit_bias={"330": 100},  # token 330 every step
+            extra_body=extra,
+        )
+
+    forced = complete(ignore_eos=True)
+    cut = complete(stop_token_ids=[330])
+    kept = complete(stop_token_ids=[330], include_stop_str_in_output=True)
+    assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens == kept.usage.completion_tokens == 1
+    assert cut.choices[0].text == ""
+    assert kept.choices[0].text == forced.choices[0].text[: len(forced.choices[0].text) // 6]
+    with pytest.raises(__import__("openai").BadRequestError):
+        complete(stop_token_ids=[10**8])

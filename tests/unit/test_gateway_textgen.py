@@ -107,3 +107,15 @@ def test_stop_matches_like_str_find(text, stop, cuts):
     index = text.find(stop)
     assert matched == (index >= 0)
     assert out == (text[:index] if index >= 0 else text)
+
+
+def test_stop_matcher_can_keep_the_stop_string():
+    from services.gateway.textgen import StopMatcher
+
+    kept = StopMatcher(["END"], include_stop=True)
+    assert kept.push("abc EN") == ("abc ", False)  # "EN" may start the stop: held back
+    assert kept.push("D tail") == ("END", True)  # the stop string itself, nothing after it
+    assert StopMatcher(["END"]).push("xyENDz") == ("xy", True)
+    assert StopMatcher(["END"], include_stop=True).push("xyENDz") == ("xyEND", True)
+    # the earliest match wins, whichever stop it is
+    assert StopMatcher(["b", "abc"], include_stop=True).push("xabcb") == ("xabc", True)
