@@ -147,10 +147,11 @@ def test_free_is_idempotent_and_releases_blocks(tiny_dirs):
     assert engine.owners.snapshot() == {0: {"b"}, 1: {"b"}}
 
 
-def test_cached_prefix_blocks_are_shared_read_only(tiny_dirs):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cached_prefix_blocks_are_shared_read_only(tiny_dirs, kv_dtype):
     """A request attached to another's full block (num_cached_tokens) computes only the rest,
     with the logits of computing everything, and leaves the shared block untouched."""
-    engine = _engine(tiny_dirs)
+    engine = _engine(tiny_dirs, kv_dtype=kv_dtype)
     _admit(engine, "a", 20, blocks=(0, 1))  # block 0 = tokens 100..115, full
     prompt = list(range(100, 116)) + [7, 8, 9, 10, 11]
     shared = engine.cache.tensors
@@ -165,7 +166,7 @@ def test_cached_prefix_blocks_are_shared_read_only(tiny_dirs):
     assert engine.owners.snapshot()[0] == {"a", "b"}
     for k, t in shared.items():  # block 0 not written by b
         assert torch.equal(t[:, :, 0], before[k][:, :, 0])
-    fresh = _engine(tiny_dirs)
+    fresh = _engine(tiny_dirs, kv_dtype=kv_dtype)
     ref = fresh.step(
         StepInput(0, [NewRequest("b", prompt)], {"b": ([3, 4], False)}, {"b": 21}), all_logits=True
     )
