@@ -1,4 +1,4 @@
-"""`alise predictor serve | seed | train [--proxy] | calibrate | eval | bench-store`."""
+"""`alise predictor serve | seed | train [--proxy] | calibrate | eval | eval-served | bench-store`."""
 
 from __future__ import annotations
 
@@ -145,6 +145,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.set_defaults(func=_train)
 
     _add_calibrate(sub)
+    from services.predictor.served_eval import register as register_served_eval
+
+    register_served_eval(sub)
     ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
     ev.add_argument("--json", dest="json_path", default=None, help="write the results here")
     ev.add_argument(

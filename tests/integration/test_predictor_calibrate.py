@@ -45,3 +45,27 @@ def test_calibration_file_lookup(tmp_path):
     mine.parent.mkdir()
     mine.write_text("")
     assert calibration_file("m", tmp_path, 16) == mine
+
+
+def test_served_eval_holds_out_every_fifth_prompt_and_scores_censoring_apart():
+    import numpy as np
+
+    from services.predictor.served_eval import score, split_calibrated
+    from services.workload.traces.sharegpt import Sample
+
+    train = [Sample(f"s{i}", f"p{i}", "o", 5, 100 + i) for i in range(20)]
+    rows = {
+        f"s{i}": {"id": f"s{i}", "length": 10 * i + 5, "censored": i % 3 == 0}
+        for i in range(0, 20, 2)  # every other prompt calibrated
+    }
+    fit, test, censored = split_calibrated(train, rows)
+    assert [s.id for s in test] == ["s0", "s10"] and len(fit) == 8
+    assert not {s.id for s in fit} & {s.id for s in test}
+    assert [s.output_len for s in test] == [5, 105]  # the served lengths, not the references
+    assert censored.tolist() == [True, False]
+    pred = np.array([250.0, 40.0, 60.0, 80.0])
+    true = np.array([256.0, 30.0, 70.0, 90.0])
+    got = score(pred, true, np.array([True, False, False, False]), 256)
+    assert got["kendall_tau"] == 1.0  # over the uncensored three only
+    assert got["censored_share"] == 0.25
+    assert got["predicts_cap_when_censored"] == 1.0 and got["predicts_cap_when_not"] == 0.0
