@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from services.workload.traces.sharegpt import Sample
 
 
-def split_calibrated(train: list[Sample], rows: dict[str, dict], every: int = 5):
+def split_calibrated(
+    train: list[Sample], rows: dict[str, dict], every: int = 5
+) -> tuple[list[Sample], list[Sample], np.ndarray]:
     """(calibrated fit samples, held-out test samples, censored flags of the test samples),
     lengths = the served model's; in train-split order."""
     from services.predictor.calibrate import calibrated_samples
