@@ -271,15 +271,22 @@ class Generation:
         self.upstream.abort(self.group, self.plan.request_id)
 
     def close(self) -> None:
-        """Abort upstream unless it ended there; observe the true length of EOS endings."""
+        """Abort upstream unless it ended there; observe the true length of EOS endings, and
+        the lower bound of answers cut by max_tokens (censored)."""
         if self.call is None:
             return
         if not self.finished:
             self.finish_reason = "abort"
             self._cancel_upstream()
-        elif self.eos_finish:
+            return
+        cut = self.finish_reason == "length" and not self.plan.ignore_eos
+        if self.eos_finish or cut:
             self.upstream.observe(
-                self.plan.model, self.plan.request_id, self.plan.prompt_text, self.completion_tokens
+                self.plan.model,
+                self.plan.request_id,
+                self.plan.prompt_text,
+                self.completion_tokens,
+                censored=cut,
             )
 
     @property

@@ -34,6 +34,7 @@ def prediction_dict(prediction: common_pb2.Prediction | None) -> dict | None:
         "source": prediction.source,
         "similarity": round(prediction.similarity, 4),
         "neighbors": prediction.neighbors,
+        "p_capped": round(prediction.p_capped, 4),
     }
 
 

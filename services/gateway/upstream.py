@@ -149,11 +149,17 @@ class Upstream:
             return None
         return reply.predictions[0] if reply.predictions else None
 
-    def observe(self, model: str, request_id: str, prompt: str, true_length: int) -> None:
-        self._background(self._observe(model, request_id, prompt, true_length))
+    def observe(
+        self, model: str, request_id: str, prompt: str, true_length: int, censored: bool = False
+    ) -> None:
+        self._background(self._observe(model, request_id, prompt, true_length, censored))
 
-    async def _observe(self, model: str, request_id: str, prompt: str, length: int) -> None:
-        obs = predictor_pb2.Observation(request_id=request_id, prompt=prompt, true_length=length)
+    async def _observe(
+        self, model: str, request_id: str, prompt: str, length: int, censored: bool
+    ) -> None:
+        obs = predictor_pb2.Observation(
+            request_id=request_id, prompt=prompt, true_length=length, censored=censored
+        )
         try:
             await self.predictor.Observe(
                 predictor_pb2.ObserveRequest(model=model, observations=[obs]), timeout=5.0

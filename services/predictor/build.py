@@ -1,11 +1,13 @@
-"""Assemble a predictor from settings; seed its store and train its MLP from ShareGPT.
+"""Assemble a predictor from settings; seed its store and train its MLP.
 
-Seeding bulk-loads the train split of `services.workload.traces.sharegpt` (the fixed split the
-simulator uses too) with its reference output lengths, counted by the serving model's
-tokenizer. The prompts' embeddings are cached on disk (`<data_dir>/predictor/embeddings/`,
-keyed by embedder and text hash), so only the first seed pays for embedding them. Calibration
-of the reference lengths to the serving model (generating answers for a sample) is not
-implemented.
+Seeding bulk-loads prompts of the train split of `services.workload.traces.sharegpt` (the
+fixed split the simulator uses too) with output lengths. When the served model has a
+calibration file (`alise predictor calibrate`: its own answers' lengths at one cap, with
+censored flags; one is bundled for SmolLM2) those prompts and lengths are the seed, and the
+MLP learns P(runs to the cap) too. Otherwise the seed is ShareGPT's reference lengths (another
+model's answers), with a warning. The prompts' embeddings are cached on disk
+(`<data_dir>/predictor/embeddings/`, keyed by embedder and text hash), so only the first seed
+pays for embedding them.
 """
 
 from __future__ import annotations
@@ -96,6 +98,28 @@ def train_samples(settings: PredictorSettings, limit: int | None = None) -> list
     return samples[:limit] if limit else samples
 
 
+def seed_samples(
+    settings: PredictorSettings, limit: int | None = None
+) -> tuple[list[Sample], np.ndarray | None]:
+    """(samples, censored flags) to seed from: the served model's calibrated lengths when a
+    calibration file exists, else ShareGPT's reference lengths (flags None)."""
+    from services.predictor.calibrate import calibrated_samples, calibration_file, read_calibration
+
+    model = served_models(settings)[0]
+    path = calibration_file(model, Path(settings.data_dir))
+    if path is None:
+        log.warning(
+            "no calibration file for %s: seeding from ShareGPT's reference lengths (another "
+            "model's answers; predictions will rank poorly). Run `alise predictor calibrate`.",
+            model,
+        )
+        return train_samples(settings, limit), None
+    _, rows = read_calibration(path)
+    samples = calibrated_samples(train_samples(settings), rows)[:limit]
+    log.info("seeding from the calibration file %s (%d prompts)", path, len(samples))
+    return samples, np.array([bool(rows[s.id]["censored"]) for s in samples], bool)
+
+
 class SeedCancelled(Exception):
     """Seeding stopped on request (what was embedded so far stays cached)."""
 
@@ -125,22 +149,27 @@ def seed(
     limit: int | None = None,
     stop: threading.Event | None = None,
     samples: list[Sample] | None = None,
+    censored: np.ndarray | None = None,
 ) -> dict:
-    """Bulk-load the train split (or `samples`) into `model`'s collection; returns timings."""
+    """Bulk-load `samples` (default `seed_samples`) into `model`'s collection; returns
+    timings."""
     t0 = time.perf_counter()
-    samples = samples if samples is not None else train_samples(settings, limit)
+    if samples is None:
+        samples, censored = seed_samples(settings, limit)
+    cut = np.zeros(len(samples)) if censored is None else censored.astype(np.float64)
     vectors = embed_samples(settings, predictor.embedder, samples, stop)  # [N, D]
     t_embed = time.perf_counter() - t0
     now = time.time()
     records = [
-        Record(point_id(model, f"seed:{s.id}"), v, float(s.output_len), 1, [f"seed:{s.id}"], now)
-        for s, v in zip(samples, vectors)
+        Record(point_id(model, f"seed:{s.id}"), v, float(s.output_len), 1, [f"seed:{s.id}"], now, c)
+        for s, v, c in zip(samples, vectors, cut)
     ]
     predictor.store.upsert(model, records)
     predictor.store.optimize(model)
     predictor.store.flush()
     return {
         "points": len(records),
+        "censored": int(cut.sum()),
         "embed_s": round(t_embed, 1),
         "total_s": round(time.perf_counter() - t0, 1),
         "store_size": predictor.store.count(model),
@@ -154,13 +183,15 @@ def train_mlp(
     limit: int | None = None,
     epochs: int = 60,
     samples: list[Sample] | None = None,
+    censored: np.ndarray | None = None,
 ) -> tuple[MlpRegressor, Path]:
-    """Fit the MLP on the train split (or `samples`); save it where the service looks."""
-    samples = samples if samples is not None else train_samples(settings, limit)
+    """Fit the MLP on `samples` (default `seed_samples`); save it where the service looks."""
+    if samples is None:
+        samples, censored = seed_samples(settings, limit)
     vectors = embed_samples(settings, embedder, samples)
     feats = length_feature(embedder.prepare([s.prompt for s in samples]))
     lengths = np.array([s.output_len for s in samples], np.float32)
-    mlp = train(vectors, feats, lengths, epochs=epochs, log=log.info)
+    mlp = train(vectors, feats, lengths, epochs=epochs, log=log.info, censored=censored)
     path = mlp_path(settings, model, embedder.space)
     mlp.save(path)
     return mlp, path

@@ -33,15 +33,18 @@ BUNDLED = Path(__file__).parent / "calibration"
 DEFAULT_CAP = 256
 
 
-def calibration_name(model: str, max_tokens: int) -> str:
-    return f"{model}-cap{max_tokens}.jsonl"
+def calibration_name(model: str, max_tokens: int, split: str = "train") -> str:
+    tail = "" if split == "train" else f"-{split}"
+    return f"{model}-cap{max_tokens}{tail}.jsonl"
 
 
-def calibration_file(model: str, data_dir: Path, max_tokens: int = DEFAULT_CAP) -> Path | None:
-    """The calibration file for `model` at `max_tokens`: the data dir's (written by
-    `calibrate`), else one bundled with the package, else None."""
+def calibration_file(
+    model: str, data_dir: Path, max_tokens: int = DEFAULT_CAP, split: str = "train"
+) -> Path | None:
+    """The calibration file for `model` at `max_tokens` over `split`: the data dir's (written
+    by `calibrate`), else one bundled with the package, else None."""
     for base in (data_dir / "calibration", BUNDLED):
-        path = base / calibration_name(model, max_tokens)
+        path = base / calibration_name(model, max_tokens, split)
         if path.exists():
             return path
     return None
@@ -79,8 +82,10 @@ def calibrate(
     temperature: float = 1.0,
     seed: int = 0,
     threads: int = 0,
+    split: str = "train",
 ) -> dict:
-    """Run up to `n` train-split prompts (those not yet in `out`) and append their lengths."""
+    """Run up to `n` prompts of `split` (those not yet in `out`) and append their lengths.
+    The train split seeds the predictor; the test split is held out to score it."""
     from services.common.models import load_tokenizer, served_model_id, weights_dir
     from services.common.sampling import SamplingParams
     from services.executor.driver import Driver
@@ -88,10 +93,16 @@ def calibrate(
     from services.workload.traces.sharegpt import load_split
 
     model = served_model_id(settings.model)
-    out = out or settings.data_dir / "calibration" / calibration_name(model, max_tokens)
-    header = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    out = out or settings.data_dir / "calibration" / calibration_name(model, max_tokens, split)
+    header = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "split": split,
+    }
     done = _open(out, header)
-    todo = [s for s in load_split("train", settings.model, settings.data_dir) if s.id not in done]
+    todo = [s for s in load_split(split, settings.model, settings.data_dir) if s.id not in done]
     todo = todo[: max(0, n - len(done))]
     if threads:
         import torch
@@ -135,9 +146,12 @@ def _open(out: Path, header: dict) -> dict[str, dict]:
         out.write_text(json.dumps({"header": header}) + "\n")
         return {}
     old, done = read_calibration(out)
-    key = ("model", "max_tokens")
-    if old and [old[k] for k in key] != [header[k] for k in key]:
-        raise ValueError(f"{out} holds {old['model']} at cap {old['max_tokens']}")
+    key = ("model", "max_tokens", "split")
+    if old and [old.get(k, "train") for k in key] != [header[k] for k in key]:
+        raise ValueError(
+            f"{out} holds {old['model']} at cap {old['max_tokens']} "
+            f"({old.get('split', 'train')} split)"
+        )
     return done
 
 

@@ -1,4 +1,4 @@
-"""`alise predictor serve | seed | train [--proxy] | calibrate | eval | eval-served | bench-store`."""
+"""`alise predictor serve | seed | train [--proxy] | calibrate | eval [--target served] | bench-store`."""
 
 from __future__ import annotations
 
@@ -86,6 +86,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         batch=args.batch,
         temperature=args.temperature,
         threads=args.threads,
+        split=args.split,
     )
     print(json.dumps(report))
     return 0
@@ -116,6 +117,12 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     cal.add_argument("--batch", type=int, default=32, help="prompts decoded together")
     cal.add_argument("--temperature", type=float, default=1.0, help="the API's default: 1.0")
     cal.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    cal.add_argument(
+        "--split",
+        default="train",
+        choices=("train", "test"),
+        help="train seeds the predictor; test is held out to score it",
+    )
     cal.set_defaults(func=_calibrate)
 
 
@@ -145,11 +152,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.set_defaults(func=_train)
 
     _add_calibrate(sub)
-    from services.predictor.served_eval import register as register_served_eval
+    from services.predictor.served_eval import add_arguments as served_eval_arguments
 
-    register_served_eval(sub)
     ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
     ev.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    ev.add_argument(
+        "--target",
+        choices=("reference", "served"),
+        default="reference",
+        help="score against ShareGPT's reference lengths, or the served model's own "
+        "(held-out calibrated prompts; the options below)",
+    )
+    served_eval_arguments(ev)
     ev.add_argument(
         "--text",
         choices=("norm", "chat"),

@@ -5,6 +5,11 @@ best similarity is below s0 (or the store is unreachable) the MLP predicts from 
 otherwise the result is the mean of the lengths of the neighbours at or above s0, weighted by
 similarity x merged count. With no MLP either, the prior (train mean) is returned.
 
+Censored lengths (answers cut by max_tokens, `services.common.censoring`): each prediction
+also carries `p_capped`, the probability that the answer runs to the cap, and `length` is then
+the expected length of the answers that end on their own. Retrieval weighs the neighbours'
+censored shares; the MLP has a second head for it.
+
 observe: embed; the nearest point at or above `merge_similarity` absorbs the true length into
 its running mean, otherwise a new point is added (id derived from the request id); past
 capacity the oldest points go. A request id already merged or stored is skipped.
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.censoring import merge_censored
 from services.predictor.embedder import Embedder, text_hash
 from services.predictor.mlp import MlpRegressor, length_feature
 from services.predictor.store_base import LengthStore, Neighbor, Record, StoreUnavailable, point_id
@@ -35,6 +41,7 @@ class Prediction:
     source: str  # "retrieval" | "mlp" | "prior"
     similarity: float  # best neighbour similarity, 0 when the store was not searched
     neighbors: int  # neighbours averaged (retrieval), else 0
+    p_capped: float = 0.0  # probability of running to the cap (0: no censoring information)
 
 
 @dataclass(frozen=True)
@@ -42,27 +49,37 @@ class Observation:
     request_id: str
     prompt: str
     true_length: int
+    censored: bool = False  # cut by max_tokens: true_length is a lower bound
 
 
-def combine(neighbors: list[Neighbor], s0: float) -> tuple[float, int] | None:
-    """Similarity x count weighted mean of the neighbours at or above s0 (None: none are)."""
+def combine(neighbors: list[Neighbor], s0: float) -> tuple[float, int, float] | None:
+    """(length, neighbours used, p_capped) from the neighbours at or above s0, weighted by
+    similarity x count (None: none are). `length` averages the uncensored part of each
+    neighbour; when every neighbour was censored it is their weighted lower bound."""
     used = [n for n in neighbors if n.score >= s0]
     if not used:
         return None
     w = np.array([max(n.score, 1e-6) * n.count for n in used])
-    return float(np.dot(w, [n.length for n in used]) / w.sum()), len(used)
+    capped = np.array([n.capped for n in used])
+    lengths = np.array([n.length for n in used])
+    p = float(np.dot(w, capped) / w.sum())
+    w_eos = w * (1.0 - capped)
+    if w_eos.sum() <= 1e-9:
+        return float(np.dot(w, lengths) / w.sum()), len(used), p
+    return float(np.dot(w_eos, lengths) / w_eos.sum()), len(used), p
 
 
 def decide(
-    neighbors: list[Neighbor] | None, mlp_length: float | None, prior: float, s0: float
+    neighbors: list[Neighbor] | None, mlp: tuple[float, float] | None, prior: float, s0: float
 ) -> Prediction:
-    """One prompt's prediction from its neighbours (None: store not searched) and the MLP."""
+    """One prompt's prediction from its neighbours (None: store not searched) and the MLP's
+    (length, p_capped)."""
     best = neighbors[0].score if neighbors else 0.0
     hit = combine(neighbors, s0) if neighbors else None
     if hit is not None:
-        return Prediction(max(1, round(hit[0])), "retrieval", best, hit[1])
-    if mlp_length is not None:
-        return Prediction(max(1, round(mlp_length)), "mlp", best, 0)
+        return Prediction(max(1, round(hit[0])), "retrieval", best, hit[1], hit[2])
+    if mlp is not None:
+        return Prediction(max(1, round(mlp[0])), "mlp", best, 0, mlp[1])
     return Prediction(max(1, round(prior)), "prior", best, 0)
 
 
@@ -136,17 +153,22 @@ class LengthPredictor:
             log.warning("store unreachable, falling back to the MLP: %s", exc)
             return None
 
-    def mlp_lengths(self, vectors: np.ndarray, feats: np.ndarray) -> list[float | None]:
+    def mlp_lengths(
+        self, vectors: np.ndarray, feats: np.ndarray
+    ) -> list[tuple[float, float] | None]:
+        """The MLP's (length, p_capped) per row (None without an MLP)."""
         if self.mlp is None:
             return [None] * len(vectors)
-        return [float(x) for x in self.mlp.predict(vectors, feats)]
+        lengths = self.mlp.predict(vectors, feats)
+        capped = self.mlp.predict_capped(vectors, feats)
+        return [(float(n), float(p)) for n, p in zip(lengths, capped)]
 
     def predict(self, model: str, prompts: Sequence[str]) -> list[Prediction]:
         vectors, feats = self.embed(prompts)
         found = self.search(model, vectors)
         neighbors = found if found is not None else [None] * len(prompts)
         need_mlp = [n is None or combine(n, self.s0) is None for n in neighbors]
-        mlp = [None] * len(prompts)
+        mlp: list[tuple[float, float] | None] = [None] * len(prompts)
         if any(need_mlp):
             idx = [i for i, need in enumerate(need_mlp) if need]
             for i, value in zip(idx, self.mlp_lengths(vectors[idx], feats[idx])):
@@ -174,16 +196,20 @@ class LengthPredictor:
         if near is not None and (near.id == pid or obs.request_id in near.rids):
             return False  # this request id is already in the store
         if near is not None and near.score >= self.merge_similarity:
-            total = near.length * near.count + obs.true_length
-            rec = Record(
-                near.id,
-                None,
-                total / (near.count + 1),
-                near.count + 1,
-                [*near.rids, obs.request_id],
-                time.time(),
-            )  # payload-only update
+            length, count, capped = merge_censored(
+                near.length, near.count, near.capped, obs.true_length, obs.censored
+            )
+            rids = [*near.rids, obs.request_id]
+            rec = Record(near.id, None, length, count, rids, time.time(), capped)  # payload only
         else:
-            rec = Record(pid, vector, float(obs.true_length), 1, [obs.request_id], time.time())
+            rec = Record(
+                pid,
+                vector,
+                float(obs.true_length),
+                1,
+                [obs.request_id],
+                time.time(),
+                float(obs.censored),
+            )
         self.store.upsert(model, [rec])
         return True

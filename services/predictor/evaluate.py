@@ -51,16 +51,17 @@ def _load(settings, args):
     return train, test
 
 
-def _seeded_store(dim: int, model: str, root: Path, vectors, lengths):
+def _seeded_store(dim: int, model: str, root: Path, vectors, lengths, censored=None):
     from services.predictor.store_base import Record, point_id
     from services.predictor.store_edge import EdgeStore
 
     store = EdgeStore(dim, root)
+    capped = np.zeros(len(lengths)) if censored is None else np.asarray(censored, np.float64)
     store.upsert(
         model,
         [
-            Record(point_id(model, str(i)), v, float(n))
-            for i, (v, n) in enumerate(zip(vectors, lengths))
+            Record(point_id(model, str(i)), v, float(n), capped=float(c))
+            for i, (v, n, c) in enumerate(zip(vectors, lengths, capped))
         ],
     )
     store.optimize(model)
@@ -75,8 +76,10 @@ def _search_all(store, model: str, vectors: np.ndarray, k: int) -> list:
     ]
 
 
-def _predictions(neighbors, mlp_pred, prior, s0, n) -> tuple[dict, dict]:
-    ours = [decide(nb, m, prior, s0) for nb, m in zip(neighbors, mlp_pred)]
+def _predictions(neighbors, mlp_pred, prior, s0, n, mlp_capped=None) -> tuple[dict, dict, dict]:
+    """(lengths, hit rates, p_capped) per method."""
+    mlp_capped = np.zeros(n) if mlp_capped is None else mlp_capped
+    ours = [decide(nb, (m, c), prior, s0) for nb, m, c in zip(neighbors, mlp_pred, mlp_capped)]
     retrieval = [combine(nb, -1.0) for nb in neighbors]
     preds = {
         "prior": np.full(n, round(prior)),
@@ -90,7 +93,13 @@ def _predictions(neighbors, mlp_pred, prior, s0, n) -> tuple[dict, dict]:
         "retrieval": float(np.mean([r is not None for r in retrieval])),
         "ours": float(np.mean([p.source == "retrieval" for p in ours])),
     }
-    return preds, hits
+    capped = {
+        "prior": np.zeros(n),
+        "mlp": np.asarray(mlp_capped, np.float64),
+        "retrieval": np.array([r[2] if r else 0.0 for r in retrieval]),
+        "ours": np.array([p.p_capped for p in ours]),
+    }
+    return preds, hits, capped
 
 
 def _proxy(settings, args, model: str):
@@ -182,7 +191,7 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         store = _seeded_store(embedder.dim, model, Path(tmp), x_tr, y_tr)
         neighbors = _search_all(store, model, x_te, k)
-        preds, hits = _predictions(neighbors, mlp.predict(x_te, f_te), prior, s0, len(test_s))
+        preds, hits, _ = _predictions(neighbors, mlp.predict(x_te, f_te), prior, s0, len(test_s))
         proxy = None if args.no_proxy else _proxy(settings, args, model)
         if proxy is not None:
             preds["proxy"] = np.maximum(
@@ -230,6 +239,11 @@ def main(args: argparse.Namespace) -> int:
     from services.common.settings import PredictorSettings
 
     logging.basicConfig(level=logging.INFO)
+    if getattr(args, "target", "reference") == "served":
+        from services.predictor import served_eval
+
+        args.json = args.json_path
+        return served_eval.main(args)
     settings = PredictorSettings()
     result = run(settings, args)
     if args.tune:

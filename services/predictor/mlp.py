@@ -3,6 +3,11 @@
 Trained on the train split's embeddings with the target `log1p(length)` standardised; the
 checkpoint holds the weights, the architecture and the normalisation, so loading needs no
 other file. `predict` returns lengths in tokens.
+
+Censored lengths (answers cut by max_tokens, `services.common.censoring`): trained with a
+censored flag per sample, the net grows a second output, the logit of P(runs to the cap)
+(`predict_capped`), fit by cross-entropy on every sample, while the length output is fit on
+the answers that ended on their own only (a cut answer's length is not its length).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class MlpConfig:
     f_mean: float = 0.0  # of the length feature
     f_std: float = 1.0
     prior: float = 0.0  # mean train length (the `prior` predictor)
+    capped_head: bool = False  # a second output: logit of P(the answer runs to the cap)
 
 
 def build(cfg: MlpConfig) -> nn.Sequential:
@@ -36,7 +42,7 @@ def build(cfg: MlpConfig) -> nn.Sequential:
     for _ in range(cfg.layers):
         mods += [nn.Linear(width, cfg.hidden), nn.GELU(), nn.Dropout(cfg.dropout)]
         width = cfg.hidden
-    mods.append(nn.Linear(width, 1))
+    mods.append(nn.Linear(width, 2 if cfg.capped_head else 1))
     return nn.Sequential(*mods)
 
 
@@ -66,6 +72,13 @@ class MlpRegressor:
         z = self.net(self._inputs(emb, feat))[:, 0].numpy()  # [N]
         return np.maximum(np.expm1(z * self.cfg.y_std + self.cfg.y_mean), 1.0)
 
+    @torch.inference_mode()
+    def predict_capped(self, emb: np.ndarray, feat: np.ndarray | None = None) -> np.ndarray:
+        """[N] probability that each answer runs to the cap (0 without a censoring head)."""
+        if len(emb) == 0 or not self.cfg.capped_head:
+            return np.zeros(len(emb), np.float32)
+        return torch.sigmoid(self.net(self._inputs(emb, feat))[:, 1]).numpy()
+
     def save(self, path: Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"config": asdict(self.cfg), "state_dict": self.net.state_dict()}, path)
@@ -77,6 +90,15 @@ class MlpRegressor:
         net = build(cfg)
         net.load_state_dict(ckpt["state_dict"])
         return cls(cfg, net)
+
+
+def _loss(out: torch.Tensor, t: torch.Tensor, cut: torch.Tensor | None) -> torch.Tensor:
+    """MSE on the uncensored lengths; plus cross-entropy of the cap head when there is one."""
+    if cut is None:
+        return nn.functional.mse_loss(out[:, 0], t)
+    ended = ~cut.bool()
+    mse = nn.functional.mse_loss(out[ended, 0], t[ended]) if ended.any() else out[:, 0].sum() * 0
+    return mse + nn.functional.binary_cross_entropy_with_logits(out[:, 1], cut)
 
 
 def train(
@@ -91,17 +113,22 @@ def train(
     val_fraction: float = 0.1,
     seed: int = 0,
     log: Callable[[str], None] | None = print,
+    censored: np.ndarray | None = None,
 ) -> MlpRegressor:
-    """Fit on (embeddings [N, D], length feature [N], lengths [N]); keep the best val epoch."""
+    """Fit on (embeddings [N, D], length feature [N], lengths [N], censored flags [N] or None);
+    keep the best val epoch."""
     cfg = cfg or MlpConfig(dim=emb.shape[1])
+    cfg.capped_head = censored is not None
     y = np.log1p(lengths.astype(np.float32))
-    cfg.y_mean, cfg.y_std = float(y.mean()), float(y.std() or 1.0)
+    ended = y if censored is None or censored.all() else y[~censored.astype(bool)]
+    cfg.y_mean, cfg.y_std = float(ended.mean()), float(ended.std() or 1.0)
     cfg.f_mean, cfg.f_std = float(feat.mean()), float(feat.std() or 1.0)
     cfg.prior = float(lengths.mean())
     torch.manual_seed(seed)
     model = MlpRegressor(cfg)
     x = model._inputs(emb, feat)  # [N, D(+1)]
     t = torch.from_numpy((y - cfg.y_mean) / cfg.y_std)  # [N]
+    cut = None if censored is None else torch.from_numpy(censored.astype(np.float32))  # [N]
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(len(x) * val_fraction))
     val, tr = perm[:n_val], perm[n_val:]
@@ -110,20 +137,20 @@ def train(
     for epoch in range(epochs):
         model.net.train()
         for idx in tr[torch.randperm(len(tr))].split(batch):
-            loss = nn.functional.mse_loss(model.net(x[idx])[:, 0], t[idx])
+            loss = _loss(model.net(x[idx]), t[idx], None if cut is None else cut[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
         model.net.eval()
         with torch.no_grad():
-            val_loss = nn.functional.mse_loss(model.net(x[val])[:, 0], t[val]).item()
+            val_loss = _loss(model.net(x[val]), t[val], None if cut is None else cut[val]).item()
         if val_loss < best - 1e-4:
             best, patience = val_loss, 0
             best_state = {k: v.clone() for k, v in model.net.state_dict().items()}
         else:
             patience += 1
         if log and epoch % 10 == 0:
-            log(f"epoch {epoch} val_mse {val_loss:.4f} best {best:.4f}")
+            log(f"epoch {epoch} val_loss {val_loss:.4f} best {best:.4f}")
         if patience >= 8:
             break
     model.net.load_state_dict(best_state)

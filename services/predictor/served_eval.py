@@ -1,17 +1,23 @@
-"""`alise predictor eval-served`: the predictors scored against the served model's own lengths.
+"""`alise predictor eval --target served`: the predictors scored against the served model's
+own lengths (`alise predictor calibrate`: its answers to ShareGPT prompts, EOS honoured, one
+cap).
 
-The test set is every fifth prompt of a calibration file (`alise predictor calibrate`: the
-served model's answer lengths for train-split prompts, EOS honoured, one cap). Two set-ups are
-scored on it, everything else equal (embedder, k, s0, the MLP recipe):
+The test set is the test-split calibration file when there is one (prompts never seeded into
+the store); otherwise every fifth prompt of the train-split file is held out. Three set-ups
+are scored on it, everything else equal (embedder, k, s0, the MLP recipe):
 
 - `reference`: the store and the MLP hold ShareGPT's reference answer lengths of the train
-  split (minus the test prompts): what the predictor seeds from today;
-- `served`: they hold the served model's lengths of the other calibrated prompts.
+  split (minus any held-out prompt): the seed of a model with no calibration;
+- `served`: they hold the served model's lengths, a cut answer counted as if it had ended at
+  the cap;
+- `served_censored`: the same lengths with their censored flags: the store keeps the share
+  of cut answers per point and the MLP its P(runs to the cap) head (the default seed).
 
-A censored answer (cut by the cap) only says its true length is >= the cap, so Kendall tau and
-the relative error are computed over the uncensored test answers, and censored ones are
-reported apart: their share, and how often each method predicts at least 90% of the cap for
-them (and for the uncensored ones, which should not).
+A censored answer only says its true length is >= the cap, so Kendall tau, bucket accuracy
+and the relative error are over the uncensored test answers (ties at the cap excluded).
+Reported apart: the censored share, the AUC of `p_capped` for telling them (0.5 = no better
+than chance), and tau and the mean absolute error of the length the scheduler uses
+(`expected_length` at the cap) over every answer, cut ones counted at the cap.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.common.censoring import expected_length
 from services.predictor.metrics_eval import accuracy
 
 if TYPE_CHECKING:
     from services.common.settings import PredictorSettings
     from services.workload.traces.sharegpt import Sample
+
+SETUPS = ("reference", "served", "served_censored")
 
 
 def split_calibrated(
@@ -40,22 +49,47 @@ def split_calibrated(
     cal = calibrated_samples(train, rows)
     test = cal[::every]
     fit = [s for i, s in enumerate(cal) if i % every]
-    return fit, test, np.array([bool(rows[s.id]["censored"]) for s in test])
+    return fit, test, censored_flags(test, rows)
 
 
-def score(pred: np.ndarray, true: np.ndarray, censored: np.ndarray, cap: int) -> dict:
-    """Accuracy over the uncensored answers; how the censored ones were met."""
+def censored_flags(samples: list[Sample], rows: dict[str, dict]) -> np.ndarray:
+    return np.array([bool(rows[s.id]["censored"]) for s in samples], bool)
+
+
+def auc(score: np.ndarray, label: np.ndarray) -> float | None:
+    """Area under the ROC curve of `score` for `label` (None: one class, or a constant score)."""
+    from scipy.stats import rankdata
+
+    pos, n = int(label.sum()), len(label)
+    if pos in (0, n) or np.ptp(score) == 0:
+        return None
+    ranks = rankdata(score)
+    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * (n - pos)))
+
+
+def score(
+    pred: np.ndarray, p_capped: np.ndarray, true: np.ndarray, censored: np.ndarray, cap: int
+) -> dict:
+    """Accuracy over the uncensored answers; the cut ones and the scheduler's length apart."""
+    from scipy.stats import kendalltau
+
     ok = ~censored
-    high = pred >= 0.9 * cap
+    expected = np.array([expected_length(n, p, cap) for n, p in zip(pred, p_capped)], float)
+    seen = np.minimum(true, cap)
     return {
         **accuracy(pred[ok], true[ok]),
         "censored_share": float(censored.mean()),
-        "predicts_cap_when_censored": float(high[censored].mean()) if censored.any() else None,
-        "predicts_cap_when_not": float(high[ok].mean()) if ok.any() else None,
+        "capped_auc": auc(np.asarray(p_capped, float), censored),
+        "expected_mae": float(np.mean(np.abs(expected - seen))),
+        "expected_tau_with_cap_ties": (
+            float(kendalltau(expected, seen)[0]) if np.ptp(expected) else 0.0
+        ),
     }
 
 
-def _setup(settings, embedder, chat, fit: list[Sample], test: list[Sample], model: str) -> dict:
+def _setup(settings, embedder, chat, fit: list[Sample], cut, test: list[Sample], model: str):
+    """(preds, hits, p_capped) per method, store and MLP fit on `fit` (`cut`: censored flags
+    of `fit`, or None to treat every length as complete)."""
     from services.predictor.build import embedding_cache
     from services.predictor.evaluate import _predictions, _search_all, _seeded_store
     from services.predictor.mlp import length_feature, train
@@ -65,52 +99,78 @@ def _setup(settings, embedder, chat, fit: list[Sample], test: list[Sample], mode
     x_fit, x_test = cache.embed(fit_p), cache.embed(test_p)
     f_fit, f_test = (length_feature(embedder.prepare(p)) for p in (fit_p, test_p))
     y_fit = np.array([s.output_len for s in fit], np.float32)
-    mlp = train(x_fit, f_fit, y_fit)
+    mlp = train(x_fit, f_fit, y_fit, censored=cut, log=None)
     k, s0, prior = settings.predictor_top_k, settings.predictor_threshold, float(y_fit.mean())
     with tempfile.TemporaryDirectory() as tmp:
-        store = _seeded_store(embedder.dim, model, Path(tmp), x_fit, y_fit)
+        store = _seeded_store(embedder.dim, model, Path(tmp), x_fit, y_fit, cut)
         neighbors = _search_all(store, model, x_test, k)
-        preds, hits = _predictions(neighbors, mlp.predict(x_test, f_test), prior, s0, len(test))
+        mlp_len, mlp_cap = mlp.predict(x_test, f_test), mlp.predict_capped(x_test, f_test)
+        got = _predictions(neighbors, mlp_len, prior, s0, len(test), mlp_cap)
         store.close()
-    return {"preds": preds, "hits": hits, "fit": len(fit)}
+    return got
 
 
-def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
-    from services.predictor.build import make_embedder, served_models
-    from services.predictor.calibrate import calibration_file, read_calibration
-    from services.predictor.evaluate import chat_formatter
+def held_out(settings: PredictorSettings, args: argparse.Namespace) -> dict:
+    """The fit and test sets: the test-split calibration when there is one, else every
+    fifth train-split calibrated prompt."""
+    from services.predictor.calibrate import calibrated_samples, calibration_file
+    from services.predictor.calibrate import read_calibration as read
     from services.workload.traces.sharegpt import load_split
 
     path = Path(args.file) if args.file else calibration_file(settings.model, settings.data_dir)
     if path is None:
         raise SystemExit("no calibration file: run `alise predictor calibrate` or pass --file")
-    header, rows = read_calibration(path)
+    header, rows = read(path)
     train = load_split("train", settings.model, settings.data_dir)
-    fit, test, censored = split_calibrated(train, rows)
+    test_path = Path(args.test_file) if getattr(args, "test_file", None) else None
+    test_path = test_path or calibration_file(
+        settings.model, settings.data_dir, header["max_tokens"], "test"
+    )
+    if test_path is not None:
+        _, test_rows = read(test_path)
+        fit = calibrated_samples(train, rows)
+        test = calibrated_samples(load_split("test", settings.model, settings.data_dir), test_rows)
+        cut_fit, cut_test = censored_flags(fit, rows), censored_flags(test, test_rows)
+    else:
+        fit, test, cut_test = split_calibrated(train, rows)
+        cut_fit = censored_flags(fit, rows)
     if args.limit:
-        fit, test, censored = fit[: 4 * args.limit], test[: args.limit], censored[: args.limit]
+        fit, cut_fit = fit[: 4 * args.limit], cut_fit[: 4 * args.limit]
+        test, cut_test = test[: args.limit], cut_test[: args.limit]
     held = {s.id for s in test}
     reference = [s for s in train if s.id not in held][: args.limit_reference]
+    files = {"fit": str(path), "test": str(test_path) if test_path else "every 5th of fit"}
+    return {"header": header, "files": files, "fit": fit, "cut_fit": cut_fit, "test": test,
+            "cut_test": cut_test, "reference": reference}  # fmt: skip
+
+
+def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
+    from services.predictor.build import make_embedder, served_models
+    from services.predictor.evaluate import chat_formatter
+
+    data = held_out(settings, args)
+    test, cut, cap = data["test"], data["cut_test"], data["header"]["max_tokens"]
     true = np.array([s.output_len for s in test], np.float64)
     model = served_models(settings)[0]
     embedder, chat = make_embedder(settings), chat_formatter(settings)
-    out: dict = {
-        "file": str(path),
-        "header": header,
-        "test": len(test),
-        "censored_share": float(censored.mean()),
-        "setups": {},
+    out: dict = {"files": data["files"], "header": data["header"], "test": len(test),
+                 "censored_share": float(cut.mean()), "setups": {}}  # fmt: skip
+    fits = {
+        "reference": (data["reference"], None),
+        "served": (data["fit"], None),
+        "served_censored": (data["fit"], data["cut_fit"]),
     }
-    for name, fit_set in (("reference", reference), ("served", fit)):
-        got = _setup(settings, embedder, chat, fit_set, test, model)
+    for name in SETUPS:
+        fit, cut_fit = fits[name]
+        preds, hits, capped = _setup(settings, embedder, chat, fit, cut_fit, test, model)
         out["setups"][name] = {
-            "fit": got["fit"],
+            "fit": len(fit),
             "methods": {
                 m: {
-                    **score(np.asarray(p, np.float64), true, censored, header["max_tokens"]),
-                    "hit_rate": got["hits"][m],
+                    **score(np.asarray(p, np.float64), capped[m], true, cut, cap),
+                    "hit_rate": hits[m],
                 }
-                for m, p in got["preds"].items()
+                for m, p in preds.items()
             },
         }
     return out
@@ -120,18 +180,16 @@ def main(args: argparse.Namespace) -> int:
     from services.common.settings import PredictorSettings
     from services.workload.report import emit_json
 
-    emit_json(run(PredictorSettings(), args), args.json)
+    emit_json(run(PredictorSettings(), args), getattr(args, "json", None))
     return 0
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "eval-served", help="prior / mlp / retrieval / ours against the served model's lengths"
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--file", help="train-split calibration JSONL (default: the served model's)")
+    p.add_argument(
+        "--test-file", help="test-split calibration JSONL (default: the served model's, if any)"
     )
-    p.add_argument("--file", help="calibration JSONL (default: the served model's at cap 256)")
     p.add_argument("--limit", type=int, default=None, help="first N test prompts (and 4N fit)")
     p.add_argument(
         "--limit-reference", type=int, default=None, help="first N ShareGPT reference samples"
     )
-    p.add_argument("--json", help="also write the figures here")
-    p.set_defaults(func=main)

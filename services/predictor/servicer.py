@@ -188,7 +188,11 @@ class PredictorServicer:
         return predictor_pb2.PredictResponse(
             predictions=[
                 common_pb2.Prediction(
-                    length=p.length, source=p.source, similarity=p.similarity, neighbors=p.neighbors
+                    length=p.length,
+                    source=p.source,
+                    similarity=p.similarity,
+                    neighbors=p.neighbors,
+                    p_capped=p.p_capped,
                 )
                 for p in preds
             ]
@@ -206,6 +210,7 @@ class PredictorServicer:
                 raise invalid(f"observations[{i}]: negative true_length {o.true_length}")
             self._check_prompt(o.prompt, f"observations[{i}]")
         accepted = self.observer.submit(
-            request.model, [Observation(o.request_id, o.prompt, o.true_length) for o in items]
+            request.model,
+            [Observation(o.request_id, o.prompt, o.true_length, o.censored) for o in items],
         )
         return predictor_pb2.ObserveResponse(accepted=accepted)

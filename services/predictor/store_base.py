@@ -1,7 +1,9 @@
 """The length store's interface: one vector collection per serving model, on Qdrant.
 
-A point is (prompt embedding, payload {length, count, model, time, rids}). `length` is the
-running mean of the true output lengths merged into the point and `count` how many; `rids`
+A point is (prompt embedding, payload {length, count, capped, model, time, rids}). `count` is
+how many true output lengths were merged into the point, `capped` the share of them cut by
+`max_tokens` (censored), and `length` the running mean of those that ended on their own
+(`services.common.censoring`); `rids`
 holds the last request ids merged in, so a repeated Observe is recognised in the store itself
 (replicas share nothing else). Growth is bounded: an observation within `merge_similarity` of
 an existing point updates that point's running mean instead of adding one, and past
@@ -30,9 +32,10 @@ EVICT_FRACTION = 0.05  # share of capacity freed per eviction pass
 class Neighbor:
     id: str
     score: float  # cosine similarity
-    length: float  # running mean of merged true lengths
+    length: float  # running mean of the merged lengths that ended on their own
     count: int = 1
     rids: tuple[str, ...] = ()
+    capped: float = 0.0  # share of the merged lengths cut by max_tokens
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Record:
     count: int = 1
     rids: list[str] = field(default_factory=list)
     time: float = 0.0
+    capped: float = 0.0
 
 
 class StoreUnavailable(RuntimeError):
@@ -67,6 +71,7 @@ def payload_of(model: str, rec: Record) -> dict[str, Any]:
     return {
         "length": float(rec.length),
         "count": int(rec.count),
+        "capped": float(rec.capped),
         "model": model,
         "time": float(rec.time or time.time()),
         "rids": list(rec.rids[-MAX_RIDS:]),
@@ -81,6 +86,7 @@ def neighbor_of(pid: object, score: float, payload: dict[str, Any] | None) -> Ne
         float(payload.get("length", 0.0)),
         int(payload.get("count", 1)),
         tuple(payload.get("rids", ())),
+        float(payload.get("capped", 0.0)),
     )
 
 

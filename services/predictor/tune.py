@@ -53,7 +53,7 @@ def sweep(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     rows = []
     for k in KS:
         for s0 in THRESHOLDS:
-            preds = [decide(n[:k], m, prior, s0) for n, m in zip(neighbors, mlp_pred)]
+            preds = [decide(n[:k], (m, 0.0), prior, s0) for n, m in zip(neighbors, mlp_pred)]
             acc = accuracy(np.array([p.length for p in preds]), y[val])
             rows.append(
                 {

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from services.common import sampling_pb
+from services.common.censoring import expected_length
 from services.common.grpc_server import invalid
 from services.common.pb import scheduler_pb2
 from services.common.sampling import SamplingParams
@@ -83,9 +84,11 @@ def request_from_pb(
     pb: scheduler_pb2.GenerateRequest, rid: str, now: float, limits: ModelLimits
 ) -> Request:
     """A validated core Request. Without a prediction (or with length 0) `predicted_len` stays
-    None and the policy applies its prior (`Policy.predicted_len`). A prediction is capped at
-    max_tokens: no answer is longer, whatever similar prompts got. (The core does not cap:
-    the simulator ends requests by max_tokens = their true length, which would leak it.)"""
+    None and the policy applies its prior (`Policy.predicted_len`). A prediction becomes the
+    expected length under max_tokens (`expected_length`): no answer is longer, whatever
+    similar prompts got, and one predicted to run to the cap with probability `p_capped` is
+    counted at max_tokens with that weight. (The core does not cap: the simulator ends
+    requests by max_tokens = their true length, which would leak it.)"""
     prompt = list(pb.prompt_token_ids)
     _check_prompt(prompt, limits)
     _check_limits(pb, limits)
@@ -93,7 +96,7 @@ def request_from_pb(
     predicted, source = None, "prior"
     if pb.HasField("prediction") and pb.prediction.length > 0:
         predicted, source = pb.prediction.length, pb.prediction.source or "client"
-        predicted = min(predicted, pb.max_tokens)
+        predicted = expected_length(predicted, pb.prediction.p_capped, pb.max_tokens)
     return Request(
         request_id=rid,
         prompt_token_ids=prompt,

@@ -90,17 +90,22 @@ def test_chat_answers_the_capital_of_france_and_teaches_the_predictor(stack, cli
     assert stored(stack) == before + 1
 
 
-def test_requests_cut_by_max_tokens_are_not_observed(stack, client):
-    before = stored(stack)
+def test_requests_cut_by_max_tokens_are_observed_as_censored(stack, client):
+    """A cut answer only says the length is >= max_tokens: the predictor learns it as such
+    (P(runs to the cap) = 1 for that prompt), not as a length of 3."""
+    prompt = "Write a long poem about the sea."
+    rid = f"cut-{uuid.uuid4().hex[:12]}"
     out = client.chat.completions.create(
         model="smollm2-135m-instruct",
         max_tokens=3,
         temperature=0,
-        messages=[{"role": "user", "content": "Write a long poem about the sea."}],
+        messages=[{"role": "user", "content": prompt}],
+        extra_headers={"X-Request-Id": rid},
     )
     assert out.choices[0].finish_reason == "length"
-    time.sleep(2.0)
-    assert stored(stack) == before
+    assert wait_until(lambda: observed(stack, rid))
+    got = stack["predictor"].predictor.predict("smollm2-135m-instruct", [prompt])[0]
+    assert (got.source, got.p_capped, got.length) == ("retrieval", 1.0, 3)
 
 
 def observed(stack, request_id: str) -> bool:

@@ -47,10 +47,8 @@ def test_calibration_file_lookup(tmp_path):
     assert calibration_file("m", tmp_path, 16) == mine
 
 
-def test_served_eval_holds_out_every_fifth_prompt_and_scores_censoring_apart():
-    import numpy as np
-
-    from services.predictor.served_eval import score, split_calibrated
+def test_served_eval_holds_out_every_fifth_prompt():
+    from services.predictor.served_eval import split_calibrated
     from services.workload.traces.sharegpt import Sample
 
     train = [Sample(f"s{i}", f"p{i}", "o", 5, 100 + i) for i in range(20)]
@@ -63,9 +61,3 @@ def test_served_eval_holds_out_every_fifth_prompt_and_scores_censoring_apart():
     assert not {s.id for s in fit} & {s.id for s in test}
     assert [s.output_len for s in test] == [5, 105]  # the served lengths, not the references
     assert censored.tolist() == [True, False]
-    pred = np.array([250.0, 40.0, 60.0, 80.0])
-    true = np.array([256.0, 30.0, 70.0, 90.0])
-    got = score(pred, true, np.array([True, False, False, False]), 256)
-    assert got["kendall_tau"] == 1.0  # over the uncensored three only
-    assert got["censored_share"] == 0.25
-    assert got["predicts_cap_when_censored"] == 1.0 and got["predicts_cap_when_not"] == 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from services.common.settings import PredictorSettings
@@ -45,5 +46,46 @@ def test_seed_uses_the_embedding_cache_and_trains_the_mlp(tmp_path):
         mlp, path = train_mlp(settings, embedder, MODEL, epochs=5, samples=SAMPLES)
         assert path.exists()
         assert mlp.cfg.prior == pytest.approx(sum(s.output_len for s in SAMPLES) / 6)
+    finally:
+        predictor.store.close()
+
+
+def test_seed_prefers_the_served_models_calibration(tmp_path, caplog):
+    """With the bundled SmolLM2 calibration the seed is its own lengths with censored flags;
+    a model without one falls back to ShareGPT's reference lengths with a warning."""
+    from services.predictor.build import seed_samples
+    from services.predictor.calibrate import BUNDLED, read_calibration
+
+    settings = PredictorSettings(data_dir=tmp_path, predictor_seed=False)
+    samples, cut = seed_samples(settings)
+    _, rows = read_calibration(BUNDLED / "smollm2-135m-instruct-cap256.jsonl")
+    assert len(samples) == len(rows) >= 2000 and cut is not None
+    assert [s.output_len for s in samples[:50]] == [rows[s.id]["length"] for s in samples[:50]]
+    assert cut.tolist() == [rows[s.id]["censored"] for s in samples]
+    assert 0.3 < cut.mean() < 0.9  # SmolLM2 often runs to the 256-token cap
+    other = PredictorSettings(data_dir=tmp_path, predictor_seed=False, predictor_models=["x"])
+    with caplog.at_level("WARNING"):
+        ref, none = seed_samples(other, limit=10)
+    assert none is None and len(ref) == 10 and "no calibration file for x" in caplog.text
+
+
+def test_censored_seed_and_observations_give_p_capped(tmp_path):
+    from services.predictor.core import Observation
+    from services.predictor.embedder import Embedder
+
+    settings = PredictorSettings(data_dir=tmp_path, predictor_seed=False)
+    embedder = Embedder()
+    predictor = build_predictor(settings, embedder)
+    cut = np.array([s.output_len >= 256 for s in SAMPLES])
+    try:
+        seed(settings, predictor, MODEL, samples=SAMPLES, censored=cut)
+        long = predictor.predict(MODEL, ["Explain how TCP congestion control works in detail."])[0]
+        assert (long.source, long.p_capped) == ("retrieval", 1.0)
+        short = predictor.predict(MODEL, ["Hi!"])[0]
+        assert (short.length, short.p_capped) == (9, 0.0)
+        # a cut answer merged into "Hi!" does not move its mean, only its capped share
+        assert predictor.observe(MODEL, [Observation("r1", "Hi!", 64, censored=True)]) == 1
+        again = predictor.predict(MODEL, ["Hi!"])[0]
+        assert (again.length, again.p_capped) == (9, 0.5)
     finally:
         predictor.store.close()

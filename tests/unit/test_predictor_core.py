@@ -17,20 +17,20 @@ def test_combine_weights_by_similarity_and_count_above_threshold():
         Neighbor("b", 0.85, 300.0, 3),
         Neighbor("c", 0.5, 10_000.0, 50),
     ]
-    length, used = combine(nbs, s0=0.8)
-    assert used == 2
+    length, used, p_capped = combine(nbs, s0=0.8)
+    assert used == 2 and p_capped == 0.0
     assert length == pytest.approx((0.9 * 100 + 0.85 * 3 * 300) / (0.9 + 0.85 * 3))
     assert combine(nbs, s0=0.95) is None
 
 
 def test_decide_sources():
-    hit = decide([Neighbor("a", 0.97, 42.0)], mlp_length=500.0, prior=200.0, s0=0.8)
+    hit = decide([Neighbor("a", 0.97, 42.0)], mlp=(500.0, 0.0), prior=200.0, s0=0.8)
     assert (hit.length, hit.source, hit.neighbors) == (42, "retrieval", 1)
     assert hit.similarity == pytest.approx(0.97)
-    miss = decide([Neighbor("a", 0.3, 42.0)], mlp_length=500.4, prior=200.0, s0=0.8)
-    assert (miss.length, miss.source, miss.neighbors) == (500, "mlp", 0)
+    miss = decide([Neighbor("a", 0.3, 42.0)], mlp=(500.4, 0.25), prior=200.0, s0=0.8)
+    assert (miss.length, miss.source, miss.neighbors, miss.p_capped) == (500, "mlp", 0, 0.25)
     assert miss.similarity == pytest.approx(0.3)
-    down = decide(None, mlp_length=77.0, prior=200.0, s0=0.8)
+    down = decide(None, mlp=(77.0, 0.0), prior=200.0, s0=0.8)
     assert (down.source, down.similarity) == ("mlp", 0.0)
     assert decide(None, None, 123.0, 0.8).source == "prior"
 

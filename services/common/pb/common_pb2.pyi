@@ -46,13 +46,15 @@ class Slo(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class Prediction(_message.Message):
-    __slots__ = ("length", "source", "similarity", "neighbors")
+    __slots__ = ("length", "source", "similarity", "neighbors", "p_capped")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
+    P_CAPPED_FIELD_NUMBER: _ClassVar[int]
     length: int
     source: str
     similarity: float
     neighbors: int
-    def __init__(self, length: _Optional[int] = ..., source: _Optional[str] = ..., similarity: _Optional[float] = ..., neighbors: _Optional[int] = ...) -> None: ...
+    p_capped: float
+    def __init__(self, length: _Optional[int] = ..., source: _Optional[str] = ..., similarity: _Optional[float] = ..., neighbors: _Optional[int] = ..., p_capped: _Optional[float] = ...) -> None: ...

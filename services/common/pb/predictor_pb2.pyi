@@ -22,14 +22,16 @@ class PredictResponse(_message.Message):
     def __init__(self, predictions: _Optional[_Iterable[_Union[_common_pb2.Prediction, _Mapping]]] = ...) -> None: ...
 
 class Observation(_message.Message):
-    __slots__ = ("request_id", "prompt", "true_length")
+    __slots__ = ("request_id", "prompt", "true_length", "censored")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TRUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CENSORED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     true_length: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., true_length: _Optional[int] = ...) -> None: ...
+    censored: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., true_length: _Optional[int] = ..., censored: _Optional[bool] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
     __slots__ = ("model", "observations")
