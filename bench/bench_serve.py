@@ -31,8 +31,12 @@ def live_trace(
     seed: int,
     max_prompt: int,
     max_output: int,
+    mode: str = "fixed",
 ):
-    """The trace with prompts <= max_prompt tokens and outputs capped at max_output."""
+    """The trace with prompts <= max_prompt tokens; each item's `output_len` is the
+    `max_tokens` it sends: `max_output` for every request (mode `fixed`, what a client
+    sends), or its reference length capped at `max_output` (mode `reference`, the papers'
+    replay, sent with ignore_eos)."""
     from dataclasses import replace
 
     from services.workload.traces.spec import make_trace
@@ -51,7 +55,11 @@ def live_trace(
         else [i.arrival_s - first for i in items]
     )
     return [
-        replace(i, arrival_s=t, output_len=min(i.output_len, max_output))
+        replace(
+            i,
+            arrival_s=t,
+            output_len=max_output if mode == "fixed" else min(i.output_len, max_output),
+        )
         for i, t in zip(items, times)
     ]
 
@@ -103,22 +111,38 @@ def run_point(
     return summary
 
 
-def _serve_cmd(args: argparse.Namespace) -> int:
-    items = live_trace(
+def ignores_eos(args: argparse.Namespace) -> bool:
+    """EOS is honoured in `fixed` mode; the `reference` replay ignores it (unless told not)."""
+    return args.max_tokens_mode == "reference" and not args.no_ignore_eos
+
+
+def trace_for(args: argparse.Namespace, rate: float):
+    return live_trace(
         args.dataset,
         args.num_prompts,
-        args.request_rate,
+        rate,
         args.arrival,
         args.burstiness,
         args.slo,
         args.seed,
         args.max_prompt,
         args.max_tokens,
+        args.max_tokens_mode,
     )
+
+
+def _serve_cmd(args: argparse.Namespace) -> int:
+    items = trace_for(args, args.request_rate)
     summary = run_point(
-        args.url, items, not args.no_ignore_eos, args.max_concurrency, args.save_detailed
+        args.url, items, ignores_eos(args), args.max_concurrency, args.save_detailed
     )
-    summary.update(rate=args.request_rate, dataset=args.dataset)
+    summary.update(
+        rate=args.request_rate,
+        dataset=args.dataset,
+        max_tokens_mode=args.max_tokens_mode,
+        max_tokens=args.max_tokens,
+        ignore_eos=ignores_eos(args),
+    )
     emit_json(summary, args.json)
     return 0 if summary["num_errors"] == 0 else 1
 
@@ -212,21 +236,14 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
         try:
             stack.wait_ready()
             for rate in [float(r) for r in args.rates.split(",")]:
-                items = live_trace(
-                    args.dataset,
-                    args.num_prompts,
-                    rate,
-                    args.arrival,
-                    args.burstiness,
-                    args.slo,
-                    args.seed,
-                    args.max_prompt,
-                    args.max_tokens,
-                )
+                items = trace_for(args, rate)
                 summary = run_point(
-                    stack.url, items, True, args.max_concurrency, args.save_detailed
+                    stack.url, items, ignores_eos(args), args.max_concurrency, args.save_detailed
                 )
-                points.append({"policy": policy, "rate": rate, **summary})
+                points.append(
+                    {"policy": policy, "rate": rate, "max_tokens_mode": args.max_tokens_mode,
+                     **summary}
+                )  # fmt: skip
                 print(
                     json.dumps(
                         {
@@ -272,8 +289,20 @@ def _trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens",
         type=int,
-        default=128,
-        help="max_tokens = reference output length capped at this",
+        default=256,
+        help="the max_tokens every request sends (fixed mode); the cap on the reference "
+        "lengths (reference mode)",
+    )
+    parser.add_argument(
+        "--max-tokens-mode",
+        choices=("fixed", "reference"),
+        default="fixed",
+        help="fixed: one max_tokens for every request, EOS honoured (what users send); "
+        "reference: max_tokens = the reference answer length with ignore_eos (the papers' "
+        "replay; an ablation: it tells the scheduler every length)",
+    )
+    parser.add_argument(
+        "--no-ignore-eos", action="store_true", help="reference mode: honour EOS all the same"
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument(
@@ -289,7 +318,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="load a running gateway over HTTP SSE")
     serve.add_argument("--url", default="http://127.0.0.1:8000")
     serve.add_argument("--request-rate", type=float, default=1.0)
-    serve.add_argument("--no-ignore-eos", action="store_true")
     serve.add_argument("--json", default=None)
     _trace_args(serve)
     serve.set_defaults(func=_serve_cmd)

@@ -2,8 +2,9 @@
 (`vllm bench serve` conventions) and turns what the client saw into metric records.
 
 Each trace item is sent at its arrival time (optionally capped by `max_concurrency`) as a
-streaming chat completion with `max_tokens` = its output length and `ignore_eos`, so every
-policy does the same work. The client records the time of every streamed chunk; the usage
+streaming greedy chat completion with `max_tokens` = its `output_len` (`bench serve` sets it:
+one fixed cap for every request with EOS honoured by default, or the reference length with
+`ignore_eos` in the papers' replay mode); greedy decoding gives every policy the same work. The client records the time of every streamed chunk; the usage
 chunk gives the exact token counts.
 """
 

@@ -69,6 +69,16 @@ def embedding_cache(settings: PredictorSettings, embedder: Embedder) -> Embeddin
     return EmbeddingCache(embedder, predictor_dir(settings) / "embeddings")
 
 
+def seed_space(settings: PredictorSettings, embedder: Embedder) -> str:
+    """The embedder's space tagged with the seed's source, so a store or MLP seeded from
+    ShareGPT's reference lengths is not reused once the served model has a calibration file
+    (its collection and checkpoint get another name and are seeded afresh)."""
+    from services.predictor.calibrate import DEFAULT_CAP, calibration_file
+
+    path = calibration_file(served_models(settings)[0], Path(settings.data_dir))
+    return embedder.space if path is None else f"{embedder.space}-cal{DEFAULT_CAP}"
+
+
 def load_mlp(settings: PredictorSettings, model: str, space: str = "") -> MlpRegressor | None:
     path = mlp_path(settings, model, space)
     return MlpRegressor.load(path) if path.exists() else None
@@ -78,8 +88,9 @@ def build_predictor(
     settings: PredictorSettings, embedder: Embedder | None = None, store: LengthStore | None = None
 ) -> LengthPredictor:
     embedder = embedder or make_embedder(settings)
-    store = store or open_store(settings, embedder.dim, embedder.space)
-    mlp = load_mlp(settings, served_models(settings)[0], embedder.space)
+    space = seed_space(settings, embedder)
+    store = store or open_store(settings, embedder.dim, space)
+    mlp = load_mlp(settings, served_models(settings)[0], space)
     return LengthPredictor(
         embedder,
         store,
@@ -192,7 +203,7 @@ def train_mlp(
     feats = length_feature(embedder.prepare([s.prompt for s in samples]))
     lengths = np.array([s.output_len for s in samples], np.float32)
     mlp = train(vectors, feats, lengths, epochs=epochs, log=log.info, censored=censored)
-    path = mlp_path(settings, model, embedder.space)
+    path = mlp_path(settings, model, seed_space(settings, embedder))
     mlp.save(path)
     return mlp, path
 

@@ -12,7 +12,7 @@ import pytest
 from services.common.grpc_client import aio_channel, check_health
 from services.common.pb import predictor_pb2, predictor_pb2_grpc
 from services.common.settings import PredictorSettings
-from services.predictor.build import mlp_path
+from services.predictor.build import mlp_path, seed_space
 from services.predictor.core import Observation
 from services.predictor.mlp import MlpConfig, length_feature, train
 from services.predictor.server import start_predictor
@@ -71,7 +71,7 @@ def _train_tiny_mlp(settings, embedder) -> None:
         val_fraction=0.2,
         log=None,
     )
-    mlp.save(mlp_path(settings, MODEL, embedder.space))
+    mlp.save(mlp_path(settings, MODEL, seed_space(settings, embedder)))
 
 
 async def _start(settings, embedder, seed=True):
