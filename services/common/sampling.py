@@ -18,7 +18,9 @@ class SamplingParams:
     too and is stored as 1.0); top_k 0 = disabled; seed None = unseeded. Penalties (OpenAI's
     presence/frequency on output tokens, vLLM's repetition on prompt and output; 1 or 0 = off),
     min_p (vLLM) and logit_bias ((token id, bias) pairs) change the logits before sampling,
-    greedy or not. Out-of-range values raise ValueError naming the field."""
+    greedy or not. `top_logprobs` asks for that many most likely tokens (with their
+    log-probabilities) per output position. Out-of-range values raise ValueError naming the
+    field."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -29,8 +31,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0  # most likely alternatives reported per output token
 
     def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

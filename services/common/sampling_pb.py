@@ -16,6 +16,7 @@ def to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=params.repetition_penalty,
         min_p=params.min_p,
         logit_bias=dict(params.logit_bias),
+        top_logprobs=params.top_logprobs,
     )
     if params.seed is not None:
         pb.seed = params.seed
@@ -34,4 +35,5 @@ def from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=pb.repetition_penalty,
         min_p=pb.min_p,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
+        top_logprobs=pb.top_logprobs,
     )

@@ -30,7 +30,7 @@ from services.executor.config import resolve_device, resolve_dtype
 from services.executor.messages import RequestState, StepInput, StepOutput, StepTimings
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
-from services.executor.sampler import sample
+from services.executor.sampler import sample, top_alternatives
 from services.executor.step_plan import BlockOwners, StepChecker, StepPlan, apply_plan
 from services.executor.swap import SwapManager
 
@@ -259,10 +259,13 @@ class Engine:
             [s.num_output_tokens for s in states],
             [s.token_ids for s in states],
         )
-        for st, tok, lp in zip(states, tokens, logprobs):
+        tops = top_alternatives(logits, [s.sampling for s in states])
+        for st, tok, lp, top in zip(states, tokens, logprobs, tops):
             st.token_ids.append(tok)
             st.num_output_tokens += 1
             out.sampled[st.request_id] = (tok, lp)
+            if top:
+                out.top[st.request_id] = top
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

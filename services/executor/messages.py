@@ -47,6 +47,7 @@ class StepOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     logits: dict | None = None  # request_id -> [n, V] fp32 (all_logits only)
+    top: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # top_logprobs rows
 
 
 @dataclass

@@ -9,7 +9,8 @@ Rows whose parameters adjust the logits (`SamplingParams.adjusts_logits`) get, i
 order: logit bias, repetition penalty (prompt and output tokens: positive logits divided,
 negative multiplied), frequency and presence penalties (output tokens: minus penalty x count,
 minus penalty once), then temperature, top-k, top-p and min-p; greedy rows take the argmax of
-the adjusted logits.
+the adjusted logits. `top_alternatives` gives the rows that ask (`top_logprobs`) their most
+likely tokens under the same raw distribution, in one top-k over those rows.
 """
 
 from __future__ import annotations
@@ -92,3 +93,21 @@ def sample(
         tokens[i] = _draw(probs, gen)
     index = torch.tensor(tokens, device=logits.device)[:, None]
     return tokens, logprobs.gather(1, index).squeeze(1).tolist()
+
+
+def top_alternatives(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> list[list[tuple[int, float]]]:
+    """The `top_logprobs` most likely (token id, logprob) of each row that asks, best first
+    (an empty list for the others); logits [S, V] fp32."""
+    rows = [i for i, p in enumerate(params) if p.top_logprobs]
+    out: list[list[tuple[int, float]]] = [[] for _ in params]
+    if not rows:
+        return out
+    k = max(params[i].top_logprobs for i in rows)
+    picked = torch.log_softmax(logits[rows], dim=-1)  # [R, V]
+    values, ids = torch.topk(picked, min(k, picked.shape[-1]), dim=-1)  # [R, k]
+    for j, i in enumerate(rows):
+        n = params[i].top_logprobs
+        out[i] = list(zip(ids[j, :n].tolist(), values[j, :n].tolist()))
+    return out

@@ -61,6 +61,10 @@ def result_to_pb(out: StepOutput) -> executor_pb2.StepResult:
     add = pb.sampled.add  # 3x faster than appending messages built one by one
     for rid, (tok, lp) in out.sampled.items():
         add(request_id=rid, token_id=tok, logprob=lp)
+    if out.top:
+        for sampled in pb.sampled:
+            for tid, value in out.top.get(sampled.request_id, ()):
+                sampled.top.add(token_id=tid, logprob=value)
     return pb
 
 

@@ -27,6 +27,7 @@ from services.common.grpc_client import ACCEPTED_KEY
 from services.common.grpc_server import RETRY_AFTER_KEY
 from services.common.pb import common_pb2, scheduler_pb2
 from services.gateway.errors import APIError, from_grpc
+from services.gateway.logprobs import LogprobDecoder, TokenLogprob
 from services.gateway.textgen import IncrementalDetokenizer, StopMatcher
 from services.gateway.upstream import Upstream
 
@@ -56,6 +57,8 @@ class Plan:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop: bool = False  # the matched stop string or stop token stays in the text
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: not asked; else the top alternatives per token (0-20)
+    echo: bool = False  # completions: the prompt text opens the answer
 
     def to_pb(self, prediction: common_pb2.Prediction | None) -> scheduler_pb2.GenerateRequest:
         request = scheduler_pb2.GenerateRequest(
@@ -81,12 +84,19 @@ class Plan:
 class Piece:
     text: str
     time: float  # scheduler time of the last token in this piece (unix s)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # this piece's tokens (if asked)
 
 
 class Generation:
     def __init__(self, plan: Plan, upstream: Upstream, tokenizer: PreTrainedTokenizerBase) -> None:
         self.plan = plan
         self.upstream = upstream
+        self.logprob_decoder = (
+            LogprobDecoder(tokenizer, plan.skip_special_tokens)
+            if plan.logprobs is not None
+            else None
+        )
+        self.logprobs: list[TokenLogprob] = []  # every token's, when the request asks
         self.detok = IncrementalDetokenizer(
             tokenizer, plan.prompt_ids, skip_special_tokens=plan.skip_special_tokens
         )
@@ -244,7 +254,13 @@ class Generation:
         if matched:
             self.finish_reason = "stop"
             self._cancel_upstream()
-        return Piece(text, event.time)
+        if self.logprob_decoder is None:
+            return Piece(text, event.time)
+        entry = self.logprob_decoder.entry(event.token_id, event.logprob, event.top_logprobs)
+        if entry is None:
+            return Piece(text, event.time)
+        self.logprobs.append(entry)
+        return Piece(text, event.time, [entry])
 
     def _finish(self, event: scheduler_pb2.TokenEvent) -> Piece | None:
         self.usage = event.usage

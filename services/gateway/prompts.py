@@ -133,6 +133,8 @@ class PromptBuilder:
             ignore_eos=body.ignore_eos,
             priority=_priority(body, headers),
             slo=_slo(body, headers),
+            logprobs=_logprobs(body),
+            echo=isinstance(body, CompletionRequest) and body.echo,
         )
 
     def _stop_ids(self, ids: list[int] | None) -> list[int]:
@@ -196,8 +198,8 @@ def _refuse_common(body: _Request) -> None:
 
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     _refuse_common(body)
-    if body.logprobs or body.top_logprobs:
-        raise bad_request("logprobs are not supported", param="logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     if body.tools:
         raise bad_request("tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -206,10 +208,10 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
 
 def _refuse_unsupported_completion(body: CompletionRequest) -> None:
     _refuse_common(body)
-    if body.echo:
-        raise bad_request("echo is not supported", param="echo")
-    if body.logprobs:
-        raise bad_request("logprobs are not supported", param="logprobs")
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo"
+        )
     if body.best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", param="best_of")
     if body.suffix:
@@ -238,8 +240,16 @@ def _sampling(
             repetition_penalty=value("repetition_penalty", 1.0),
             min_p=value("min_p", 0.0),
             logit_bias=_logit_bias(body.logit_bias, vocab_size),
+            top_logprobs=_logprobs(body) or 0,
         )
     )
+
+
+def _logprobs(body: _Request) -> int | None:
+    """None: no logprobs asked; else how many alternatives per token (0-20)."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -14,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from services.common.pb import common_pb2
 from services.gateway.generation import Generation
+from services.gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 
 DONE = b"data: [DONE]\n\n"
 
@@ -71,6 +72,7 @@ class ChunkMaker:
         self.include_usage = include_usage
         self.token_times = token_times
         self.id = ("chatcmpl-" if chat else "cmpl-") + gen.plan.request_id
+        self.offset = len(gen.plan.prompt_text) if gen.plan.echo else 0  # completions text_offset
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -88,15 +90,27 @@ class ChunkMaker:
             payload["alise"] = extension
         return sse(payload)
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict:
+        shaped = None
+        if logprobs:
+            shaped = (
+                chat_logprobs(logprobs) if self.chat else completion_logprobs(logprobs, self.offset)
+            )
+            self.offset += sum(len(e.token) for e in logprobs)
         if self.chat:
             delta = (
                 {"role": "assistant", "content": ""}
                 if role
                 else ({} if text is None else {"content": text})
             )
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
 
     def first(self) -> bytes | None:
         """Chat streams open with the role; it carries the request's prediction."""
@@ -106,11 +120,15 @@ class ChunkMaker:
         }
         if self.chat:
             return self._chunk(self._choice(None, None, role=True), ext)
+        if self.gen.plan.echo:
+            return self._chunk(self._choice(self.gen.plan.prompt_text, None), ext)
         return None
 
-    def piece(self, text: str, token_time: float) -> bytes:
+    def piece(
+        self, text: str, token_time: float, logprobs: list[TokenLogprob] | None = None
+    ) -> bytes:
         ext = {"time": token_time} if self.token_times else None
-        return self._chunk(self._choice(text, None), ext)
+        return self._chunk(self._choice(text, None, logprobs=logprobs), ext)
 
     def last(self) -> list[bytes]:
         finish = self.gen.finish_reason
@@ -134,20 +152,22 @@ class ChunkMaker:
 
 def full_response(gen: Generation, chat: bool) -> dict:
     """The non-streaming body."""
-    request_id = gen.plan.request_id
+    plan = gen.plan
+    request_id, asked = plan.request_id, plan.logprobs is not None
     if chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": gen.text},
-            "logprobs": None,
+            "logprobs": chat_logprobs(gen.logprobs) if asked else None,
             "finish_reason": gen.finish_reason,
         }
         head = {"id": "chatcmpl-" + request_id, "object": "chat.completion"}
     else:
+        prefix = plan.prompt_text if plan.echo else ""
         choice = {
             "index": 0,
-            "text": gen.text,
-            "logprobs": None,
+            "text": prefix + gen.text,
+            "logprobs": completion_logprobs(gen.logprobs, len(prefix)) if asked else None,
             "finish_reason": gen.finish_reason,
         }
         head = {"id": "cmpl-" + request_id, "object": "text_completion"}

@@ -164,7 +164,7 @@ async def _stream(
                 if not first_sent:
                     gw.metrics.ttft.observe(time.perf_counter() - arrival)
                     first_sent = True
-                yield maker.piece(piece.text, piece.time)
+                yield maker.piece(piece.text, piece.time, piece.logprobs)
         _record(gw, gen, arrival)
         for chunk in maker.last():
             yield chunk

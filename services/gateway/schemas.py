@@ -3,8 +3,10 @@
 Requests accept the fields OpenAI clients send, an explicit null wherever OpenAI allows one
 (it means the default). Sampling knobs are honoured in the executor's sampler: temperature,
 top_p, seed (any integer), presence and frequency penalties, logit_bias, and vLLM's top_k,
-min_p and repetition_penalty. Features not built yet that would change the answer's shape
-(n > 1, logprobs, tools, JSON mode) are refused with a 400 naming the field. Extensions:
+min_p and repetition_penalty; chat `logprobs`/`top_logprobs` and completions `logprobs` (and
+`echo` without them) are answered in OpenAI's shapes. Features not built yet that would change
+the answer's shape (n > 1, tools, JSON mode, prompt logprobs) are refused with a 400 naming
+the field. Extensions:
 `priority`, `slo`, `ignore_eos`, `top_k`, `min_tokens`, `min_p`, `repetition_penalty` (vLLM's
 names) and `return_token_times` (each chunk carries the scheduler's token time).
 """
@@ -124,7 +126,7 @@ class ChatCompletionRequest(_GenerationParams):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=10_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -178,6 +178,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     ev.add_argument("--batches", type=int, default=10, help="batches of 32 timed per method")
     ev.add_argument("--no-proxy", action="store_true", help="leave the proxy out")
     ev.add_argument(
+        "--write-predictions",
+        metavar="PATH",
+        help="also write ours' prediction per test prompt ({id: length}) for `alise sim "
+        "--prediction file:PATH`",
+    )
+    ev.add_argument(
         "--tune",
         action="store_true",
         help="also sweep k and s0 on a validation part of the train split",

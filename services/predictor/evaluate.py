@@ -210,7 +210,18 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
         store.close()
     for m in preds:
         out["methods"][m] = {**accuracy(preds[m], y_te), "hit_rate": hits[m], **timing[m]}
+    if getattr(args, "write_predictions", None):
+        write_predictions(Path(args.write_predictions), test_s, preds["ours"])
     return out
+
+
+def write_predictions(path: Path, samples: list, lengths: np.ndarray) -> None:
+    """{sample id: predicted length}: the simulator's `--prediction file:PATH`, so simulated
+    sweeps schedule on what the real predictor says of each test prompt."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = {s.id: int(n) for s, n in zip(samples, lengths)}
+    path.write_text(json.dumps(table, sort_keys=True))
+    log.info("wrote %d predictions to %s", len(table), path)
 
 
 def table(result: dict) -> str:

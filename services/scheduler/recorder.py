@@ -88,7 +88,8 @@ class StepRecorder:
 
     def step_done(self, loop: ExecutorLoop, step: CompletedStep) -> None:
         """Hand the Step's write to the store writer (and its line to the step trace)."""
-        w = self.record(loop.address, step.out, step.updates)
+        tops = {t.request_id: list(t.top) for t in step.result.sampled if t.top}
+        w = self.record(loop.address, step.out, step.updates, tops)
         w.executors[loop.address] = executor_fields(loop)
         self.writer.submit(w)
         if self.step_trace is not None:
@@ -102,9 +103,14 @@ class StepRecorder:
             )
 
     def record(
-        self, addr: str, out: SchedulerOutput, updates: list[RequestUpdate]
+        self,
+        addr: str,
+        out: SchedulerOutput,
+        updates: list[RequestUpdate],
+        tops: dict[str, list] | None = None,
     ) -> IterationWrite:
-        """The Redis write (and metrics) of one completed Step on executor `addr`."""
+        """The Redis write (and metrics) of one completed Step on executor `addr`; `tops`:
+        the top_logprobs alternatives of the tokens sampled (kept in memory, not in Redis)."""
         w, now = IterationWrite(), time.time()
         new_ids = {nr.request_id for nr in out.new_requests}
         for rid in new_ids:
@@ -117,7 +123,7 @@ class StepRecorder:
         for entry in self._live(touched):
             self._first_scheduled(entry, w)
             write_status(entry, w)
-        self._tokens(w, updates)
+        self._tokens(w, updates, tops or {})
         for u in updates:
             entry = self.entries.get(u.request_id)
             if u.finished and entry is not None and not entry.final:
@@ -148,7 +154,7 @@ class StepRecorder:
         for entry in self._live(preempted):
             w.set(entry.req.request_id, num_preemptions=entry.req.num_preemptions)
 
-    def _tokens(self, w: IterationWrite, updates: list[RequestUpdate]) -> None:
+    def _tokens(self, w: IterationWrite, updates: list[RequestUpdate], tops: dict) -> None:
         m, gained = self.metrics, 0
         for u in updates:
             entry = self.entries.get(u.request_id)
@@ -159,7 +165,8 @@ class StepRecorder:
             t = times[index] if index < len(times) else time.time()
             w.add_token(u.request_id, index, token_id, logprob, t)
             entry.n_out = index + 1
-            w.callbacks.append(partial(entry.stream.publish, index, [(token_id, logprob, t)]))
+            top = {index: tops[u.request_id]} if u.request_id in tops else None
+            w.callbacks.append(partial(entry.stream.publish, index, [(token_id, logprob, t)], top))
             gained += 1
             if index == 0:
                 m.ttft.observe(max(0.0, t - entry.req.arrival_time))

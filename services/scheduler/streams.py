@@ -27,6 +27,7 @@ class RequestStream:
     ) -> None:
         self.request_id = request_id
         self.tokens: list[tuple[int, float, float]] = list(tokens or [])  # (id, logprob, time)
+        self.tops: dict[int, list] = {}  # output index -> its top_logprobs (TopLogprob)
         self.final: scheduler_pb2.TokenEvent | None = None
         self.prediction = prediction
         self.readers = 0
@@ -37,8 +38,11 @@ class RequestStream:
     def done(self) -> bool:
         return self.final is not None
 
-    def publish(self, start: int, items: list[tuple[int, float, float]]) -> None:
-        """Append tokens `start..start+len(items)-1`; ones already in the log are skipped."""
+    def publish(
+        self, start: int, items: list[tuple[int, float, float]], tops: dict | None = None
+    ) -> None:
+        """Append tokens `start..start+len(items)-1`; ones already in the log are skipped.
+        `tops`: output index -> that token's top_logprobs alternatives."""
         if self.final is not None:
             return
         if start > len(self.tokens):
@@ -48,6 +52,8 @@ class RequestStream:
         skip = len(self.tokens) - start
         if skip < len(items):
             self.tokens.extend(items[skip:])
+            if tops:
+                self.tops.update(tops)
             self._notify()
 
     def finish(self, event: scheduler_pb2.TokenEvent) -> None:
@@ -68,7 +74,12 @@ class RequestStream:
     def _event(self, index: int) -> scheduler_pb2.TokenEvent:
         token_id, logprob, t = self.tokens[index]
         return scheduler_pb2.TokenEvent(
-            request_id=self.request_id, index=index, token_id=token_id, logprob=logprob, time=t
+            request_id=self.request_id,
+            index=index,
+            token_id=token_id,
+            logprob=logprob,
+            time=t,
+            top_logprobs=self.tops.get(index, ()),
         )
 
     async def events(self, start: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:

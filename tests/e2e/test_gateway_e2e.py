@@ -239,3 +239,66 @@ def test_health_reports_the_real_model_length(stack):
     body = httpx.get(stack["url"] + "/health", timeout=10).json()
     assert body["scheduler"] is True and body["predictor"] is True
     assert body["max_model_len"] >= 2048
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    """Greedy: the sampled token is the most likely one, so it heads its top_logprobs list;
+    the tokens' texts join to the answer; streaming gives the same entries chunk by chunk."""
+    ask = dict(
+        model="smollm2-135m-instruct",
+        temperature=0,
+        max_tokens=12,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        logprobs=True,
+        top_logprobs=3,
+    )
+    out = client.chat.completions.create(**ask)
+    content = out.choices[0].logprobs.content
+    eos = out.choices[0].finish_reason == "stop"  # the EOS token has no text and no entry
+    assert len(content) == out.usage.completion_tokens - eos
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+        assert [a.logprob for a in t.top_logprobs] == sorted(
+            (a.logprob for a in t.top_logprobs), reverse=True
+        )
+        assert bytes(t.bytes).decode() == t.token
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [
+        (t.token, round(t.logprob, 4)) for t in content
+    ]
+    plain = client.chat.completions.create(**{**ask, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    only_chosen = client.chat.completions.create(**{**ask, "top_logprobs": 0})
+    assert all(t.top_logprobs == [] for t in only_chosen.choices[0].logprobs.content)
+
+
+def test_completions_logprobs_and_echo(client):
+    prompt = "The capital of France is"
+    out = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 2 and max(top, key=top.get) == token
+        assert top[token] == pytest.approx(value, abs=1e-5)
+    echoed = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=6, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == prompt + out.choices[0].text
+    with pytest.raises(Exception) as err:
+        client.completions.create(
+            model="smollm2-135m-instruct", prompt=prompt, max_tokens=2, echo=True, logprobs=1
+        )
+    assert getattr(err.value, "status_code", None) == 400 and "echo" in str(err.value)

@@ -105,3 +105,21 @@ def test_new_fields_round_trip_through_proto_and_json():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=((1, 200.0),))
     assert SamplingParams(repetition_penalty=0).repetition_penalty == 1.0  # proto unset
+
+
+def test_top_alternatives_only_for_rows_that_ask():
+    from services.executor.sampler import top_alternatives
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    got = top_alternatives(logits, [SamplingParams(top_logprobs=2), SamplingParams()])
+    assert got[1] == []
+    ids, values = zip(*got[0])
+    assert ids == (0, 1)
+    expected = torch.log_softmax(logits[0], -1)
+    assert values == pytest.approx([expected[0].item(), expected[1].item()])
+    both = top_alternatives(
+        logits, [SamplingParams(top_logprobs=1), SamplingParams(top_logprobs=4)]
+    )
+    assert [t for t, _ in both[0]] == [0] and [t for t, _ in both[1]] == [1, 3, 2, 0]
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21)

@@ -104,14 +104,16 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., block_tables: _Optional[_Iterable[_Union[BlockTableUpdate, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprob")
+    __slots__ = ("request_id", "token_id", "logprob", "top")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    top: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("forward_s", "sample_s", "swap_wait_s", "total_s")
