@@ -28,6 +28,8 @@ from services.gateway.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from services.gateway.prompts import PromptBuilder
 from services.gateway.routes import router
 from services.gateway.upstream import Upstream
+from services.gateway.utility import VERSION
+from services.gateway.utility import router as utility_router
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -97,12 +99,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = FastAPI(
         title="ALISE gateway",
-        version="0.1.0",
+        version=VERSION,
         lifespan=lifespan,
         description="OpenAI-compatible API with length prediction and SLOs.",
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(utility_router)
     _add_service_routes(app, metrics)
     if settings.cors_origins:
         app.add_middleware(

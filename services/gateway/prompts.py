@@ -13,7 +13,13 @@ from services.common.pb import common_pb2
 from services.common.sampling import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Plan
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, Slo, TextPart
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Slo,
+    TextPart,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -25,6 +31,7 @@ SLO_HEADERS = {
 }
 
 _Request = CompletionRequest | ChatCompletionRequest
+ROLE_ALIASES = {"developer": "system"}
 _N = TypeVar("_N", int, float)
 
 
@@ -51,11 +58,7 @@ class PromptBuilder:
     ) -> Plan:
         self.check_model(body.model)
         _refuse_unsupported_chat(body)
-        messages = [
-            {"role": m.role, "content": _message_text(m.content, i)}
-            for i, m in enumerate(body.messages)
-        ]
-        text = await asyncio.to_thread(self._render, messages)
+        text = await self.chat_text(body.messages)
         ids = await asyncio.to_thread(self._encode, text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return self._plan(body, headers, request_id, text, ids, max_tokens, "messages")
@@ -73,6 +76,15 @@ class PromptBuilder:
             text = _single_prompt(prompt)
             ids = await asyncio.to_thread(self._encode, text)
         return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt")
+
+    async def chat_text(self, messages: list[ChatMessage]) -> str:
+        """The messages through the chat template, ready for generation (`developer` is the
+        newer name of `system`; text parts are joined with newlines)."""
+        plain = [
+            {"role": ROLE_ALIASES.get(m.role, m.role), "content": _message_text(m.content, i)}
+            for i, m in enumerate(messages)
+        ]
+        return await asyncio.to_thread(self._render, plain)
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -180,7 +192,7 @@ def _message_text(content: str | list[TextPart | dict[str, object]] | None, inde
                 param=f"messages.{index}",
             )
         texts.append(part.text)
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _single_prompt(prompt: str | list[str]) -> str:

@@ -401,3 +401,35 @@ def test_stop_token_ids_end_the_answer_with_or_without_their_text(openai_client,
     assert kept.choices[0].text == forced.choices[0].text[: len(forced.choices[0].text) // 6]
     with pytest.raises(__import__("openai").BadRequestError):
         complete(stop_token_ids=[10**8])
+
+
+def test_tokenize_detokenize_and_version(stack, model):
+    """vLLM's utility routes use the served tokenizer and chat template; `developer` renders
+    as `system`, and text parts are joined with newlines."""
+    url = stack["url"]
+    plain = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": "Hello world"}).json()
+    assert plain["count"] == len(plain["tokens"]) > 0 and plain["max_model_len"] > 0
+    back = httpx.post(f"{url}/detokenize", json={"model": model, "tokens": plain["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == "Hello world"
+    chat = httpx.post(
+        f"{url}/tokenize", json={"messages": [{"role": "developer", "content": "Be brief."}, *CHAT]}
+    ).json()
+    as_system = httpx.post(
+        f"{url}/tokenize", json={"messages": [{"role": "system", "content": "Be brief."}, *CHAT]}
+    ).json()
+    assert chat["tokens"] == as_system["tokens"] and chat["count"] > plain["count"]
+    parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]
+    joined = httpx.post(
+        f"{url}/tokenize", json={"messages": [{"role": "user", "content": parts}]}
+    ).json()
+    single = httpx.post(
+        f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Be\nbrief."}]}
+    ).json()
+    assert joined["tokens"] == single["tokens"]
+    both = httpx.post(f"{url}/tokenize", json={"prompt": "x", "messages": CHAT})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    other = httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "x"})
+    assert other.status_code == 404
+    assert httpx.get(f"{url}/version").json()["version"]
