@@ -18,7 +18,17 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/"}
+ROUTES = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/version",
+    "/health",
+    "/metrics",
+    "/",
+}
 
 
 def new_request_id() -> str:
@@ -26,7 +36,8 @@ def new_request_id() -> str:
 
 
 class RequestIdMiddleware:
-    """Takes a valid client `X-Request-Id` or makes one; echoes it; counts the request."""
+    """Takes a valid client `X-Request-Id` or makes one; echoes it; counts the request. The id
+    is the client's handle for logs; generations get a fresh scheduler key of their own."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation, Piece, Plan
+from services.gateway.middleware import new_request_id
 from services.gateway.render import DONE, ChunkMaker, full_response, prediction_header, sse
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from services.gateway.app import GatewayState
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
 
@@ -100,15 +103,23 @@ EXTENSION_HEADERS = {
 @router.post("/completions", openapi_extra=EXTENSION_HEADERS)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     gw: GatewayState = request.app.state.gateway
-    plan = await gw.prompts.completion(body, request.headers, request.state.request_id)
+    plan = await gw.prompts.completion(body, request.headers, _generation_id(request))
     return await _respond(request, plan, body, chat=False)
 
 
 @router.post("/chat/completions", openapi_extra=EXTENSION_HEADERS)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     gw: GatewayState = request.app.state.gateway
-    plan = await gw.prompts.chat(body, request.headers, request.state.request_id)
+    plan = await gw.prompts.chat(body, request.headers, _generation_id(request))
     return await _respond(request, plan, body, chat=True)
+
+
+def _generation_id(request: Request) -> str:
+    """The scheduler's key for a generation: always fresh. The client's X-Request-Id is only
+    echoed (and logged beside this one): two clients sending the same id never collide."""
+    rid = new_request_id()
+    log.info("generation %s for X-Request-Id %s", rid, request.state.request_id)
+    return rid
 
 
 async def _respond(

@@ -4,8 +4,8 @@ executor, through the official openai client and a headless Chromium on the play
 
 from __future__ import annotations
 
+import json
 import time
-import uuid
 from pathlib import Path
 
 import httpx
@@ -94,14 +94,13 @@ def test_requests_cut_by_max_tokens_are_observed_as_censored(stack, client):
     """A cut answer only says the length is >= max_tokens: the predictor learns it as such
     (P(runs to the cap) = 1 for that prompt), not as a length of 3."""
     prompt = "Write a long poem about the sea."
-    rid = f"cut-{uuid.uuid4().hex[:12]}"
     out = client.chat.completions.create(
         model="smollm2-135m-instruct",
         max_tokens=3,
         temperature=0,
         messages=[{"role": "user", "content": prompt}],
-        extra_headers={"X-Request-Id": rid},
     )
+    rid = key(out.id)
     assert out.choices[0].finish_reason == "length"
     assert wait_until(lambda: observed(stack, rid))
     got = stack["predictor"].predictor.predict("smollm2-135m-instruct", [prompt])[0]
@@ -133,8 +132,13 @@ def wait_until(predicate, timeout: float = 30.0) -> bool:
     return predicate()
 
 
+def key(response_id: str) -> str:
+    """The scheduler's key of a generation: its response id without the prefix."""
+    return response_id.split("-", 1)[1]
+
+
 def test_requests_ended_by_a_stop_string_or_an_abort_are_not_observed(stack, client):
-    ids = {kind: f"{kind}-{uuid.uuid4().hex[:12]}" for kind in ("stop", "stream", "abort", "eos")}
+    ids = {}
     ask = dict(
         model="smollm2-135m-instruct",
         temperature=0,
@@ -142,18 +146,13 @@ def test_requests_ended_by_a_stop_string_or_an_abort_are_not_observed(stack, cli
         messages=[{"role": "user", "content": "What is the capital of France?"}],
     )
 
-    def headers(kind: str) -> dict:
-        return {"X-Request-Id": ids[kind]}
-
     start = aborted(stack)
-    cut = client.chat.completions.create(**ask, stop=["Paris"], extra_headers=headers("stop"))
+    cut = client.chat.completions.create(**ask, stop=["Paris"])
+    ids["stop"] = key(cut.id)
     assert cut.choices[0].finish_reason == "stop"
     assert "Paris" not in cut.choices[0].message.content
-    chunks = list(
-        client.chat.completions.create(
-            **ask, stop=["Paris"], stream=True, extra_headers=headers("stream")
-        )
-    )
+    chunks = list(client.chat.completions.create(**ask, stop=["Paris"], stream=True))
+    ids["stream"] = key(chunks[0].id)
     assert "Paris" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
@@ -167,18 +166,16 @@ def test_requests_ended_by_a_stop_string_or_an_abort_are_not_observed(stack, cli
         "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
     }
     with httpx.stream(
-        "POST",
-        stack["url"] + "/v1/chat/completions",
-        json=body,
-        timeout=180,
-        headers=headers("abort"),
+        "POST", stack["url"] + "/v1/chat/completions", json=body, timeout=180
     ) as response:
-        assert next(line for line in response.iter_lines() if '"content":"' in line)
+        line = next(line for line in response.iter_lines() if '"content":"' in line)
+        ids["abort"] = key(json.loads(line[len("data: ") :])["id"])
     assert wait_until(lambda: aborted(stack) > before), "the dropped stream was not aborted"
 
     # Control: the same question without a stop string ends on EOS ("Paris" in it) and is
     # observed; by the time it is, the three above would have been too.
-    full = client.chat.completions.create(**ask, extra_headers=headers("eos"))
+    full = client.chat.completions.create(**ask)
+    ids["eos"] = key(full.id)
     assert full.choices[0].finish_reason == "stop" and "Paris" in full.choices[0].message.content
     assert wait_until(lambda: observed(stack, ids["eos"]))
     time.sleep(1.0)

@@ -227,7 +227,10 @@ def test_priority_and_slo_reach_the_scheduler(stack, model, route, body, headers
     )
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == request_id
-    params = scheduler_params(stack, request_id)
+    # the client's id is echoed, never the scheduler's key: that is the body's id
+    key = response.json()["id"].split("-", 1)[1]
+    assert key != request_id
+    params = scheduler_params(stack, key)
     assert params["priority"] == priority
     stored = params["slo"]
     assert (stored["ttft_s"], stored["tbt_s"], stored["deadline_s"]) == pytest.approx(slo)
@@ -433,3 +436,15 @@ def test_tokenize_detokenize_and_version(stack, model):
     other = httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "x"})
     assert other.status_code == 404
     assert httpx.get(f"{url}/version").json()["version"]
+
+
+def test_a_reused_client_request_id_is_echoed_and_never_collides(stack, model):
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
+    headers = {"X-Request-Id": "same-id"}
+    first, second = (
+        httpx.post(stack["url"] + "/v1/completions", json=body, headers=headers, timeout=60)
+        for _ in range(2)
+    )
+    assert first.status_code == second.status_code == 200
+    assert first.headers["x-request-id"] == second.headers["x-request-id"] == "same-id"
+    assert first.json()["id"] != second.json()["id"]
