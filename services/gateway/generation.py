@@ -107,6 +107,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.eos_finish = False
         self.completion_tokens = 0
+        self.cumulative_logprob = 0.0  # of the tokens received (best_of ranks by it)
         self.cached_tokens = 0  # prompt tokens the prefix cache served (from the final usage)
         self.usage: scheduler_pb2.Usage | None = None
         self.text_parts: list[str] = []
@@ -170,7 +171,7 @@ class Generation:
             if not event.finished and event.index < self.received:
                 continue  # already sent (a re-attach never repeats one; kept for safety)
             piece = self._apply(event)
-            if piece is not None and piece.text:
+            if piece is not None and (piece.text or piece.logprobs):
                 self.text_parts.append(piece.text)
                 yield piece
 
@@ -248,6 +249,7 @@ class Generation:
         if event.finished:
             return self._finish(event)
         self.completion_tokens = self.received = event.index + 1
+        self.cumulative_logprob += event.logprob
         if event.token_id in self.plan.stop_token_ids and not self.plan.include_stop:
             return Piece("", event.time)  # a stop token ends the answer without its text
         text, matched = self.stops.push(self.detok.push(event.token_id))

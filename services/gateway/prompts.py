@@ -204,8 +204,11 @@ def _single_prompt(prompt: str | list[str]) -> str:
 
 
 def _refuse_common(body: _Request) -> None:
-    if body.n not in (None, 1):
-        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of < (body.n or 1):
+        raise bad_request("best_of must be at least n", param="best_of")
+    if best_of not in (None, 1) and body.stream:
+        raise bad_request("best_of cannot be streamed", param="best_of")
 
 
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
@@ -224,8 +227,6 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
         raise bad_request(
             "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo"
         )
-    if body.best_of not in (None, 1):
-        raise bad_request("only best_of=1 is supported", param="best_of")
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if isinstance(body.prompt, list) and not body.prompt:

@@ -46,12 +46,14 @@ def prediction_header(prediction: common_pb2.Prediction | None) -> str:
     return f"length={prediction.length}; source={prediction.source}"
 
 
-def usage_dict(gen: Generation) -> dict:
+def usage_dict(gen: Generation, *more: Generation) -> dict:
+    """The usage of one answer, or of several answers to one prompt (the prompt once)."""
     prompt = len(gen.plan.prompt_ids)
+    completion = gen.completion_tokens + sum(g.completion_tokens for g in more)
     return {
         "prompt_tokens": prompt,
-        "completion_tokens": gen.completion_tokens,
-        "total_tokens": prompt + gen.completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
 
@@ -66,12 +68,21 @@ def final_extension(gen: Generation) -> dict:
 class ChunkMaker:
     """Builds the stream's chunks for one request (chat or text completion)."""
 
-    def __init__(self, gen: Generation, chat: bool, include_usage: bool, token_times: bool) -> None:
+    def __init__(
+        self,
+        gen: Generation,
+        chat: bool,
+        include_usage: bool,
+        token_times: bool,
+        index: int = 0,
+        response_id: str | None = None,
+    ) -> None:
         self.gen = gen
         self.chat = chat
         self.include_usage = include_usage
         self.token_times = token_times
-        self.id = ("chatcmpl-" if chat else "cmpl-") + gen.plan.request_id
+        self.index = index  # the choice this maker writes (n > 1: one maker per choice)
+        self.id = response_id or ("chatcmpl-" if chat else "cmpl-") + gen.plan.request_id
         self.offset = len(gen.plan.prompt_text) if gen.plan.echo else 0  # completions text_offset
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
@@ -109,8 +120,18 @@ class ChunkMaker:
                 if role
                 else ({} if text is None else {"content": text})
             )
-            return {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
+            return {
+                "index": self.index,
+                "delta": delta,
+                "logprobs": shaped,
+                "finish_reason": finish_reason,
+            }
+        return {
+            "index": self.index,
+            "text": text or "",
+            "logprobs": shaped,
+            "finish_reason": finish_reason,
+        }
 
     def first(self) -> bytes | None:
         """Chat streams open with the role; it carries the request's prediction."""
@@ -130,9 +151,13 @@ class ChunkMaker:
         ext = {"time": token_time} if self.token_times else None
         return self._chunk(self._choice(text, None, logprobs=logprobs), ext)
 
-    def last(self) -> list[bytes]:
-        finish = self.gen.finish_reason
-        out = [self._chunk(self._choice(None, finish), final_extension(self.gen))]
+    def finish(self) -> bytes:
+        """This choice's last chunk: its finish reason."""
+        return self._chunk(self._choice(None, self.gen.finish_reason), final_extension(self.gen))
+
+    def tail(self, gens: list[Generation]) -> list[bytes]:
+        """The usage chunk (when asked) over every answer, then [DONE]."""
+        out = []
         if self.include_usage:
             out.append(
                 sse(
@@ -142,40 +167,49 @@ class ChunkMaker:
                         "created": self.created,
                         "model": self.gen.plan.model,
                         "choices": [],
-                        "usage": usage_dict(self.gen),
+                        "usage": usage_dict(*gens),
                     }
                 )
             )
         out.append(DONE)
         return out
 
+    def last(self) -> list[bytes]:
+        return [self.finish(), *self.tail([self.gen])]
 
-def full_response(gen: Generation, chat: bool) -> dict:
-    """The non-streaming body."""
-    plan = gen.plan
-    request_id, asked = plan.request_id, plan.logprobs is not None
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
-            "logprobs": chat_logprobs(gen.logprobs) if asked else None,
-            "finish_reason": gen.finish_reason,
-        }
-        head = {"id": "chatcmpl-" + request_id, "object": "chat.completion"}
-    else:
-        prefix = plan.prompt_text if plan.echo else ""
-        choice = {
-            "index": 0,
-            "text": prefix + gen.text,
-            "logprobs": completion_logprobs(gen.logprobs, len(prefix)) if asked else None,
-            "finish_reason": gen.finish_reason,
-        }
-        head = {"id": "cmpl-" + request_id, "object": "text_completion"}
+
+def full_response(gen: Generation, chat: bool, *more: Generation) -> dict:
+    """The non-streaming body: one choice per answer (`more`: the other answers of n > 1)."""
+    gens = [gen, *more]
+    head = (
+        {"id": "chatcmpl-" + gen.plan.request_id, "object": "chat.completion"}
+        if chat
+        else {"id": "cmpl-" + gen.plan.request_id, "object": "text_completion"}
+    )
     return {
         **head,
         "created": int(time.time()),
         "model": gen.plan.model,
-        "choices": [choice],
-        "usage": usage_dict(gen),
+        "choices": [_full_choice(g, chat, i) for i, g in enumerate(gens)],
+        "usage": usage_dict(*gens),
         "alise": final_extension(gen),
+    }
+
+
+def _full_choice(gen: Generation, chat: bool, index: int) -> dict:
+    plan = gen.plan
+    asked = plan.logprobs is not None
+    if chat:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": gen.text},
+            "logprobs": chat_logprobs(gen.logprobs) if asked else None,
+            "finish_reason": gen.finish_reason,
+        }
+    prefix = plan.prompt_text if plan.echo else ""
+    return {
+        "index": index,
+        "text": prefix + gen.text,
+        "logprobs": completion_logprobs(gen.logprobs, len(prefix)) if asked else None,
+        "finish_reason": gen.finish_reason,
     }

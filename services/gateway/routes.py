@@ -18,7 +18,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation, Piece, Plan
+from services.gateway.fanout import best, merged, sibling_plans
+from services.gateway.generation import Generation, Plan
 from services.gateway.middleware import new_request_id
 from services.gateway.render import DONE, ChunkMaker, full_response, prediction_header, sse
 from services.gateway.schemas import (
@@ -125,6 +126,9 @@ def _generation_id(request: Request) -> str:
 async def _respond(
     request: Request, plan: Plan, body: CompletionRequest | ChatCompletionRequest, chat: bool
 ) -> Response:
+    answers = max(body.n or 1, getattr(body, "best_of", None) or 1)
+    if answers > 1:
+        return await _respond_many(request, sibling_plans(plan, answers), body, chat)
     gw: GatewayState = request.app.state.gateway
     arrival = time.perf_counter()
     gen = Generation(plan, gw.upstream, gw.tokenizer)
@@ -155,6 +159,85 @@ async def _respond(
     finally:
         if not body.stream:
             _close(gw, gen)
+
+
+async def _respond_many(
+    request: Request, plans: list[Plan], body: CompletionRequest | ChatCompletionRequest, chat: bool
+) -> Response:
+    """n > 1 or best_of: one generation per answer (`fanout.py`), one response."""
+    gw: GatewayState = request.app.state.gateway
+    arrival = time.perf_counter()
+    gens = [Generation(p, gw.upstream, gw.tokenizer) for p in plans]
+    for gen in gens[1:]:
+        gen.group = gens[0].group  # one shard: the siblings find the prompt in its cache
+    gw.metrics.prompt_tokens.observe(len(plans[0].prompt_ids))
+    gw.metrics.active_streams.inc(len(gens))  # each generation's _close takes one off
+
+    def close_all() -> None:
+        for gen in gens:
+            _close(gw, gen)
+
+    try:
+        wait = gw.settings.admission_wait_ms / 1000.0 if body.stream else None
+        await _until_disconnect(request, gens[0].start(wait), gw.settings.request_timeout_s)
+        headers = {"X-ALISE-Prediction": prediction_header(gens[0].prediction)}
+        if body.stream:
+            return SSEResponse(
+                _stream_many(gens, body, chat, gw, arrival), headers, on_close=close_all
+            )
+        left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
+        await _until_disconnect(request, _collect_many(gens), max(left, 0.0))
+        for gen in gens:
+            _record(gw, gen, arrival)
+        n = body.n or 1
+        chosen = best(gens, n) if len(gens) > n else gens
+        return JSONResponse(full_response(chosen[0], chat, *chosen[1:]), headers=headers)
+    except BaseException:
+        close_all()
+        raise
+    finally:
+        if not body.stream:
+            close_all()
+
+
+async def _collect_many(gens: list[Generation]) -> None:
+    async for _ in merged(gens):
+        pass
+
+
+async def _stream_many(
+    gens: list[Generation],
+    body: CompletionRequest | ChatCompletionRequest,
+    chat: bool,
+    gw: GatewayState,
+    arrival: float,
+) -> AsyncIterator[bytes]:
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    makers = [ChunkMaker(gens[0], chat, usage, body.return_token_times)]
+    makers += [
+        ChunkMaker(g, chat, usage, body.return_token_times, i, makers[0].id)
+        for i, g in enumerate(gens[1:], 1)
+    ]
+    deadline = arrival + gw.settings.request_timeout_s
+    try:
+        for maker in makers:
+            if (head := maker.first()) is not None:
+                yield head
+        async with asyncio.timeout_at(_loop_deadline(deadline)):
+            async for i, piece in _until_shutdown(merged(gens), gw.shutting_down):
+                if piece is None:
+                    _record(gw, gens[i], arrival)
+                    yield makers[i].finish()
+                else:
+                    yield makers[i].piece(piece.text, piece.time, piece.logprobs)
+        for chunk in makers[0].tail(gens):
+            yield chunk
+    except APIError as exc:
+        yield sse(exc.body())
+        yield DONE
+    except TimeoutError:
+        yield sse(APIError(504, "request timed out", code="timeout").body())
+        yield DONE
 
 
 async def _collect(gen: Generation) -> None:
@@ -189,9 +272,7 @@ async def _stream(
         _close(gw, gen)
 
 
-async def _until_shutdown(
-    pieces: AsyncIterator[Piece], stop: asyncio.Event
-) -> AsyncIterator[Piece]:
+async def _until_shutdown(pieces: AsyncIterator[_T], stop: asyncio.Event) -> AsyncIterator[_T]:
     """The pieces, until the server's drain period ends: then a 503 error event."""
     stopping = asyncio.ensure_future(stop.wait())
     nxt = None

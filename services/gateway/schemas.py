@@ -50,7 +50,7 @@ class _GenerationParams(BaseModel):
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="Any integer.")
-    n: int | None = Field(1, ge=1, le=128, description="Only 1 is supported.")
+    n: int | None = Field(1, ge=1, le=128, description="Answers to generate (choices).")
     user: str | None = None
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)

@@ -299,3 +299,63 @@ def test_completions_logprobs_and_echo(client):
             model="smollm2-135m-instruct", prompt=prompt, max_tokens=2, echo=True, logprobs=1
         )
     assert getattr(err.value, "status_code", None) == 400 and "echo" in str(err.value)
+
+
+def prefix_hits(stack) -> float:
+    registry = stack["scheduler"].service.metrics.registry
+    return registry.get_sample_value("alise:prefix_cache_hits_total") or 0.0
+
+
+def test_n_answers_share_the_prefilled_prompt_streamed_and_not(stack, client):
+    """n = 3: three choices, the usage counts the prompt once; the siblings start after the
+    first answer's first token and find its prompt blocks in the prefix cache."""
+    ask = dict(
+        model="smollm2-135m-instruct",
+        temperature=1.0,
+        seed=7,
+        max_tokens=8,
+        n=3,
+        messages=[
+            {"role": "system", "content": "You are a poet. " * 8},
+            {"role": "user", "content": "Write one line about rain."},
+        ],
+    )
+    before = prefix_hits(stack)
+    out = client.chat.completions.create(**ask)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.content for c in out.choices)
+    assert len({c.message.content for c in out.choices}) > 1  # seeds 7, 8, 9 differ
+    prompt = httpx.post(stack["url"] + "/tokenize", json={"messages": ask["messages"]}).json()
+    assert out.usage.prompt_tokens == prompt["count"]
+    assert out.usage.completion_tokens <= 3 * 8 and out.usage.completion_tokens >= 3
+    full_blocks = prompt["count"] // 16 * 16
+    assert wait_until(lambda: prefix_hits(stack) - before >= 2 * full_blocks)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    texts: dict[int, str] = {}
+    finished = set()
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2} and len({c.id for c in chunks}) == 1
+    assert texts == {c.index: c.message.content for c in out.choices}  # same seeds, same text
+
+
+def test_best_of_keeps_the_most_likely_answers(client):
+    ask = dict(
+        model="smollm2-135m-instruct",
+        prompt="My favourite colour is",
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        logprobs=0,
+    )
+    one = client.completions.create(**ask, n=1, best_of=4)
+    four = client.completions.create(**ask, n=4)
+    totals = sorted((sum(c.logprobs.token_logprobs) for c in four.choices), reverse=True)
+    assert len(one.choices) == 1
+    assert sum(one.choices[0].logprobs.token_logprobs) == pytest.approx(totals[0], abs=1e-3)
+    with pytest.raises(Exception) as err:
+        client.completions.create(**ask, n=3, best_of=2)
+    assert getattr(err.value, "status_code", None) == 400

@@ -87,7 +87,8 @@ def test_second_key_works_and_health_needs_none(url):
     "body,param",
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
@@ -141,7 +142,8 @@ def test_invalid_chat_parameters_are_400(client, body, param):
         ({"prompt": [1, 99_999_999]}, "prompt"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+        ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
         ({"prompt": "x", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
         ({}, "prompt"),
     ],
@@ -223,6 +225,6 @@ def test_cors_preflight_allows_the_configured_origin_only(url):
 
 
 def test_metrics_count_requests_by_status(client):
-    client.post("/v1/chat/completions", json={**CHAT, "n": 3})
+    client.post("/v1/chat/completions", json={**CHAT, "n": 0})
     text = client.get("/metrics").text
     assert 'alise:gateway_requests_total{route="/v1/chat/completions",status="400"}' in text
