@@ -87,6 +87,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         threads=args.threads,
         split=args.split,
+        seed=args.seed,
     )
     print(json.dumps(report))
     return 0
@@ -117,6 +118,9 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     cal.add_argument("--batch", type=int, default=32, help="prompts decoded together")
     cal.add_argument("--temperature", type=float, default=1.0, help="the API's default: 1.0")
     cal.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    cal.add_argument(
+        "--seed", type=int, default=0, help="sampling seed (another seed: another answer)"
+    )
     cal.add_argument(
         "--split",
         default="train",
