@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from services.common.guided import KINDS as GUIDE_KINDS
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,7 +22,7 @@ class SamplingParams:
     min_p (vLLM) and logit_bias ((token id, bias) pairs) change the logits before sampling,
     greedy or not. `top_logprobs` asks for that many most likely tokens (with their
     log-probabilities) per output position. Out-of-range values raise ValueError naming the
-    field."""
+    field. `guide_kind`/`guide_spec` constrain the answer to a structure."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -32,8 +34,12 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int = 0  # most likely alternatives reported per output token
+    guide_kind: str = ""  # structured output (services/common/guided.py); "" = none
+    guide_spec: str = ""
 
     def __post_init__(self) -> None:
+        if self.guide_kind not in ("", *GUIDE_KINDS):
+            raise ValueError(f"guide_kind must be one of {GUIDE_KINDS}, got {self.guide_kind!r}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -17,6 +17,8 @@ def to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         min_p=params.min_p,
         logit_bias=dict(params.logit_bias),
         top_logprobs=params.top_logprobs,
+        guide_kind=params.guide_kind,
+        guide_spec=params.guide_spec,
     )
     if params.seed is not None:
         pb.seed = params.seed
@@ -36,4 +38,6 @@ def from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         min_p=pb.min_p,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
         top_logprobs=pb.top_logprobs,
+        guide_kind=pb.guide_kind,
+        guide_spec=pb.guide_spec,
     )

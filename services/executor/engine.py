@@ -35,6 +35,7 @@ from services.executor.step_plan import BlockOwners, StepChecker, StepPlan, appl
 from services.executor.swap import SwapManager
 
 if TYPE_CHECKING:
+    from services.common.guided import GuideCompiler
     from services.common.settings import ExecutorSettings
     from services.scheduler.core.output import SchedulerOutput
 
@@ -169,6 +170,13 @@ class Engine:
             "attention_backend": self.attn.name,
         }
 
+    @functools.cached_property
+    def guides(self) -> GuideCompiler:
+        """Structured outputs' compiler for this model's vocabulary (built on first use)."""
+        from services.common.guided import GuideCompiler
+
+        return GuideCompiler.from_dir(self.model_dir, vocab_size=self.spec.vocab_size)
+
     # -- one step -------------------------------------------------------------------------
     def step(self, step: StepInput | SchedulerOutput, all_logits: bool = False) -> StepOutput:
         """Apply the delta, run the forward pass, sample. all_logits: also return the fp32
@@ -186,6 +194,10 @@ class Engine:
 
         def open_request(state: RequestState) -> None:
             state.staging_slot = self.cache.open_request(state.request_id)
+            if state.sampling.guide_kind:  # a recompute replays the output into the matcher
+                output = state.token_ids[len(state.token_ids) - state.num_output_tokens :]
+                sp = state.sampling
+                state.matcher = self.guides.matcher(sp.guide_kind, sp.guide_spec, output)
 
         apply_plan(plan, self.requests, self.owners, self.cache.close_request, open_request)
 
@@ -253,6 +265,9 @@ class Engine:
         if not batch.sample_ids:
             return
         states = [self.requests[rid] for rid in batch.sample_ids]
+        guided = [i for i, s in enumerate(states) if s.matcher and not s.matcher.is_terminated()]
+        if guided:
+            self.guides.mask(logits, guided, [states[i].matcher for i in guided])
         tokens, logprobs = sample(
             logits,
             [s.sampling for s in states],
@@ -260,6 +275,8 @@ class Engine:
             [s.token_ids for s in states],
         )
         tops = top_alternatives(logits, [s.sampling for s in states])
+        for i in guided:
+            states[i].matcher.accept_token(tokens[i])
         for st, tok, lp, top in zip(states, tokens, logprobs, tops):
             st.token_ids.append(tok)
             st.num_output_tokens += 1

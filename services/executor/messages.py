@@ -7,6 +7,7 @@ in-process driver, the gRPC servicer and tests share one path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.sampling import SamplingParams
 
@@ -61,3 +62,4 @@ class RequestState:
     num_computed: int = 0
     block_table: list[int] | None = field(default_factory=list)  # None: swapped out
     staging_slot: int = -1
+    matcher: Any = None  # structured output: the guide's matcher (services/common/guided.py)

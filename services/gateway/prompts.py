@@ -5,6 +5,7 @@ length limits. Every refusal is an `APIError` with the status the issue asks for
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
@@ -13,6 +14,7 @@ from services.common.pb import common_pb2
 from services.common.sampling import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Plan
+from services.gateway.guides import Guide, checked_guide
 from services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -23,6 +25,8 @@ from services.gateway.schemas import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from services.common.guided import GuideCompiler
 
 SLO_HEADERS = {
     "ttft_ms": "x-slo-ttft-ms",
@@ -44,6 +48,13 @@ class PromptBuilder:
         self.max_len = max_len  # current maximum model length (the scheduler may report later)
         self.vocab_size = len(tokenizer)
 
+    @functools.cached_property
+    def guides(self) -> GuideCompiler:
+        """Compiles structured-output guides to check them (built on first use)."""
+        from services.common.guided import GuideCompiler
+
+        return GuideCompiler(self.tokenizer)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
             raise APIError(
@@ -61,7 +72,8 @@ class PromptBuilder:
         text = await self.chat_text(body.messages)
         ids = await asyncio.to_thread(self._encode, text)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return self._plan(body, headers, request_id, text, ids, max_tokens, "messages")
+        guide = await checked_guide(body, self.guides)
+        return self._plan(body, headers, request_id, text, ids, max_tokens, "messages", guide)
 
     async def completion(
         self, body: CompletionRequest, headers: Mapping[str, str], request_id: str
@@ -75,7 +87,8 @@ class PromptBuilder:
         else:
             text = _single_prompt(prompt)
             ids = await asyncio.to_thread(self._encode, text)
-        return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt")
+        guide = await checked_guide(body, self.guides)
+        return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt", guide)
 
     async def chat_text(self, messages: list[ChatMessage]) -> str:
         """The messages through the chat template, ready for generation (`developer` is the
@@ -121,6 +134,7 @@ class PromptBuilder:
         ids: list[int],
         max_tokens: int | None,
         param: str,
+        guide: Guide = ("", ""),
     ) -> Plan:
         if not ids:
             raise bad_request("the prompt is empty", param=param, code="empty_prompt")
@@ -137,7 +151,7 @@ class PromptBuilder:
             prompt_ids=ids,
             max_tokens=max_tokens,
             stops=body.stop_list(),
-            sampling=_sampling(body, self.vocab_size),
+            sampling=_sampling(body, self.vocab_size, guide),
             stop_token_ids=self._stop_ids(body.stop_token_ids),
             include_stop=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
@@ -217,8 +231,6 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     if body.tools:
         raise bad_request("tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only the text response format is supported", param="response_format")
 
 
 def _refuse_unsupported_completion(body: CompletionRequest) -> None:
@@ -234,7 +246,7 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
 
 
 def _sampling(
-    body: CompletionRequest | ChatCompletionRequest, vocab_size: int
+    body: CompletionRequest | ChatCompletionRequest, vocab_size: int, guide: Guide = ("", "")
 ) -> common_pb2.SamplingParams:
     """The schema has checked the ranges already (a refusal there is a 400); null = default."""
 
@@ -254,6 +266,8 @@ def _sampling(
             min_p=value("min_p", 0.0),
             logit_bias=_logit_bias(body.logit_bias, vocab_size),
             top_logprobs=_logprobs(body) or 0,
+            guide_kind=guide[0],
+            guide_spec=guide[1],
         )
     )
 

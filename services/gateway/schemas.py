@@ -4,8 +4,9 @@ Requests accept the fields OpenAI clients send, an explicit null wherever OpenAI
 (it means the default). Sampling knobs are honoured in the executor's sampler: temperature,
 top_p, seed (any integer), presence and frequency penalties, logit_bias, and vLLM's top_k,
 min_p and repetition_penalty; chat `logprobs`/`top_logprobs` and completions `logprobs` (and
-`echo` without them) are answered in OpenAI's shapes. Features not built yet that would change
-the answer's shape (n > 1, tools, JSON mode, prompt logprobs) are refused with a 400 naming
+`echo` without them) are answered in OpenAI's shapes; `n`/`best_of`; structured outputs
+(`response_format` json_object / json_schema, vLLM's `guided_*` and `structured_outputs`). Features not built yet that would change
+the answer's shape (tools, prompt logprobs) are refused with a 400 naming
 the field. Extensions:
 `priority`, `slo`, `ignore_eos`, `top_k`, `min_tokens`, `min_p`, `repetition_penalty` (vLLM's
 names) and `return_token_times` (each chunk carries the scheduler's token time).
@@ -70,6 +71,16 @@ class _GenerationParams(BaseModel):
     skip_special_tokens: bool = Field(
         True, description="vLLM extension: leave special tokens out of the text."
     )
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": ...}'
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON schema.")
+    guided_regex: str | None = Field(None, description="vLLM: a regular expression.")
+    guided_choice: list[str] | None = Field(None, description="vLLM: one of these strings.")
+    guided_grammar: str | None = Field(None, description="vLLM: an EBNF grammar.")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM: {json | regex | choice | grammar}."
+    )
     # Extensions.
     priority: int | None = Field(
         None, ge=-(2**31), le=2**31 - 1, description="Larger = more important (ALISE extension)."
@@ -130,7 +141,6 @@ class ChatCompletionRequest(_GenerationParams):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # Responses.

@@ -94,14 +94,8 @@ def calibrate(
 
     model = served_model_id(settings.model)
     out = out or settings.data_dir / "calibration" / calibration_name(model, max_tokens, split)
-    header = {
-        "model": model,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "seed": seed,
-        "split": split,
-    }
-    done = _open(out, header)
+    header = dict(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    done = _open(out, {**header, "split": split})
     todo = [s for s in load_split(split, settings.model, settings.data_dir) if s.id not in done]
     todo = todo[: max(0, n - len(done))]
     if threads:
@@ -125,16 +119,19 @@ def calibrate(
         rate = tokens / (time.perf_counter() - t0)
         log.info("calibrated %d/%d (%.0f tokens/s)", len(done) + start + len(chunk), n, rate)
     engine.close()
+    return _report(out, len(todo), tokens, time.perf_counter() - t0)
+
+
+def _report(out: Path, new: int, tokens: int, run_s: float) -> dict:
     _, rows = read_calibration(out)
+    cut = sum(r["censored"] for r in rows.values())
     return {
         "file": str(out),
         "prompts": len(rows),
-        "new": len(todo),
-        "censored_fraction": round(
-            sum(r["censored"] for r in rows.values()) / max(1, len(rows)), 3
-        ),
-        "run_s": round(time.perf_counter() - t0, 1),
-        "tokens_per_s": round(tokens / max(1e-9, time.perf_counter() - t0), 1),
+        "new": new,
+        "censored_fraction": round(cut / max(1, len(rows)), 3),
+        "run_s": round(run_s, 1),
+        "tokens_per_s": round(tokens / max(1e-9, run_s), 1),
     }
 
 

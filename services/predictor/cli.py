@@ -130,32 +130,7 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     cal.set_defaults(func=_calibrate)
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    group = subparsers.add_parser("predictor", help="output-length predictor service")
-    sub = group.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND")
-    group.set_defaults(_parser=group)
-
-    serve = sub.add_parser("serve", help="run the gRPC predictor service")
-    serve.set_defaults(func=_serve)
-
-    seed = sub.add_parser("seed", help="bulk-load the ShareGPT train split into the store")
-    seed.add_argument("--limit", type=int, default=None, help="first N train samples only")
-    seed.add_argument("--force", action="store_true", help="seed even if the store has points")
-    seed.set_defaults(func=_seed)
-
-    train = sub.add_parser("train", help="train the MLP fallback (or --proxy, eval only)")
-    train.add_argument(
-        "--proxy",
-        action="store_true",
-        help="fine-tune the embedder end-to-end with a regression head",
-    )
-    train.add_argument(
-        "--limit", type=int, default=None, help="train samples used (proxy default 2000)"
-    )
-    train.add_argument("--epochs", type=int, default=None, help="MLP 60 (early stop), proxy 1")
-    train.set_defaults(func=_train)
-
-    _add_calibrate(sub)
+def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from services.predictor.served_eval import add_arguments as served_eval_arguments
 
     ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
@@ -193,6 +168,35 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="also sweep k and s0 on a validation part of the train split",
     )
     ev.set_defaults(func=_eval)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    group = subparsers.add_parser("predictor", help="output-length predictor service")
+    sub = group.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND")
+    group.set_defaults(_parser=group)
+
+    serve = sub.add_parser("serve", help="run the gRPC predictor service")
+    serve.set_defaults(func=_serve)
+
+    seed = sub.add_parser("seed", help="bulk-load the ShareGPT train split into the store")
+    seed.add_argument("--limit", type=int, default=None, help="first N train samples only")
+    seed.add_argument("--force", action="store_true", help="seed even if the store has points")
+    seed.set_defaults(func=_seed)
+
+    train = sub.add_parser("train", help="train the MLP fallback (or --proxy, eval only)")
+    train.add_argument(
+        "--proxy",
+        action="store_true",
+        help="fine-tune the embedder end-to-end with a regression head",
+    )
+    train.add_argument(
+        "--limit", type=int, default=None, help="train samples used (proxy default 2000)"
+    )
+    train.add_argument("--epochs", type=int, default=None, help="MLP 60 (early stop), proxy 1")
+    train.set_defaults(func=_train)
+
+    _add_calibrate(sub)
+    _add_eval(sub)
 
     bench = sub.add_parser("bench-store", help="qdrant-client local mode vs Qdrant Edge")
     bench.add_argument("--points", type=int, default=16_000)

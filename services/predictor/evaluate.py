@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.predictor.core import LengthPredictor, combine, decide
+from services.predictor.core import LengthPredictor
+from services.predictor.eval_common import chat_formatter, predictions, search_all, seeded_store
 from services.predictor.metrics_eval import accuracy
 
 if TYPE_CHECKING:
@@ -34,72 +35,12 @@ log = logging.getLogger(__name__)
 METHODS = ("prior", "mlp", "retrieval", "ours", "proxy")
 
 
-def chat_formatter(settings: PredictorSettings) -> Callable[[str], str]:
-    from services.common.models import load_tokenizer
-
-    tok = load_tokenizer(settings.model, settings.data_dir)
-    return lambda text: tok.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-
-
 def _load(settings, args):
     from services.workload.traces.sharegpt import load_split
 
     train = load_split("train", settings.model, settings.data_dir)[: args.limit_train]
     test = load_split("test", settings.model, settings.data_dir)[: args.limit_test]
     return train, test
-
-
-def _seeded_store(dim: int, model: str, root: Path, vectors, lengths, censored=None):
-    from services.predictor.store_base import Record, point_id
-    from services.predictor.store_edge import EdgeStore
-
-    store = EdgeStore(dim, root)
-    capped = np.zeros(len(lengths)) if censored is None else np.asarray(censored, np.float64)
-    store.upsert(
-        model,
-        [
-            Record(point_id(model, str(i)), v, float(n), capped=float(c))
-            for i, (v, n, c) in enumerate(zip(vectors, lengths, capped))
-        ],
-    )
-    store.optimize(model)
-    return store
-
-
-def _search_all(store, model: str, vectors: np.ndarray, k: int) -> list:
-    return [
-        n
-        for start in range(0, len(vectors), 256)
-        for n in store.search(model, vectors[start : start + 256], k)
-    ]
-
-
-def _predictions(neighbors, mlp_pred, prior, s0, n, mlp_capped=None) -> tuple[dict, dict, dict]:
-    """(lengths, hit rates, p_capped) per method."""
-    mlp_capped = np.zeros(n) if mlp_capped is None else mlp_capped
-    ours = [decide(nb, (m, c), prior, s0) for nb, m, c in zip(neighbors, mlp_pred, mlp_capped)]
-    retrieval = [combine(nb, -1.0) for nb in neighbors]
-    preds = {
-        "prior": np.full(n, round(prior)),
-        "mlp": np.maximum(np.round(mlp_pred), 1),
-        "retrieval": np.array([max(1, round(r[0])) if r else round(prior) for r in retrieval]),
-        "ours": np.array([p.length for p in ours]),
-    }
-    hits = {
-        "prior": 0.0,
-        "mlp": 0.0,
-        "retrieval": float(np.mean([r is not None for r in retrieval])),
-        "ours": float(np.mean([p.source == "retrieval" for p in ours])),
-    }
-    capped = {
-        "prior": np.zeros(n),
-        "mlp": np.asarray(mlp_capped, np.float64),
-        "retrieval": np.array([r[2] if r else 0.0 for r in retrieval]),
-        "ours": np.array([p.p_capped for p in ours]),
-    }
-    return preds, hits, capped
 
 
 def _proxy(settings, args, model: str):
@@ -189,9 +130,9 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
         "methods": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        store = _seeded_store(embedder.dim, model, Path(tmp), x_tr, y_tr)
-        neighbors = _search_all(store, model, x_te, k)
-        preds, hits, _ = _predictions(neighbors, mlp.predict(x_te, f_te), prior, s0, len(test_s))
+        store = seeded_store(embedder.dim, model, Path(tmp), x_tr, y_tr)
+        neighbors = search_all(store, model, x_te, k)
+        preds, hits, _ = predictions(neighbors, mlp.predict(x_te, f_te), prior, s0, len(test_s))
         proxy = None if args.no_proxy else _proxy(settings, args, model)
         if proxy is not None:
             preds["proxy"] = np.maximum(

@@ -91,7 +91,7 @@ def _setup(settings, embedder, chat, fit: list[Sample], cut, test: list[Sample],
     """(preds, hits, p_capped) per method, store and MLP fit on `fit` (`cut`: censored flags
     of `fit`, or None to treat every length as complete)."""
     from services.predictor.build import embedding_cache
-    from services.predictor.evaluate import _predictions, _search_all, _seeded_store
+    from services.predictor.eval_common import predictions, search_all, seeded_store
     from services.predictor.mlp import length_feature, train
 
     fit_p, test_p = [chat(s.prompt) for s in fit], [chat(s.prompt) for s in test]
@@ -102,10 +102,10 @@ def _setup(settings, embedder, chat, fit: list[Sample], cut, test: list[Sample],
     mlp = train(x_fit, f_fit, y_fit, censored=cut, log=None)
     k, s0, prior = settings.predictor_top_k, settings.predictor_threshold, float(y_fit.mean())
     with tempfile.TemporaryDirectory() as tmp:
-        store = _seeded_store(embedder.dim, model, Path(tmp), x_fit, y_fit, cut)
-        neighbors = _search_all(store, model, x_test, k)
+        store = seeded_store(embedder.dim, model, Path(tmp), x_fit, y_fit, cut)
+        neighbors = search_all(store, model, x_test, k)
         mlp_len, mlp_cap = mlp.predict(x_test, f_test), mlp.predict_capped(x_test, f_test)
-        got = _predictions(neighbors, mlp_len, prior, s0, len(test), mlp_cap)
+        got = predictions(neighbors, mlp_len, prior, s0, len(test), mlp_cap)
         store.close()
     return got
 
@@ -146,7 +146,7 @@ def held_out(settings: PredictorSettings, args: argparse.Namespace) -> dict:
 
 def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     from services.predictor.build import make_embedder, served_models
-    from services.predictor.evaluate import chat_formatter
+    from services.predictor.eval_common import chat_formatter
 
     data = held_out(settings, args)
     test, cut, cap = data["test"], data["cut_test"], data["header"]["max_tokens"]

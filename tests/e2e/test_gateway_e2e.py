@@ -359,3 +359,97 @@ def test_best_of_keeps_the_most_likely_answers(client):
     with pytest.raises(Exception) as err:
         client.completions.create(**ask, n=3, best_of=2)
     assert getattr(err.value, "status_code", None) == 400
+
+
+# Greedy SmolLM2-135M loops inside a JSON string for a few countries (India, Peru) until the
+# cap: the grammar holds (the text is a valid JSON prefix) but the answer never closes. These
+# twenty end.
+COUNTRIES = [
+    "France", "Japan", "Brazil", "Kenya", "Canada", "Italy", "Sweden", "Mexico", "Egypt", "Spain",
+    "Germany", "Chile", "Norway", "Turkey", "China", "Greece", "Ghana", "Nepal", "Cuba", "Poland",
+]  # fmt: skip
+
+
+def _concurrently(fn, items):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def test_json_mode_answers_parse_for_20_prompts(client):
+    import json as jsonlib
+
+    def ask(country: str):
+        return client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            temperature=0,
+            max_tokens=96,
+            response_format={"type": "json_object"},
+            messages=[
+                {
+                    "role": "user",
+                    "content": f'Return a JSON object with the keys "country" and "capital" '
+                    f"for {country}.",
+                }
+            ],
+        )
+
+    for out in _concurrently(ask, COUNTRIES):
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(jsonlib.loads(choice.message.content), dict)
+
+
+def test_json_schema_answers_validate_for_20_prompts(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        country: str = Field(max_length=40)
+        capital: str = Field(max_length=40)
+        continent: Literal["Africa", "Asia", "Europe", "North America", "South America"]
+
+    def ask(country: str):
+        return client.beta.chat.completions.parse(
+            model="smollm2-135m-instruct",
+            temperature=0,
+            max_tokens=96,
+            response_format=Capital,
+            messages=[{"role": "user", "content": f"What is the capital of {country}?"}],
+        )
+
+    for out in _concurrently(ask, COUNTRIES):
+        parsed = out.choices[0].message.parsed
+        assert isinstance(parsed, Capital), out.choices[0].message.content
+        assert parsed.country and parsed.capital
+
+
+def test_vllm_guided_choice_regex_and_refusals(client):
+    import re
+
+    base = dict(model="smollm2-135m-instruct", temperature=0, max_tokens=16)
+    msg = [{"role": "user", "content": "Is the sky blue? Answer."}]
+    choice = client.chat.completions.create(
+        **base, messages=msg, extra_body={"guided_choice": ["yes", "no", "maybe"]}
+    )
+    assert choice.choices[0].message.content in {"yes", "no", "maybe"}
+    regex = client.completions.create(
+        **base, prompt="The year is", extra_body={"guided_regex": r" [12][0-9]{3}\."}
+    )
+    assert re.fullmatch(r" [12][0-9]{3}\.", regex.choices[0].text), regex.choices[0].text
+    streamed = client.chat.completions.create(
+        **base, messages=msg, stream=True, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text in {"yes", "no"}
+    for extra, field in (
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ):
+        with pytest.raises(Exception) as err:
+            client.chat.completions.create(**base, messages=msg, extra_body=extra)
+        assert getattr(err.value, "status_code", None) == 400, extra
+        assert field in str(err.value)

@@ -224,3 +224,57 @@ def test_llama3_rope_scaling_parity(tiny_dirs, tmp_path):
         assert (logits - ref).abs().max() < 1e-4
         if len(ids) > 16:
             assert (ref - unscaled).abs().max() > 1e-2
+
+
+def _decode(engine, rid: str, step: int, n: int, eos: set[int]) -> list[int]:
+    """Up to n decode steps of `rid` (its table already set), stopping after an EOS."""
+    out = []
+    for i in range(n):
+        got = engine.step(StepInput(step + i, [], {}, {rid: 1})).sampled[rid][0]
+        out.append(got)
+        if got in eos:
+            break
+    return out
+
+
+def test_guided_decoding_masks_every_row_and_survives_recompute(tiny_dirs):
+    """A random-weight model under a regex guide: every sampled token keeps the text a prefix
+    of the language, the answer ends (EOS) when the guide is complete, and a recompute that
+    re-sends the output so far (num_output_tokens) continues from where it was."""
+    import itertools
+    import re
+
+    from transformers import AutoTokenizer
+
+    from services.common.sampling import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    pattern = "(cat|dog)( (cat|dog)){4}"
+    guide = SamplingParams(temperature=1.0, seed=5, guide_kind="regex", guide_spec=pattern)
+    engine = _engine(tiny_dirs)
+    eos = set(engine.spec.eos_token_ids)
+    prompt = list(range(100, 120))
+    first = engine.step(
+        StepInput(0, [NewRequest("g", prompt, guide)], {"g": ([0, 1], False)}, {"g": 20})
+    )
+    output = [first.sampled["g"][0], *_decode(engine, "g", 1, 2, eos)]
+    sentences = [" ".join(words) for words in itertools.product(("cat", "dog"), repeat=5)]
+    assert any(s.startswith(tok.decode(output)) for s in sentences), tok.decode(output)
+    # preempted by recompute: freed, then re-sent with its output so far
+    engine.step(StepInput(3, [], {}, {}, free_request_ids=["g"]))
+    again = NewRequest("g", prompt + output, guide, num_output_tokens=len(output))
+    resumed = engine.step(
+        StepInput(4, [again], {"g": ([2, 3], False)}, {"g": len(prompt) + len(output)})
+    )
+    output += [resumed.sampled["g"][0], *_decode(engine, "g", 5, 16, eos)]
+    assert output[-1] in eos
+    assert re.fullmatch(pattern, tok.decode(output[:-1])), tok.decode(output)
+    unguided = engine.step(
+        StepInput(
+            30,
+            [NewRequest("u", prompt, SamplingParams(temperature=1.0, seed=5))],
+            {"u": ([4, 5], False)},
+            {"u": 20},
+        )
+    ).sampled["u"][0]
+    assert not re.fullmatch(r"(cat|dog)?", tok.decode([unguided]).strip())
