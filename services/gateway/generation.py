@@ -59,6 +59,7 @@ class Plan:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: not asked; else the top alternatives per token (0-20)
     echo: bool = False  # completions: the prompt text opens the answer
+    tools_mode: str = ""  # "" | "auto" | "forced": parse tool calls out of the answer
 
     def to_pb(self, prediction: common_pb2.Prediction | None) -> scheduler_pb2.GenerateRequest:
         request = scheduler_pb2.GenerateRequest(

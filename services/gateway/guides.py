@@ -94,3 +94,12 @@ async def checked_guide(
     except GuideError as exc:
         raise bad_request(f"{field}: {exc}", param=field) from None
     return (kind, spec)
+
+
+async def checked_tool_guide(guide: Guide, compiler: GuideCompiler) -> Guide:
+    """The JSON-schema guide of a forced tool call, compiled to check the tools' schemas."""
+    try:
+        await asyncio.to_thread(compiler.check, *guide)
+    except GuideError as exc:
+        raise bad_request(f"tools: {exc}", param="tools") from None
+    return guide

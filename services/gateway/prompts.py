@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.common import sampling_pb
 from services.common.pb import common_pb2
 from services.common.sampling import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Plan
-from services.gateway.guides import Guide, checked_guide
+from services.gateway.guides import Guide, checked_guide, checked_tool_guide
 from services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -22,6 +22,8 @@ from services.gateway.schemas import (
     Slo,
     TextPart,
 )
+from services.gateway.tools import history_text, plan_tools
+from services.gateway.tools import system_prompt as tools_system_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,11 +71,20 @@ class PromptBuilder:
     ) -> Plan:
         self.check_model(body.model)
         _refuse_unsupported_chat(body)
-        text = await self.chat_text(body.messages)
+        tools = plan_tools(body.tools, body.tool_choice)
+        text = await self.chat_text(body.messages, body.tools if tools.mode else None)
         ids = await asyncio.to_thread(self._encode, text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         guide = await checked_guide(body, self.guides)
-        return self._plan(body, headers, request_id, text, ids, max_tokens, "messages", guide)
+        if tools.mode == "forced":
+            if guide[0]:
+                raise bad_request(
+                    "tool_choice forces a call: no response_format with it", param="tool_choice"
+                )
+            guide = await checked_tool_guide(tools.guide, self.guides)
+        plan = self._plan(body, headers, request_id, text, ids, max_tokens, "messages", guide)
+        plan.tools_mode = tools.mode
+        return plan
 
     async def completion(
         self, body: CompletionRequest, headers: Mapping[str, str], request_id: str
@@ -90,16 +101,32 @@ class PromptBuilder:
         guide = await checked_guide(body, self.guides)
         return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt", guide)
 
-    async def chat_text(self, messages: list[ChatMessage]) -> str:
+    async def chat_text(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """The messages through the chat template, ready for generation (`developer` is the
-        newer name of `system`; text parts are joined with newlines)."""
-        plain = [
-            {"role": ROLE_ALIASES.get(m.role, m.role), "content": _message_text(m.content, i)}
-            for i, m in enumerate(messages)
-        ]
-        return await asyncio.to_thread(self._render, plain)
+        newer name of `system`; text parts are joined with newlines; tool calls and results
+        written out, and `tools` described, as `services/gateway/tools.py` says)."""
+        plain = []
+        for i, m in enumerate(messages):
+            role = ROLE_ALIASES.get(m.role, m.role)
+            role, text = history_text(role, _message_text(m.content, i), m.model_extra or {})
+            plain.append({"role": role, "content": text})
+        if tools and not self.template_knows_tools:
+            if plain and plain[0]["role"] == "system":
+                plain[0]["content"] = tools_system_prompt(tools) + "\n\n" + plain[0]["content"]
+            else:
+                plain.insert(0, {"role": "system", "content": tools_system_prompt(tools)})
+            tools = None
+        return await asyncio.to_thread(self._render, plain, tools)
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    @functools.cached_property
+    def template_knows_tools(self) -> bool:
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    def _render(
+        self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 "this model has no chat template; use /v1/completions",
@@ -108,7 +135,7 @@ class PromptBuilder:
             )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:
             raise bad_request(f"chat template failed: {exc}", param="messages") from exc
@@ -229,8 +256,6 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     _refuse_common(body)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if body.tools:
-        raise bad_request("tools are not supported", param="tools")
 
 
 def _refuse_unsupported_completion(body: CompletionRequest) -> None:

@@ -13,6 +13,7 @@ import time
 from google.protobuf.json_format import MessageToDict
 
 from services.common.pb import common_pb2
+from services.gateway import tools
 from services.gateway.generation import Generation
 from services.gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 
@@ -148,12 +149,26 @@ class ChunkMaker:
     def piece(
         self, text: str, token_time: float, logprobs: list[TokenLogprob] | None = None
     ) -> bytes:
+        """One piece's chunk (b"" while an answer that may hold tool calls is held back)."""
+        if self.gen.plan.tools_mode:
+            return b""
         ext = {"time": token_time} if self.token_times else None
         return self._chunk(self._choice(text, None, logprobs=logprobs), ext)
 
     def finish(self) -> bytes:
-        """This choice's last chunk: its finish reason."""
-        return self._chunk(self._choice(None, self.gen.finish_reason), final_extension(self.gen))
+        """This choice's last chunk: its finish reason (after the held-back answer's content
+        or tool calls, when the request has tools)."""
+        if not self.gen.plan.tools_mode:
+            return self._chunk(
+                self._choice(None, self.gen.finish_reason), final_extension(self.gen)
+            )
+        content, calls = tools.parse(self.gen.text, self.gen.plan.tools_mode)
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        body = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        done = self._choice(None, _finish_reason(self.gen, calls))
+        return self._chunk(body) + self._chunk(done, final_extension(self.gen))
 
     def tail(self, gens: list[Generation]) -> list[bytes]:
         """The usage chunk (when asked) over every answer, then [DONE]."""
@@ -200,11 +215,17 @@ def _full_choice(gen: Generation, chat: bool, index: int) -> dict:
     plan = gen.plan
     asked = plan.logprobs is not None
     if chat:
+        message: dict = {"role": "assistant", "content": gen.text}
+        calls: list = []
+        if plan.tools_mode:
+            message["content"], calls = tools.parse(gen.text, plan.tools_mode)
+            if calls:
+                message["tool_calls"] = calls
         return {
             "index": index,
-            "message": {"role": "assistant", "content": gen.text},
+            "message": message,
             "logprobs": chat_logprobs(gen.logprobs) if asked else None,
-            "finish_reason": gen.finish_reason,
+            "finish_reason": _finish_reason(gen, calls),
         }
     prefix = plan.prompt_text if plan.echo else ""
     return {
@@ -213,3 +234,8 @@ def _full_choice(gen: Generation, chat: bool, index: int) -> dict:
         "logprobs": completion_logprobs(gen.logprobs, len(prefix)) if asked else None,
         "finish_reason": gen.finish_reason,
     }
+
+
+def _finish_reason(gen: Generation, calls: list) -> str | None:
+    """OpenAI's `tool_calls` when the answer ended (not cut) on tool calls."""
+    return "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason

@@ -229,7 +229,8 @@ async def _stream_many(
                     _record(gw, gens[i], arrival)
                     yield makers[i].finish()
                 else:
-                    yield makers[i].piece(piece.text, piece.time, piece.logprobs)
+                    if chunk := makers[i].piece(piece.text, piece.time, piece.logprobs):
+                        yield chunk
         for chunk in makers[0].tail(gens):
             yield chunk
     except APIError as exc:
@@ -258,7 +259,8 @@ async def _stream(
                 if not first_sent:
                     gw.metrics.ttft.observe(time.perf_counter() - arrival)
                     first_sent = True
-                yield maker.piece(piece.text, piece.time, piece.logprobs)
+                if chunk := maker.piece(piece.text, piece.time, piece.logprobs):
+                    yield chunk
         _record(gw, gen, arrival)
         for chunk in maker.last():
             yield chunk

@@ -5,8 +5,9 @@ Requests accept the fields OpenAI clients send, an explicit null wherever OpenAI
 top_p, seed (any integer), presence and frequency penalties, logit_bias, and vLLM's top_k,
 min_p and repetition_penalty; chat `logprobs`/`top_logprobs` and completions `logprobs` (and
 `echo` without them) are answered in OpenAI's shapes; `n`/`best_of`; structured outputs
-(`response_format` json_object / json_schema, vLLM's `guided_*` and `structured_outputs`). Features not built yet that would change
-the answer's shape (tools, prompt logprobs) are refused with a 400 naming
+(`response_format` json_object / json_schema, vLLM's `guided_*` and `structured_outputs`);
+tools (`tools`, `tool_choice`). Features not built yet that would change the answer's shape
+(prompt logprobs) are refused with a 400 naming
 the field. Extensions:
 `priority`, `slo`, `ignore_eos`, `top_k`, `min_tokens`, `min_p`, `repetition_penalty` (vLLM's
 names) and `return_token_times` (each chunk carries the scheduler's token time).

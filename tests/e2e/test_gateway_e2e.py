@@ -453,3 +453,115 @@ def test_vllm_guided_choice_regex_and_refusals(client):
             client.chat.completions.create(**base, messages=msg, extra_body=extra)
         assert getattr(err.value, "status_code", None) == 400, extra
         assert field in str(err.value)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}},
+            "required": ["zone"],
+        },
+    },
+}
+
+
+def test_required_and_named_tool_calls_always_parse(stack, client):
+    import json as jsonlib
+
+    def ask(city: str):
+        return client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            temperature=0,
+            max_tokens=64,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            messages=[{"role": "user", "content": f"What's the weather like in {city}?"}],
+        )
+
+    for out in _concurrently(ask, ["Paris", "Tokyo", "Lima", "Oslo", "Cairo"]):
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.function.name in {"get_weather", "get_time"}
+        args = jsonlib.loads(call.function.arguments)
+        assert set(args) == ({"city"} if call.function.name == "get_weather" else {"zone"})
+    named = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        temperature=0,
+        max_tokens=64,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in named:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for tc in choice.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+    assert finish == "tool_calls" and calls[0]["name"] == "get_time"
+    assert jsonlib.loads(calls[0]["arguments"])["zone"] in {"UTC", "CET", "JST"}
+
+
+def test_tool_round_trip_renders_calls_and_results(stack, client):
+    """The assistant's call and the tool's result go back into the prompt; the answer is
+    text again (tool_choice none)."""
+    history = [
+        {"role": "user", "content": "What's the weather like in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "temp_c": 24}'},
+    ]
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        temperature=0,
+        max_tokens=32,
+        tools=[WEATHER],
+        tool_choice="none",
+        messages=history,
+    )
+    assert out.choices[0].finish_reason in {"stop", "length"}
+    assert out.choices[0].message.content and not out.choices[0].message.tool_calls
+    rendered = httpx.post(stack["url"] + "/tokenize", json={"messages": history}).json()
+    text = httpx.post(stack["url"] + "/detokenize", json={"tokens": rendered["tokens"]}).json()
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text["prompt"]
+    assert '<tool_response>\n{"sky": "sunny", "temp_c": 24}\n</tool_response>' in text["prompt"]
+    for bad, field in (
+        ({"tools": [{"type": "function"}]}, "tools.0"),
+        ({"tools": [WEATHER], "tool_choice": {"function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ):
+        with pytest.raises(Exception) as err:
+            client.chat.completions.create(
+                model="smollm2-135m-instruct", max_tokens=4, messages=history[:1], **bad
+            )
+        assert getattr(err.value, "status_code", None) == 400 and err.value.param == field

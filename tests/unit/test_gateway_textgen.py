@@ -119,3 +119,27 @@ def test_stop_matcher_can_keep_the_stop_string():
     assert StopMatcher(["END"], include_stop=True).push("xyENDz") == ("xyEND", True)
     # the earliest match wins, whichever stop it is
     assert StopMatcher(["b", "abc"], include_stop=True).push("xabcb") == ("xabc", True)
+
+
+def test_tool_calls_are_parsed_out_of_auto_and_forced_answers():
+    import json
+
+    from services.gateway.tools import parse
+
+    auto = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls = parse(auto, "auto")
+    assert content == "Let me check." and len(calls) == 1
+    assert calls[0]["function"]["name"] == "f"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    two = (
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"}</tool_call>'
+    )
+    assert [c["function"]["name"] for c in parse(two, "auto")[1]] == ["f", "g"]
+    assert parse("<tool_call>not json</tool_call>", "auto") == (
+        "<tool_call>not json</tool_call>",
+        [],
+    )
+    assert parse("plain answer", "auto") == ("plain answer", [])
+    content, calls = parse('{"name": "f", "arguments": {"x": "y"}}', "forced")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": "y"}
+    assert parse('{"name": "f", "argu', "forced") == ('{"name": "f", "argu', [])  # cut
