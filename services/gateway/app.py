@@ -28,8 +28,8 @@ from services.gateway.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from services.gateway.prompts import PromptBuilder
 from services.gateway.routes import router
 from services.gateway.upstream import Upstream
-from services.gateway.utility import VERSION
 from services.gateway.utility import router as utility_router
+from services.gateway.version import VERSION
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

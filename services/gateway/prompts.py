@@ -97,7 +97,7 @@ class PromptBuilder:
             text = await asyncio.to_thread(self.tokenizer.decode, ids)
         else:
             text = _single_prompt(prompt)
-            ids = await asyncio.to_thread(self._encode, text)
+            ids = await asyncio.to_thread(self._encode, text, True)
         guide = await checked_guide(body, self.guides)
         return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt", guide)
 
@@ -140,8 +140,11 @@ class PromptBuilder:
         except Exception as exc:
             raise bad_request(f"chat template failed: {exc}", param="messages") from exc
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids of `text`; `special`: with the tokenizer's own special tokens (the BOS a
+        raw completion prompt gets, as transformers adds it); a rendered chat template
+        already holds its own."""
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         bad = [i for i in ids if i < 0 or i >= self.vocab_size]

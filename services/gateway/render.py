@@ -16,8 +16,10 @@ from services.common.pb import common_pb2
 from services.gateway import tools
 from services.gateway.generation import Generation
 from services.gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from services.gateway.version import VERSION
 
 DONE = b"data: [DONE]\n\n"
+FINGERPRINT = "alise-" + VERSION  # OpenAI's system_fingerprint: the serving build
 
 
 def sse(payload: dict) -> bytes:
@@ -94,6 +96,7 @@ class ChunkMaker:
             "object": self.object,
             "created": self.created,
             "model": self.gen.plan.model,
+            "system_fingerprint": FINGERPRINT,
             "choices": [choice],
         }
         if self.include_usage:
@@ -181,6 +184,7 @@ class ChunkMaker:
                         "object": self.object,
                         "created": self.created,
                         "model": self.gen.plan.model,
+                        "system_fingerprint": FINGERPRINT,
                         "choices": [],
                         "usage": usage_dict(*gens),
                     }
@@ -205,6 +209,7 @@ def full_response(gen: Generation, chat: bool, *more: Generation) -> dict:
         **head,
         "created": int(time.time()),
         "model": gen.plan.model,
+        "system_fingerprint": FINGERPRINT,
         "choices": [_full_choice(g, chat, i) for i, g in enumerate(gens)],
         "usage": usage_dict(*gens),
         "alise": final_extension(gen),

@@ -13,11 +13,10 @@ from pydantic import BaseModel, Field
 from services.gateway.errors import bad_request
 from services.gateway.routes import ERRORS, require_api_key
 from services.gateway.schemas import ChatMessage
+from services.gateway.version import VERSION
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
-
-VERSION = "0.1.0"
 
 
 class TokenizeRequest(BaseModel):

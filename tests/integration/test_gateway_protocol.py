@@ -86,6 +86,7 @@ def test_chat_sse_framing_is_byte_exact(stack, model):
     chunks = [json.loads(p) for p in payloads[:-1]]
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == model for c in chunks)
+    assert all(c["system_fingerprint"].startswith("alise-") for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     *content, final, usage = chunks[1:]
     assert content and all(c["choices"][0]["finish_reason"] is None for c in content)

@@ -143,3 +143,27 @@ def test_tool_calls_are_parsed_out_of_auto_and_forced_answers():
     content, calls = parse('{"name": "f", "arguments": {"x": "y"}}', "forced")
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": "y"}
     assert parse('{"name": "f", "argu', "forced") == ('{"name": "f", "argu', [])  # cut
+
+
+def test_completion_prompts_get_the_tokenizers_bos_and_chat_prompts_do_not(tmp_path):
+    """A tokenizer that adds BOS (Llama-style) gets it on a raw completion prompt, as
+    transformers adds it; the rendered chat text is encoded as is."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from services.common.models import tokenizer_dir
+    from services.common.settings import GatewaySettings
+    from services.gateway.prompts import PromptBuilder
+    from services.gateway.schemas import CompletionRequest
+
+    settings = GatewaySettings()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(settings.model, settings.data_dir))
+    tok.add_bos_token = True
+    tok.bos_token = "<|endoftext|>"
+    tok.update_post_processor()
+    assert tok("Hi")["input_ids"][0] == tok.bos_token_id
+    builder = PromptBuilder(tok, "m", lambda: 2048)
+    plan = asyncio.run(builder.completion(CompletionRequest(prompt="Hi"), {}, "r1"))
+    assert plan.prompt_ids[0] == tok.bos_token_id and len(plan.prompt_ids) == 2
+    assert builder._encode("Hi") == tok("Hi", add_special_tokens=False)["input_ids"]
