@@ -92,7 +92,7 @@ def _header(name: str, kind: str, description: str) -> dict:
 # Extensions for clients that cannot change bodies (the body wins when both are given).
 EXTENSION_HEADERS = {
     "parameters": [
-        _header("X-Priority", "integer", "Request priority, larger = more important."),
+        _header("X-Priority", "integer", "Request priority (vLLM's: lower = served earlier)."),
         _header("X-SLO-TTFT-MS", "number", "Time-to-first-token objective (ms)."),
         _header("X-SLO-TBT-MS", "number", "Time-between-tokens objective (ms)."),
         _header("X-SLO-Deadline-MS", "number", "Completion deadline (ms after arrival)."),

@@ -84,7 +84,10 @@ class _GenerationParams(BaseModel):
     )
     # Extensions.
     priority: int | None = Field(
-        None, ge=-(2**31), le=2**31 - 1, description="Larger = more important (ALISE extension)."
+        None,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="vLLM's meaning: lower = served earlier (recorded; no policy orders by it yet).",
     )
     slo: Slo | None = None
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
