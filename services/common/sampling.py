@@ -17,12 +17,13 @@ from services.common.guided import KINDS as GUIDE_KINDS
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy; top_p 1 = disabled (0, the proto's unset value, means disabled
-    too and is stored as 1.0); top_k 0 = disabled; seed None = unseeded. Penalties (OpenAI's
-    presence/frequency on output tokens, vLLM's repetition on prompt and output; 1 or 0 = off),
-    min_p (vLLM) and logit_bias ((token id, bias) pairs) change the logits before sampling,
-    greedy or not. `top_logprobs` asks for that many most likely tokens (with their
-    log-probabilities) per output position. Out-of-range values raise ValueError naming the
-    field. `guide_kind`/`guide_spec` constrain the answer to a structure."""
+        too and is stored as 1.0); top_k 0 = disabled; seed None = unseeded. Penalties (OpenAI's
+        presence/frequency on output tokens, vLLM's repetition on prompt and output; 1 or 0 = off),
+        min_p (vLLM), logit_bias ((token id, bias) pairs) and bad_words (token sequences whose last
+    token is banned wherever the output ends with the rest) change the logits before sampling,
+        greedy or not. `top_logprobs` asks for that many most likely tokens (with their
+        log-probabilities) per output position. Out-of-range values raise ValueError naming the
+        field. `guide_kind`/`guide_spec` constrain the answer to a structure."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -36,6 +37,7 @@ class SamplingParams:
     top_logprobs: int = 0  # most likely alternatives reported per output token
     guide_kind: str = ""  # structured output (services/common/guided.py); "" = none
     guide_spec: str = ""
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never completes
 
     def __post_init__(self) -> None:
         if self.guide_kind not in ("", *GUIDE_KINDS):
@@ -55,6 +57,10 @@ class SamplingParams:
         if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
             raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        words = tuple(tuple(int(t) for t in w) for w in self.bad_words)
+        if any(not w or min(w) < 0 for w in words):
+            raise ValueError("bad_words needs non-empty token sequences of ids >= 0")
+        object.__setattr__(self, "bad_words", words)
         self._check_basic()
 
     def _check_basic(self) -> None:
@@ -80,6 +86,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.min_p
             or self.logit_bias
+            or self.bad_words
         )
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -92,4 +99,6 @@ class SamplingParams:
         fields = {k: v for k, v in data.items() if v is not None}
         if "logit_bias" in fields:  # JSON gives lists back
             fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields["logit_bias"])
+        if "bad_words" in fields:
+            fields["bad_words"] = tuple(tuple(w) for w in fields["bad_words"])
         return cls(**fields)

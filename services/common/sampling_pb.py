@@ -19,6 +19,7 @@ def to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         top_logprobs=params.top_logprobs,
         guide_kind=params.guide_kind,
         guide_spec=params.guide_spec,
+        bad_words=[common_pb2.TokenSequence(token_ids=list(w)) for w in params.bad_words],
     )
     if params.seed is not None:
         pb.seed = params.seed
@@ -40,4 +41,5 @@ def from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         top_logprobs=pb.top_logprobs,
         guide_kind=pb.guide_kind,
         guide_spec=pb.guide_spec,
+        bad_words=tuple(tuple(w.token_ids) for w in pb.bad_words),
     )

@@ -8,7 +8,8 @@ same seed gives the same text whether or not the request was preempted and recom
 Rows whose parameters adjust the logits (`SamplingParams.adjusts_logits`) get, in vLLM's
 order: logit bias, repetition penalty (prompt and output tokens: positive logits divided,
 negative multiplied), frequency and presence penalties (output tokens: minus penalty x count,
-minus penalty once), then temperature, top-k, top-p and min-p; greedy rows take the argmax of
+minus penalty once), vLLM's bad words (the last token of a bad word is banned where the output
+ends with the rest of it), then temperature, top-k, top-p and min-p; greedy rows take the argmax of
 the adjusted logits. `top_alternatives` gives the rows that ask (`top_logprobs`) their most
 likely tokens under the same raw distribution, in one top-k over those rows.
 """
@@ -48,6 +49,10 @@ def _adjust(logits: torch.Tensor, p: SamplingParams, tokens: list[int], n_out: i
             picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
         )
     output = tokens[len(tokens) - n_out :] if n_out else []
+    for word in p.bad_words:  # ban the token that would complete a bad word
+        head = list(word[:-1])
+        if word[-1] < vocab and (not head or output[len(output) - len(head) :] == head):
+            x[word[-1]] = float("-inf")
     if (p.frequency_penalty or p.presence_penalty) and output:
         counts = torch.bincount(torch.tensor(output, device=x.device), minlength=vocab)[:vocab]
         x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)

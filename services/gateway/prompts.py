@@ -181,7 +181,7 @@ class PromptBuilder:
             prompt_ids=ids,
             max_tokens=max_tokens,
             stops=body.stop_list(),
-            sampling=_sampling(body, self.vocab_size, guide),
+            sampling=_sampling(body, self.vocab_size, guide, self._bad_words(body.bad_words)),
             stop_token_ids=self._stop_ids(body.stop_token_ids),
             include_stop=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
@@ -192,6 +192,16 @@ class PromptBuilder:
             logprobs=_logprobs(body),
             echo=isinstance(body, CompletionRequest) and body.echo,
         )
+
+    def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """Each word's token ids as it would appear mid-text and at the start (vLLM's)."""
+        out: set[tuple[int, ...]] = set()
+        for word in words or []:
+            for form in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer(form, add_special_tokens=False)["input_ids"])
+                if ids:
+                    out.add(ids)
+        return tuple(sorted(out))
 
     def _stop_ids(self, ids: list[int] | None) -> list[int]:
         bad = [i for i in ids or [] if not 0 <= i < self.vocab_size]
@@ -274,7 +284,10 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
 
 
 def _sampling(
-    body: CompletionRequest | ChatCompletionRequest, vocab_size: int, guide: Guide = ("", "")
+    body: CompletionRequest | ChatCompletionRequest,
+    vocab_size: int,
+    guide: Guide = ("", ""),
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> common_pb2.SamplingParams:
     """The schema has checked the ranges already (a refusal there is a 400); null = default."""
 
@@ -296,6 +309,7 @@ def _sampling(
             top_logprobs=_logprobs(body) or 0,
             guide_kind=guide[0],
             guide_spec=guide[1],
+            bad_words=bad_words,
         )
     )
 

@@ -72,6 +72,9 @@ class _GenerationParams(BaseModel):
     skip_special_tokens: bool = Field(
         True, description="vLLM extension: leave special tokens out of the text."
     )
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, max_length=64, description="vLLM: words the answer never contains."
+    )
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": ...}'
     )

@@ -565,3 +565,16 @@ def test_tool_round_trip_renders_calls_and_results(stack, client):
                 model="smollm2-135m-instruct", max_tokens=4, messages=history[:1], **bad
             )
         assert getattr(err.value, "status_code", None) == 400 and err.value.param == field
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(client):
+    ask = dict(
+        model="smollm2-135m-instruct",
+        temperature=0,
+        max_tokens=24,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    assert "Paris" in plain
+    banned = client.chat.completions.create(**ask, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].message.content

@@ -123,3 +123,15 @@ def test_top_alternatives_only_for_rows_that_ask():
     assert [t for t, _ in both[0]] == [0] and [t for t, _ in both[1]] == [1, 3, 2, 0]
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(top_logprobs=21)
+
+
+def test_bad_words_ban_the_completing_token_only_after_the_rest():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    one = SamplingParams(bad_words=((1,),))  # token 1 alone: never
+    assert sample(logits, [one], [0], [[3]])[0] == [2]
+    two = SamplingParams(bad_words=((3, 1),))  # 1 only right after 3
+    assert sample(logits, [two], [1], [[0, 3]])[0] == [2]  # output so far ends with 3
+    assert sample(logits, [two], [1], [[3, 0]])[0] == [1]  # it does not
+    assert sample(logits, [two], [0], [[3]])[0] == [1]  # the 3 is the prompt's, not output
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=((),))
