@@ -1,12 +1,15 @@
 """Prometheus helpers shared by the services (prometheus-client underneath).
 
-Names follow vLLM's where one exists, under the `alise:` prefix
-(e.g. `alise:time_to_first_token_seconds`).
+The scheduler, which plays vLLM's engine, exports vLLM's own names where vLLM has one, with
+its `model_name` label (`vllm:time_to_first_token_seconds{model_name="..."}`: dashboards and
+autoscalers written for vLLM read them unchanged). Everything else is `alise:`-prefixed, and
+no name is exported by two services (the gateway's own latencies are `alise:gateway_*`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for HTTP handlers)
@@ -19,6 +22,7 @@ from prometheus_client import (
 )
 
 PREFIX = "alise:"
+VLLM_PREFIX = "vllm:"
 
 # Bucket sets in seconds, log-spaced for latencies from sub-millisecond to minutes.
 LATENCY_BUCKETS = (
@@ -50,17 +54,49 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class ModelLabelled:
+    """A vLLM-named metric whose `model_name` label is filled in: `.labels(...)` takes the
+    other labels; with none, `inc`/`set`/`observe` go to the model's child directly."""
+
+    def __init__(self, metric: Any, model_name: str) -> None:
+        self.metric, self.model_name = metric, model_name
+        if tuple(metric._labelnames) == ("model_name",):
+            metric.labels(model_name=model_name)  # exported (at 0) before the first event
+
+    def labels(self, *values: str, **named: str) -> Any:
+        if named:
+            return self.metric.labels(model_name=self.model_name, **named)
+        return self.metric.labels(self.model_name, *values)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric.labels(model_name=self.model_name), name)
+
+
 class Metrics:
-    """A registry of metrics for one service; each service subclasses or composes it."""
+    """A registry of metrics for one service; each service subclasses or composes it.
+    `vllm=True` names a metric as vLLM does (`vllm:` prefix, a `model_name` label)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
 
-    def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+    def _make(
+        self, kind: Any, name: str, doc: str, labels: tuple[str, ...], vllm: bool, **kw: Any
+    ) -> Any:
+        if not vllm:
+            return kind(PREFIX + name, doc, labels, registry=self.registry, **kw)
+        metric = kind(
+            VLLM_PREFIX + name, doc, ("model_name", *labels), registry=self.registry, **kw
+        )
+        return ModelLabelled(metric, self.model_name)
 
-    def gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+    def counter(
+        self, name: str, doc: str, labels: tuple[str, ...] = (), vllm: bool = False
+    ) -> Any:  # a Counter (a ModelLabelled one when vllm)
+        return self._make(Counter, name, doc, labels, vllm)
+
+    def gauge(self, name: str, doc: str, labels: tuple[str, ...] = (), vllm: bool = False) -> Any:
+        return self._make(Gauge, name, doc, labels, vllm)
 
     def histogram(
         self,
@@ -68,8 +104,9 @@ class Metrics:
         doc: str,
         buckets: Sequence[float] = LATENCY_BUCKETS,
         labels: tuple[str, ...] = (),
-    ) -> Histogram:
-        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+        vllm: bool = False,
+    ) -> Any:  # a Histogram (a ModelLabelled one when vllm)
+        return self._make(Histogram, name, doc, labels, vllm, buckets=buckets)
 
     def render(self) -> bytes:
         """Text exposition format, for a `/metrics` handler."""

@@ -1,4 +1,5 @@
-"""Gateway Prometheus metrics (vLLM-like names under the `alise:` prefix)."""
+"""Gateway Prometheus metrics, all `alise:gateway_*`: what the HTTP client saw (the scheduler
+exports vLLM's names for the engine's view; no name is shared)."""
 
 from __future__ import annotations
 
@@ -18,19 +19,19 @@ class GatewayMetrics(Metrics):
             "gateway_active_streams", "Generations in flight (streaming or not)"
         )
         self.ttft = self.histogram(
-            "time_to_first_token_seconds", "Gateway arrival to first text sent"
+            "gateway_time_to_first_token_seconds", "Gateway arrival to first text sent"
         )
         self.e2e = self.histogram(
-            "e2e_request_latency_seconds", "Gateway arrival to last text sent"
+            "gateway_e2e_request_latency_seconds", "Gateway arrival to last text sent"
         )
         self.prompt_tokens = self.histogram(
-            "request_prompt_tokens", "Prompt length", buckets=TOKEN_BUCKETS
+            "gateway_request_prompt_tokens", "Prompt length", buckets=TOKEN_BUCKETS
         )
         self.generation_tokens = self.histogram(
-            "request_generation_tokens", "Output length", buckets=TOKEN_BUCKETS
+            "gateway_request_generation_tokens", "Output length", buckets=TOKEN_BUCKETS
         )
         self.finished = self.counter(
-            "request_success", "Finished generations by reason", ("finished_reason",)
+            "gateway_request_success", "Finished generations by reason", ("finished_reason",)
         )
         self.predictions = self.counter(
             "gateway_predictions",

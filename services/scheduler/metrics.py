@@ -1,4 +1,5 @@
-"""Scheduler metrics, named as vLLM names them, under the `alise:` prefix."""
+"""Scheduler metrics: vLLM's names and `model_name` label where vLLM has the metric
+(`vllm:`), `alise:` for the rest (predictions, swaps, the prefix cache, executors)."""
 
 from __future__ import annotations
 
@@ -9,33 +10,36 @@ RELATIVE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.
 
 
 class SchedulerMetrics(Metrics):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, model_name: str = "") -> None:
+        super().__init__(model_name=model_name)
         e = ("executor",)
-        self.waiting = self.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.running = self.gauge("num_requests_running", "Requests with KV on a device.")
-        self.swapped = self.gauge("num_requests_swapped", "Requests with KV in host memory.")
+        v = {"vllm": True}
+        self.waiting = self.gauge("num_requests_waiting", "Requests waiting to be scheduled.", **v)
+        self.running = self.gauge("num_requests_running", "Requests with KV on a device.", **v)
+        self.swapped = self.gauge("num_requests_swapped", "Requests with KV in host memory.", **v)
         self.kv_usage = self.gauge(
-            "kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1).", e
+            "kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1).", e, **v
         )
         self.executor_up = self.gauge("executor_up", "1 while the executor answers.", e)
-        self.preemptions = self.counter("num_preemptions", "Preemptions (recompute or swap).")
+        self.preemptions = self.counter("num_preemptions", "Preemptions (recompute or swap).", **v)
         self.swap_out = self.counter("swap_out_blocks", "KV blocks swapped device -> host.")
         self.swap_in = self.counter("swap_in_blocks", "KV blocks swapped host -> device.")
-        self.prompt_tokens = self.counter("prompt_tokens", "Prompt tokens admitted.")
-        self.generation_tokens = self.counter("generation_tokens", "Output tokens generated.")
-        self.success = self.counter("request_success", "Finished requests.", ("finished_reason",))
+        self.prompt_tokens = self.counter("prompt_tokens", "Prompt tokens admitted.", **v)
+        self.generation_tokens = self.counter("generation_tokens", "Output tokens generated.", **v)
+        self.success = self.counter(
+            "request_success", "Finished requests.", ("finished_reason",), **v
+        )
         self.rejected = self.counter("request_rejected", "Generate calls refused.", ("reason",))
         self.queue_time = self.histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled."
+            "request_queue_time_seconds", "Arrival to first scheduled.", **v
         )
-        self.ttft = self.histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.ttft = self.histogram("time_to_first_token_seconds", "Arrival to first token.", **v)
         self.itl = self.histogram(
-            "inter_token_latency_seconds", "Gap between consecutive tokens of a request."
+            "inter_token_latency_seconds", "Gap between consecutive tokens of a request.", **v
         )
-        self.e2e = self.histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.e2e = self.histogram("e2e_request_latency_seconds", "Arrival to finish.", **v)
         self.iteration_tokens = self.histogram(
-            "iteration_tokens_total", "Tokens computed per iteration.", TOKEN_BUCKETS
+            "iteration_tokens_total", "Tokens computed per iteration.", TOKEN_BUCKETS, **v
         )
         self.prediction_error = self.histogram(
             "prediction_error_tokens",

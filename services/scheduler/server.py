@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from services.common.grpc_client import SCHEDULER_SERVICE
 from services.common.grpc_server import NOT_SERVING, SERVING, GrpcServer, start_server
+from services.common.models import served_model_id
 from services.common.pb import scheduler_pb2_grpc
 from services.common.redis_runner import EmbeddedRedis
 from services.common.settings import SchedulerSettings
@@ -77,7 +78,7 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
     if not settings.redis_url:
         embedded = await asyncio.to_thread(EmbeddedRedis(settings.data_dir / "redis").start)
         settings = settings.model_copy(update={"redis_url": embedded.url})
-    metrics = SchedulerMetrics()
+    metrics = SchedulerMetrics(served_model_id(settings.model))
     make_policy(settings.policy, **parse_policy_config(settings.policy_config))  # check early
     server = leadership = None
     try:

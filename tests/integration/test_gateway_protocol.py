@@ -318,8 +318,8 @@ def test_health_and_metrics_with_scheduler_up(stack):
     health = httpx.get(stack["url"] + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["scheduler"] is True
     text = httpx.get(stack["url"] + "/metrics", timeout=10).text
-    assert 'alise:request_success_total{finished_reason="length"}' in text
-    assert "alise:time_to_first_token_seconds_count" in text
+    assert 'alise:gateway_request_success_total{finished_reason="length"}' in text
+    assert "alise:gateway_time_to_first_token_seconds_count" in text
 
 
 def test_request_timeout_is_504_and_aborts_upstream(tmp_path, redis_server):

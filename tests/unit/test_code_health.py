@@ -458,3 +458,24 @@ def test_ceiling_division_has_one_definition():
     hot = [line for line in hot_path.read_text().splitlines() if idiom in line]
     assert len(hot) == 1, f"only allocate() inlines it: {hot}"
     assert not offenders, f"write ceil_div(a, b) instead of -(-a // b): {offenders}"
+
+
+def test_no_metric_name_is_exported_by_two_services():
+    """Each service's registry holds its own names: the scheduler's vLLM names (with
+    `model_name`), `alise:gateway_*` for what the HTTP client saw, and so on."""
+    from services.executor.server import ExecutorMetrics
+    from services.gateway.metrics import GatewayMetrics
+    from services.predictor.servicer import PredictorMetrics
+    from services.scheduler.metrics import SchedulerMetrics
+
+    names = {}
+    for service in (GatewayMetrics(), SchedulerMetrics("m"), ExecutorMetrics(), PredictorMetrics()):
+        names[type(service).__name__] = {m.name for m in service.registry.collect()}
+    seen: dict[str, str] = {}
+    for service, family in names.items():
+        for name in family:
+            assert name not in seen, f"{name} is exported by {seen[name]} and {service}"
+            seen[name] = service
+    vllm = {n for n in names["SchedulerMetrics"] if n.startswith("vllm:")}
+    assert {"vllm:time_to_first_token_seconds", "vllm:num_requests_running"} <= vllm
+    assert all(n.startswith("alise:gateway_") for n in names["GatewayMetrics"])
