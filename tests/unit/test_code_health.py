@@ -479,3 +479,24 @@ def test_no_metric_name_is_exported_by_two_services():
     vllm = {n for n in names["SchedulerMetrics"] if n.startswith("vllm:")}
     assert {"vllm:time_to_first_token_seconds", "vllm:num_requests_running"} <= vllm
     assert all(n.startswith("alise:gateway_") for n in names["GatewayMetrics"])
+
+
+def test_grafana_dashboard_reads_metrics_the_services_export():
+    import json
+    import re
+
+    from services.executor.server import ExecutorMetrics
+    from services.gateway.metrics import GatewayMetrics
+    from services.predictor.servicer import PredictorMetrics
+    from services.scheduler.metrics import SchedulerMetrics
+
+    exported = set()
+    for service in (GatewayMetrics(), SchedulerMetrics("m"), ExecutorMetrics(), PredictorMetrics()):
+        for family in service.registry.collect():
+            exported.update(sample.name for sample in family.samples)
+            exported.add(family.name + ("_total" if family.type == "counter" else ""))
+    dashboard = json.loads((ROOT / "deploy/grafana/alise-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b((?:vllm|alise):[a-z0-9_]+)", e)}
+    assert len(used) >= 15
+    assert not used - exported, sorted(used - exported)
