@@ -15,6 +15,7 @@ from services.common.sampling import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Plan
 from services.gateway.guides import Guide, checked_guide, checked_tool_guide
+from services.gateway.params import refuse_unsupported
 from services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -73,7 +74,7 @@ class PromptBuilder:
         _refuse_unsupported_chat(body)
         tools = plan_tools(body.tools, body.tool_choice)
         text = await self.chat_text(body.messages, body.tools if tools.mode else None)
-        ids = await asyncio.to_thread(self._encode, text)
+        ids = await asyncio.to_thread(self._encode, text, body.add_special_tokens)
         max_tokens = body.max_completion_tokens or body.max_tokens
         guide = await checked_guide(body, self.guides)
         if tools.mode == "forced":
@@ -97,7 +98,7 @@ class PromptBuilder:
             text = await asyncio.to_thread(self.tokenizer.decode, ids)
         else:
             text = _single_prompt(prompt)
-            ids = await asyncio.to_thread(self._encode, text, True)
+            ids = await asyncio.to_thread(self._encode, text, body.add_special_tokens)
         guide = await checked_guide(body, self.guides)
         return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt", guide)
 
@@ -258,6 +259,7 @@ def _single_prompt(prompt: str | list[str]) -> str:
 
 
 def _refuse_common(body: _Request) -> None:
+    refuse_unsupported(body.model_extra or {}, set(type(body).model_fields))
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of < (body.n or 1):
         raise bad_request("best_of must be at least n", param="best_of")
@@ -277,8 +279,6 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
         raise bad_request(
             "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo"
         )
-    if body.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
     if isinstance(body.prompt, list) and not body.prompt:
         raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
 

@@ -122,10 +122,12 @@ class CompletionRequest(_GenerationParams):
         ..., description="A string, a one-element list of strings, or token ids."
     )
     max_tokens: int | None = Field(16, ge=1, le=10_000_000)
+    add_special_tokens: bool = Field(
+        True, description="vLLM: add the tokenizer's special tokens (BOS) to the prompt"
+    )
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
-    suffix: str | None = None
 
 
 class TextPart(BaseModel):
@@ -148,6 +150,10 @@ class ChatCompletionRequest(_GenerationParams):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call
+    add_special_tokens: bool = Field(
+        False, description="vLLM: also add the tokenizer's special tokens (BOS) to the chat"
+    )
 
 
 # Responses.

@@ -105,7 +105,7 @@ def test_second_key_works_and_health_needs_none(url):
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}, "top_logprobs"),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "tools",
+            "tools.0",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "stream": "sometimes"}, "stream"),
