@@ -5,8 +5,10 @@ uses seed + i). The prompt is prefilled once: the first generation goes alone, a
 siblings are submitted when it has produced its first token, by which time the prompt's full
 blocks are in the executor's prefix cache (docs/scheduling.md, "Prefix caching") and
 placement sends the siblings to that executor; each sibling computes only the prompt's last
-partial block. `merged` interleaves the answers' pieces as they come, tagged with the choice
-index; `best_of` keeps the `n` answers with the highest cumulative log-probability.
+partial block. A batched completion request (a list of prompts) gives each prompt its own
+answers, its choices numbered prompt by prompt. `merged` interleaves the answers' pieces as
+they come, tagged with the choice index; `best_of` keeps, per prompt, the `n` answers with
+the highest cumulative log-probability.
 """
 
 from __future__ import annotations
@@ -35,24 +37,32 @@ def sibling_plans(plan: Plan, count: int) -> list[Plan]:
 
 async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | None]]:
     """(choice index, piece) as the pieces come, and (index, None) when a choice ends. The
-    first generation must have been started; the others start after its first piece (or its
-    end). The first error ends everything (the caller closes every generation)."""
+    first generation must have been started; the first of every other prompt starts at
+    once, and the others of a prompt after its first's first piece (or its end). The first
+    error ends everything (the caller closes every generation)."""
     queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
-    primed = asyncio.Event()
+    leaders: dict[int, int] = {}
+    for i, gen in enumerate(gens):
+        leaders.setdefault(gen.plan.prompt_index, i)
+    primed = {i: asyncio.Event() for i in leaders.values()}
 
     async def pump(i: int, gen: Generation) -> None:
+        leader = leaders[gen.plan.prompt_index]
         try:
+            if i != leader:
+                await primed[leader].wait()
             if i:
-                await primed.wait()
                 await gen.start(None)
             async for piece in gen.pieces():
-                primed.set()
+                if i == leader:
+                    primed[i].set()
                 await queue.put((i, piece))
             await queue.put((i, None))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             await queue.put((i, exc))
         finally:
-            primed.set()
+            if i == leader:
+                primed[i].set()
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     try:
@@ -73,5 +83,13 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | Non
 
 
 def best(gens: list[Generation], n: int) -> list[Generation]:
-    """The `n` answers with the highest cumulative log-probability, in that order."""
-    return sorted(gens, key=lambda g: g.cumulative_logprob, reverse=True)[:n]
+    """Per prompt (in prompt order), the `n` answers with the highest cumulative
+    log-probability, in that order."""
+    prompts: dict[int, list[Generation]] = {}
+    for gen in gens:
+        prompts.setdefault(gen.plan.prompt_index, []).append(gen)
+    return [
+        g
+        for group in prompts.values()
+        for g in sorted(group, key=lambda g: g.cumulative_logprob, reverse=True)[:n]
+    ]

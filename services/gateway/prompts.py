@@ -15,6 +15,7 @@ from services.common.sampling import SamplingParams
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Plan
 from services.gateway.guides import Guide, checked_guide, checked_tool_guide
+from services.gateway.middleware import new_request_id
 from services.gateway.params import refuse_unsupported
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -39,6 +40,7 @@ SLO_HEADERS = {
 
 _Request = CompletionRequest | ChatCompletionRequest
 ROLE_ALIASES = {"developer": "system"}
+MAX_PROMPTS = 64  # prompts in one batched completion request
 _N = TypeVar("_N", int, float)
 
 
@@ -89,18 +91,26 @@ class PromptBuilder:
 
     async def completion(
         self, body: CompletionRequest, headers: Mapping[str, str], request_id: str
-    ) -> Plan:
+    ) -> list[Plan]:
+        """One plan per prompt: a string, token ids, or a list of either (a batch; each
+        prompt's answers are choices `i * n ...`)."""
         self.check_model(body.model)
         _refuse_unsupported_completion(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            ids = self._check_ids(prompt)
-            text = await asyncio.to_thread(self.tokenizer.decode, ids)
-        else:
-            text = _single_prompt(prompt)
-            ids = await asyncio.to_thread(self._encode, text, body.add_special_tokens)
         guide = await checked_guide(body, self.guides)
-        return self._plan(body, headers, request_id, text, ids, body.max_tokens, "prompt", guide)
+        plans = []
+        for i, prompt in enumerate(_prompts(body.prompt)):
+            param = "prompt" if i == 0 else f"prompt.{i}"
+            if isinstance(prompt, str):
+                text = prompt
+                ids = await asyncio.to_thread(self._encode, text, body.add_special_tokens)
+            else:
+                ids = self._check_ids(prompt)
+                text = await asyncio.to_thread(self.tokenizer.decode, ids)
+            rid = request_id if i == 0 else new_request_id()
+            plan = self._plan(body, headers, rid, text, ids, body.max_tokens, param, guide)
+            plan.prompt_index = i
+            plans.append(plan)
+        return plans
 
     async def chat_text(
         self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
@@ -250,12 +260,14 @@ def _message_text(content: str | list[TextPart | dict[str, object]] | None, inde
     return "\n".join(texts)
 
 
-def _single_prompt(prompt: str | list[str]) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if len(prompt) != 1:
-        raise bad_request("exactly one prompt per request is supported", param="prompt")
-    return prompt[0]
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completion request: one string, one list of token ids, or a batch
+    of either (at most MAX_PROMPTS)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def _refuse_common(body: _Request) -> None:

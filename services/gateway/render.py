@@ -50,8 +50,9 @@ def prediction_header(prediction: common_pb2.Prediction | None) -> str:
 
 
 def usage_dict(gen: Generation, *more: Generation) -> dict:
-    """The usage of one answer, or of several answers to one prompt (the prompt once)."""
-    prompt = len(gen.plan.prompt_ids)
+    """The usage of one answer, or of several (each prompt counted once)."""
+    prompts = {g.plan.prompt_index: len(g.plan.prompt_ids) for g in (gen, *more)}
+    prompt = sum(prompts.values())
     completion = gen.completion_tokens + sum(g.completion_tokens for g in more)
     return {
         "prompt_tokens": prompt,

@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import APIRouter, Depends, Request
@@ -104,15 +104,15 @@ EXTENSION_HEADERS = {
 @router.post("/completions", openapi_extra=EXTENSION_HEADERS)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     gw: GatewayState = request.app.state.gateway
-    plan = await gw.prompts.completion(body, request.headers, _generation_id(request))
-    return await _respond(request, plan, body, chat=False)
+    plans = await gw.prompts.completion(body, request.headers, _generation_id(request))
+    return await _respond(request, plans, body, chat=False)
 
 
 @router.post("/chat/completions", openapi_extra=EXTENSION_HEADERS)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     gw: GatewayState = request.app.state.gateway
     plan = await gw.prompts.chat(body, request.headers, _generation_id(request))
-    return await _respond(request, plan, body, chat=True)
+    return await _respond(request, [plan], body, chat=True)
 
 
 def _generation_id(request: Request) -> str:
@@ -124,11 +124,13 @@ def _generation_id(request: Request) -> str:
 
 
 async def _respond(
-    request: Request, plan: Plan, body: CompletionRequest | ChatCompletionRequest, chat: bool
+    request: Request, plans: list[Plan], body: CompletionRequest | ChatCompletionRequest, chat: bool
 ) -> Response:
     answers = max(body.n or 1, getattr(body, "best_of", None) or 1)
-    if answers > 1:
-        return await _respond_many(request, sibling_plans(plan, answers), body, chat)
+    if answers > 1 or len(plans) > 1:
+        every = [p for plan in plans for p in sibling_plans(plan, answers)]
+        return await _respond_many(request, every, body, chat)
+    plan = plans[0]
     gw: GatewayState = request.app.state.gateway
     arrival = time.perf_counter()
     gen = Generation(plan, gw.upstream, gw.tokenizer)
@@ -147,7 +149,9 @@ async def _respond(
                 body.return_token_times,
             )
             return SSEResponse(
-                _stream(gen, maker, gw, arrival), headers, on_close=lambda: _close(gw, gen)
+                _error_events(_stream(gen, maker, gw, arrival)),
+                headers,
+                on_close=lambda: _close(gw, gen),
             )
         left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
         await _until_disconnect(request, _collect(gen), max(left, 0.0))
@@ -183,14 +187,16 @@ async def _respond_many(
         headers = {"X-ALISE-Prediction": prediction_header(gens[0].prediction)}
         if body.stream:
             return SSEResponse(
-                _stream_many(gens, body, chat, gw, arrival), headers, on_close=close_all
+                _error_events(_stream_many(gens, body, chat, gw, arrival)),
+                headers,
+                on_close=close_all,
             )
         left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
         await _until_disconnect(request, _collect_many(gens), max(left, 0.0))
         for gen in gens:
             _record(gw, gen, arrival)
         n = body.n or 1
-        chosen = best(gens, n) if len(gens) > n else gens
+        chosen = best(gens, n) if len(gens) > n * len({g.plan.prompt_index for g in gens}) else gens
         return JSONResponse(full_response(chosen[0], chat, *chosen[1:]), headers=headers)
     except BaseException:
         close_all()
@@ -219,19 +225,25 @@ async def _stream_many(
         for i, g in enumerate(gens[1:], 1)
     ]
     deadline = arrival + gw.settings.request_timeout_s
+    for maker in makers:
+        if (head := maker.first()) is not None:
+            yield head
+    async with asyncio.timeout_at(_loop_deadline(deadline)):
+        async for i, piece in _until_shutdown(merged(gens), gw.shutting_down):
+            if piece is None:
+                _record(gw, gens[i], arrival)
+                yield makers[i].finish()
+            elif chunk := makers[i].piece(piece.text, piece.time, piece.logprobs):
+                yield chunk
+    for chunk in makers[0].tail(gens):
+        yield chunk
+
+
+async def _error_events(chunks: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    """The stream's chunks; a failure on the way ends it with an error event and [DONE].
+    Closing this stream closes `chunks` at once (its cleanup runs then, not at GC)."""
     try:
-        for maker in makers:
-            if (head := maker.first()) is not None:
-                yield head
-        async with asyncio.timeout_at(_loop_deadline(deadline)):
-            async for i, piece in _until_shutdown(merged(gens), gw.shutting_down):
-                if piece is None:
-                    _record(gw, gens[i], arrival)
-                    yield makers[i].finish()
-                else:
-                    if chunk := makers[i].piece(piece.text, piece.time, piece.logprobs):
-                        yield chunk
-        for chunk in makers[0].tail(gens):
+        async for chunk in chunks:
             yield chunk
     except APIError as exc:
         yield sse(exc.body())
@@ -239,6 +251,8 @@ async def _stream_many(
     except TimeoutError:
         yield sse(APIError(504, "request timed out", code="timeout").body())
         yield DONE
+    finally:
+        await chunks.aclose()
 
 
 async def _collect(gen: Generation) -> None:
@@ -264,12 +278,6 @@ async def _stream(
         _record(gw, gen, arrival)
         for chunk in maker.last():
             yield chunk
-    except APIError as exc:
-        yield sse(exc.body())
-        yield DONE
-    except TimeoutError:
-        yield sse(APIError(504, "request timed out", code="timeout").body())
-        yield DONE
     finally:
         _close(gw, gen)
 

@@ -118,8 +118,8 @@ class _GenerationParams(BaseModel):
 
 
 class CompletionRequest(_GenerationParams):
-    prompt: str | list[str] | list[int] = Field(
-        ..., description="A string, a one-element list of strings, or token ids."
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="A string, token ids, or a list of either (a batch of prompts)."
     )
     max_tokens: int | None = Field(16, ge=1, le=10_000_000)
     add_special_tokens: bool = Field(

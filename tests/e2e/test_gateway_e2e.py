@@ -578,3 +578,25 @@ def test_bad_words_keep_a_word_out_of_the_answer(client):
     assert "Paris" in plain
     banned = client.chat.completions.create(**ask, extra_body={"bad_words": ["Paris"]})
     assert "Paris" not in banned.choices[0].message.content
+
+
+def test_a_batch_of_prompts_gets_choices_prompt_by_prompt(stack, client):
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [
+        client.completions.create(
+            model="smollm2-135m-instruct", prompt=p, max_tokens=5, temperature=0
+        )
+        for p in prompts
+    ]
+    batch = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompts, max_tokens=5, temperature=0, n=2
+    )
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in batch.choices]
+    assert texts == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ids = [[1, 2, 3], [4, 5, 6, 7]]
+    tokens = client.completions.create(
+        model="smollm2-135m-instruct", prompt=ids, max_tokens=2, temperature=0
+    )
+    assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 7

@@ -138,7 +138,8 @@ def test_invalid_chat_parameters_are_400(client, body, param):
     "body,param",
     [
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt.1"),
+        ({"prompt": ["a"] * 65}, "prompt"),
         ({"prompt": [1, 99_999_999]}, "prompt"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
