@@ -600,3 +600,58 @@ def test_a_batch_of_prompts_gets_choices_prompt_by_prompt(stack, client):
         model="smollm2-135m-instruct", prompt=ids, max_tokens=2, temperature=0
     )
     assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 7
+
+
+def test_langchain_structured_output_tools_and_batch(stack):
+    """langchain-openai as users write it: with_structured_output on a pydantic model,
+    bind_tools with a tool call round trip, and .batch() on the completions model."""
+    from typing import Literal
+
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI, OpenAI
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        country: str = Field(max_length=40)
+        capital: str = Field(max_length=40)
+        continent: Literal["Africa", "Asia", "Europe", "North America", "South America"]
+
+    base = stack["url"] + "/v1"
+    chat = ChatOpenAI(
+        base_url=base, api_key="none", model="smollm2-135m-instruct", temperature=0, max_tokens=64
+    )
+    answer = chat.with_structured_output(Capital).invoke("What is the capital of France?")
+    assert isinstance(answer, Capital) and answer.capital
+
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        return "sunny"
+
+    question = HumanMessage("What's the weather like in Paris?")
+    called = chat.bind_tools([get_weather], tool_choice="required").invoke([question])
+    (call,) = called.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str)
+    result = ToolMessage(content=get_weather(**call["args"]), tool_call_id=call["id"])
+    final = chat.bind_tools([get_weather], tool_choice="none").invoke([question, called, result])
+    assert isinstance(final.content, str) and final.content and not final.tool_calls
+
+    completions = OpenAI(
+        base_url=base, api_key="none", model="smollm2-135m-instruct", temperature=0, max_tokens=5
+    )
+    outs = completions.batch(["The capital of France is", "One, two, three,"])
+    assert len(outs) == 2 and all(isinstance(o, str) and o for o in outs)
+
+
+def test_litellm_completion_with_api_base(stack, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download at import
+    import litellm
+
+    out = litellm.completion(
+        model="openai/smollm2-135m-instruct",
+        api_base=stack["url"] + "/v1",
+        api_key="none",
+        temperature=0,
+        max_tokens=16,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert "Paris" in out.choices[0].message.content
