@@ -164,6 +164,6 @@ def test_completion_prompts_get_the_tokenizers_bos_and_chat_prompts_do_not(tmp_p
     tok.update_post_processor()
     assert tok("Hi")["input_ids"][0] == tok.bos_token_id
     builder = PromptBuilder(tok, "m", lambda: 2048)
-    plan = asyncio.run(builder.completion(CompletionRequest(prompt="Hi"), {}, "r1"))
+    (plan,) = asyncio.run(builder.completion(CompletionRequest(prompt="Hi"), {}, "r1"))
     assert plan.prompt_ids[0] == tok.bos_token_id and len(plan.prompt_ids) == 2
     assert builder._encode("Hi") == tok("Hi", add_special_tokens=False)["input_ids"]
