@@ -57,8 +57,11 @@ def test_named_path_exists_and_parses(path: str) -> None:
     elif target.suffix == ".csv":
         rows = list(csv.reader(text.splitlines()))
         assert len(rows) >= 2 and all(rows[0]), f"{path}: no header or no rows"
+    elif target.suffix == ".jsonl":  # a trace: one JSON object per line
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        assert lines and all(isinstance(x, dict) for x in lines), f"{path}: no JSON rows"
     else:
-        pytest.fail(f"{path}: only .json and .csv results are expected")
+        pytest.fail(f"{path}: only .json, .jsonl and .csv results are expected")
 
 
 def test_no_orphan_result_files() -> None:
