@@ -24,7 +24,11 @@ from services.common.metrics import CONTENT_TYPE_LATEST
 from services.common.settings import GatewaySettings
 from services.gateway.errors import install_error_handlers
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from services.gateway.middleware import (
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+    UnexpectedErrorMiddleware,
+)
 from services.gateway.prompts import PromptBuilder
 from services.gateway.routes import router
 from services.gateway.upstream import Upstream
@@ -107,6 +111,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(utility_router)
     _add_service_routes(app, metrics)
+    # The last added is the outermost: every error response (500s and the body limit's 413
+    # included) passes through CORS, and the request id wraps them all.
+    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -115,7 +123,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             allow_headers=["*"],
             expose_headers=["X-Request-Id", "X-ALISE-Prediction"],
         )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware, metrics=metrics)
     return app
 

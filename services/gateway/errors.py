@@ -127,9 +127,4 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})
         ).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(
-            500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error"
-        ).response()
+    # Unexpected exceptions: middleware.UnexpectedErrorMiddleware (inside the CORS layer).

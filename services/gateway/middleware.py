@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: request ids + per-request metrics, and the request body size limit.
+"""Pure-ASGI middleware: request ids + per-request metrics, the request body size limit, and
+unexpected errors as OpenAI-style 500s inside the CORS layer.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched and the
 per-token path pays nothing.
@@ -6,6 +7,7 @@ per-token path pays nothing.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -17,6 +19,7 @@ from services.gateway.metrics import GatewayMetrics
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+log = logging.getLogger("alise.gateway")
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ROUTES = {
     "/v1/completions",
@@ -111,6 +114,39 @@ class BodyLimitMiddleware:
         )
         response = error.response()
         await response({"type": "http"}, _no_receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """An exception no handler took becomes an OpenAI-style 500 here, inside the CORS layer,
+    so browsers can read it (Starlette's own last-resort handler sits outside every
+    middleware). After a response has started, the exception goes on up as before."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            error = APIError(
+                500,
+                f"internal error: {type(exc).__name__}",
+                type="server_error",
+                code="internal_error",
+            )
+            await error.response()(scope, _no_receive, send)
 
 
 async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never reads

@@ -71,6 +71,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise invalid("resume_from needs the request_id to re-attach to")
             return await _reattach(service, rid), pb.resume_from
         req = request_from_pb(pb, rid, time.time(), service.limits)
+        if req.priority and not service.probe.orders_by_priority:
+            raise invalid(
+                f"priority={req.priority}: the {service.settings.policy!r} policy does not "
+                "order by priority; serve with ALISE_POLICY=priority (vLLM's priority "
+                "scheduling) or send priority 0"
+            )
         return await service.admit(req), 0
 
     async def Abort(

@@ -229,3 +229,44 @@ def test_metrics_count_requests_by_status(client):
     client.post("/v1/chat/completions", json={**CHAT, "n": 0})
     text = client.get("/metrics").text
     assert 'alise:gateway_requests_total{route="/v1/chat/completions",status="400"}' in text
+
+
+ORIGIN = {"Origin": "https://app.example"}
+
+
+def test_every_error_response_carries_cors_headers(url):
+    """A browser app can read every error: 400, 401, 404, 413 and 503 all carry CORS
+    headers for the configured origin (the body limit's 413 included)."""
+    auth = {"Authorization": f"Bearer {KEY}", **ORIGIN}
+    cases = [
+        (400, httpx.post(url + "/v1/chat/completions", headers=auth, json={**CHAT, "n": 0})),
+        (400, httpx.post(url + "/v1/completions", headers=auth, content=b"{not json")),
+        (401, httpx.post(url + "/v1/chat/completions", headers=ORIGIN, json=CHAT)),
+        (404, httpx.post(url + "/v1/chat/completions", headers=auth, json={**CHAT, "model": "x"})),
+        (404, httpx.get(url + "/v1/nothing-here", headers=auth)),
+        (413, httpx.post(url + "/v1/completions", headers=auth, content=b"x" * (65 * 1024))),
+        (503, httpx.post(url + "/v1/chat/completions", headers=auth, json=CHAT)),
+    ]
+    for status, response in cases:
+        assert_error(response, status)
+        assert response.headers.get("access-control-allow-origin") == ORIGIN["Origin"], status
+        assert "x-request-id" in response.headers
+
+
+def test_unexpected_errors_are_openai_500s_with_cors_headers():
+    """An exception no handler takes becomes a JSON 500 inside the CORS layer."""
+    from fastapi.testclient import TestClient
+
+    from services.gateway.app import create_app
+
+    app = create_app(GatewaySettings(cors_origins=["https://app.example"]))
+
+    @app.get("/v1/boom")
+    async def boom() -> None:
+        raise RuntimeError("kaboom")
+
+    client = TestClient(app, raise_server_exceptions=False)  # no `with`: no lifespan, no model
+    response = client.get("/v1/boom", headers=ORIGIN)
+    error = assert_error(response, 500)
+    assert error["code"] == "internal_error" and "RuntimeError" in error["message"]
+    assert response.headers["access-control-allow-origin"] == ORIGIN["Origin"]

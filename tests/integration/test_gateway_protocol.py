@@ -28,7 +28,10 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    with inprocess_stack(tmp_path_factory.mktemp("gw-protocol"), tiny_model) as stack:
+    # vLLM's priority scheduling: the only policy that takes a non-zero `priority`
+    with inprocess_stack(
+        tmp_path_factory.mktemp("gw-protocol"), tiny_model, scheduler_kw={"policy": "priority"}
+    ) as stack:
         yield stack
 
 

@@ -139,6 +139,9 @@ async def test_malformed_requests_are_invalid_argument(redis_server, executor):
         slo = gen_request("e9", [5, 6], 4)
         slo.slo.ttft_s = -1.0
         bad.append(slo)
+        ranked = gen_request("e10", [5, 6], 4)  # hybrid does not order by priority (vLLM: 400)
+        ranked.priority = 3
+        bad.append(ranked)
         for pb in bad:
             assert await status_of(stub, pb) == grpc.StatusCode.INVALID_ARGUMENT, pb
         ok = await generate(stub, gen_request("fine", [5] * (max_len - 1), 4))

@@ -27,6 +27,33 @@ def test_fcfs_runs_the_long_job_first():
     assert all(sh.finished_time > long.finished_time for sh in shorts)
 
 
+def test_priority_serves_lower_values_first_then_arrival():
+    """vLLM's priority scheduling: one slot, so queued requests finish in (priority, arrival)
+    order; fcfs on the same requests keeps arrival order."""
+    order = {}
+    for policy in ("priority", "fcfs"):
+        s = make_sched(policy, max_num_seqs=1)
+        reqs = [req(f"r{i}", 20, 5, t=0.0001 * i) for i in range(5)]
+        for r, p in zip(reqs, [3, -1, 3, 0, -1]):
+            r.priority = p
+        drive(s, reqs)
+        order[policy] = [r.request_id for r in sorted(reqs, key=lambda r: r.finished_time)]
+    # r0 arrives alone and starts at once; the rest queue behind it
+    assert order["priority"] == ["r0", "r1", "r4", "r3", "r2"]
+    assert order["fcfs"] == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_priority_preempts_the_least_important_first():
+    """When KV runs out, the running request with the largest (priority, arrival) yields."""
+    s = make_sched("priority", device_blocks=12, block_size=4)
+    low = req("low", 8, 40, t=0.0)
+    high = req("high", 8, 40, t=0.001)
+    low.priority, high.priority = 5, -5
+    drive(s, [low, high])
+    assert low.num_preemptions >= 1 and high.num_preemptions == 0
+    assert high.finished_time < low.finished_time
+
+
 def test_oracle_uses_true_lengths_without_predictions():
     s = make_sched("oracle", max_num_seqs=1)
     long = req("long", 50, 300, t=0.0)

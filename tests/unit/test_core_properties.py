@@ -16,6 +16,7 @@ from tests.unit.test_core_util import EOS, check_step, drive, make_sched
 POLICIES = available_policies()
 KNOBS = {
     "fcfs": [{}, {"preemption_mode": "swap"}],
+    "priority": [{}, {"preemption_mode": "swap", "max_num_seqs": 3}],
     "sarathi": [
         {"token_budget": 32, "tile_size": 16},
         {"preemption_mode": "swap", "token_budget": 64},

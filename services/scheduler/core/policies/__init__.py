@@ -10,6 +10,7 @@ from services.scheduler.core.policies import (  # noqa: F401  (each module regis
     hybrid,
     oracle,
     orca,
+    priority,
     request_level,
     sarathi,
 )

@@ -63,6 +63,9 @@ class Knobs:
 
 class Policy:
     name: ClassVar[str] = "base"
+    # whether `Request.priority` orders the queues (vLLM's meaning: lower is served earlier);
+    # the live scheduler refuses a non-zero priority under a policy that ignores it
+    orders_by_priority: ClassVar[bool] = False
     knobs_type: ClassVar[type[Knobs]] = Knobs
     knobs: Knobs
     watermark_blocks: int = 0  # device blocks kept free at admission (set by `bind`)

@@ -51,16 +51,27 @@ def schedule_or_preempt(
     return True
 
 
+def by_priority(queue: Queue) -> list[Request]:
+    """vLLM's priority order: lower `priority` first, then earlier arrival."""
+    return sorted(queue.values(), key=lambda r: (r.priority, r.arrival_time))
+
+
 def newest_first(running: Queue) -> Iterator[Request]:
     """Running requests, most recently admitted first (vLLM's preemption order)."""
     return iter(list(reversed(running.values())))
 
 
-def admit_fcfs(b: Batch, sched: Scheduler, max_seqs: int, reserve_blocks: int) -> int:
-    """Admit waiting requests in arrival order with their whole prompt while they fit
-    (head-of-line blocking: stop at the first that does not)."""
+def admit_fcfs(
+    b: Batch,
+    sched: Scheduler,
+    max_seqs: int,
+    reserve_blocks: int,
+    order: list[Request] | None = None,
+) -> int:
+    """Admit waiting requests in `order` (default: arrival order) with their whole prompt
+    while they fit (head-of-line blocking: stop at the first that does not)."""
     admitted = 0
-    for req in list(sched.waiting.values()):
+    for req in list(sched.waiting.values()) if order is None else order:
         if len(sched.running) >= max_seqs or b.num_seqs >= max_seqs:
             break
         n = req.num_uncomputed_tokens

@@ -15,6 +15,7 @@ from services.scheduler.core.policies.base import Knobs, Policy, PreemptionMode,
 from services.scheduler.core.policies.common import (
     RUNNING,
     SWAPPED,
+    Queue,
     admit_fcfs,
     newest_first,
     schedule_or_preempt,
@@ -22,8 +23,11 @@ from services.scheduler.core.policies.common import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.output import SchedulerOutput
+    from services.scheduler.core.request import Request
     from services.scheduler.core.scheduler import Scheduler
 
 
@@ -54,7 +58,7 @@ class FcfsPolicy(Policy):
         s = self.sched
         b = s.new_batch(now, self.budget)
         if not s.swapped:
-            admit_fcfs(b, s, self.seqs, self.watermark_blocks)
+            admit_fcfs(b, s, self.seqs, self.watermark_blocks, self.order(s.waiting))
             if b.scheduled:
                 return b.finish()
         self.decode_running(b)
@@ -62,10 +66,18 @@ class FcfsPolicy(Policy):
             self.swap_back(b)
         return b.finish()
 
+    def order(self, queue: Queue) -> list[Request] | None:
+        """The order a queue is served in; None: as the queue holds it (arrival order)."""
+        return None
+
+    def victims(self, running: Queue) -> Iterator[Request]:
+        """Preemption order: the most recently admitted first (vLLM's)."""
+        return newest_first(running)
+
     def decode_running(self, b: Batch) -> None:
         running = self.sched.running
-        victims = newest_first(running)
-        for req in list(running.values()):
+        victims = self.victims(running)
+        for req in self.order(running) or list(running.values()):
             if req.status is not RUNNING or req.request_id in b.scheduled:
                 continue
             if b.num_seqs >= self.seqs or b.tokens_left < 1:
@@ -75,7 +87,7 @@ class FcfsPolicy(Policy):
 
     def swap_back(self, b: Batch) -> None:
         s = self.sched
-        for req in list(s.swapped.values()):
+        for req in self.order(s.swapped) or list(s.swapped.values()):
             if len(s.running) >= self.seqs or b.tokens_left < 1:
                 break
             bm = s.block_manager
