@@ -22,7 +22,8 @@ class SamplingParams:
         min_p (vLLM), logit_bias ((token id, bias) pairs) and bad_words (token sequences whose last
     token is banned wherever the output ends with the rest) change the logits before sampling,
         greedy or not. `top_logprobs` asks for that many most likely tokens (with their
-        log-probabilities) per output position. Out-of-range values raise ValueError naming the
+        log-probabilities) per output position; `prompt_logprobs` (None = off) asks for the
+        prompt tokens' log-probabilities with that many alternatives each. Out-of-range values raise ValueError naming the
         field. `guide_kind`/`guide_spec` constrain the answer to a structure."""
 
     temperature: float = 0.0
@@ -38,12 +39,15 @@ class SamplingParams:
     guide_kind: str = ""  # structured output (services/common/guided.py); "" = none
     guide_spec: str = ""
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never completes
+    prompt_logprobs: int | None = None  # prompt tokens' logprobs with this many alternatives
 
     def __post_init__(self) -> None:
         if self.guide_kind not in ("", *GUIDE_KINDS):
             raise ValueError(f"guide_kind must be one of {GUIDE_KINDS}, got {self.guide_kind!r}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -23,6 +23,8 @@ def to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         pb.seed = params.seed
+    if params.prompt_logprobs is not None:
+        pb.prompt_logprobs = params.prompt_logprobs
     return pb
 
 
@@ -42,4 +44,5 @@ def from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         guide_kind=pb.guide_kind,
         guide_spec=pb.guide_spec,
         bad_words=tuple(tuple(w.token_ids) for w in pb.bad_words),
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )

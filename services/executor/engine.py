@@ -28,6 +28,7 @@ import torch
 
 from services.executor.config import resolve_device, resolve_dtype
 from services.executor.messages import RequestState, StepInput, StepOutput, StepTimings
+from services.executor.prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
 from services.executor.sampler import sample, top_alternatives
@@ -230,13 +231,15 @@ class Engine:
             batch.logits_rows = torch.arange(batch.num_tokens, device=self.device)
         self.cache.prepare(batch)
         self.attn.prepare(batch)
+        wanted = prompt_rows(batch, self.requests)
         with torch.inference_mode():
             hidden = self.runner.forward(batch, self.cache, self.attn)  # [T, hidden]
             logits = self.runner.logits(hidden[batch.logits_rows])  # [S, V]
+            prompt = compute_prompt_logprobs(hidden, self.runner.logits, wanted) if wanted else {}
         self._sync()
         t1 = time.perf_counter()
         timings.forward_s = t1 - t0
-        out = StepOutput(step_id, {}, timings)
+        out = StepOutput(step_id, {}, timings, prompt=prompt)
         self._count(out, batch)
         if all_logits:
             out.logits = self._split_logits(batch, logits)

@@ -49,6 +49,8 @@ class StepOutput:
     num_decode_tokens: int = 0
     logits: dict | None = None  # request_id -> [n, V] fp32 (all_logits only)
     top: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # top_logprobs rows
+    # request_id -> (first prompt position, [(token, logprob, alternatives)]): prompt_logprobs
+    prompt: dict[str, tuple[int, list]] = field(default_factory=dict)
 
 
 @dataclass

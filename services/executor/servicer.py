@@ -65,6 +65,12 @@ def result_to_pb(out: StepOutput) -> executor_pb2.StepResult:
         for sampled in pb.sampled:
             for tid, value in out.top.get(sampled.request_id, ()):
                 sampled.top.add(token_id=tid, logprob=value)
+    for rid, (start, entries) in out.prompt.items():
+        rows = pb.prompt_logprobs.add(request_id=rid, start=start)
+        for tid, value, top in entries:
+            entry = rows.tokens.add(token_id=tid, logprob=value)
+            for alt, alt_value in top:
+                entry.top.add(token_id=alt, logprob=alt_value)
     return pb
 
 

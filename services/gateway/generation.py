@@ -99,6 +99,7 @@ class Generation:
             else None
         )
         self.logprobs: list[TokenLogprob] = []  # every token's, when the request asks
+        self.prompt_logprobs: list[TokenLogprob] = []  # echo + logprobs: the prompt's
         self.detok = IncrementalDetokenizer(
             tokenizer, plan.prompt_ids, skip_special_tokens=plan.skip_special_tokens
         )
@@ -252,8 +253,9 @@ class Generation:
             return self._finish(event)
         self.completion_tokens = self.received = event.index + 1
         self.cumulative_logprob += event.logprob
+        prompt = self._prompt_logprobs(event)
         if event.token_id in self.plan.stop_token_ids and not self.plan.include_stop:
-            return Piece("", event.time)  # a stop token ends the answer without its text
+            return Piece("", event.time, prompt)  # a stop token ends the answer without its text
         text, matched = self.stops.push(self.detok.push(event.token_id))
         if matched:
             self.finish_reason = "stop"
@@ -262,9 +264,19 @@ class Generation:
             return Piece(text, event.time)
         entry = self.logprob_decoder.entry(event.token_id, event.logprob, event.top_logprobs)
         if entry is None:
-            return Piece(text, event.time)
+            return Piece(text, event.time, prompt)
         self.logprobs.append(entry)
-        return Piece(text, event.time, [entry])
+        return Piece(text, event.time, [*prompt, entry])
+
+    def _prompt_logprobs(self, event: scheduler_pb2.TokenEvent) -> list[TokenLogprob]:
+        """Completions `echo` with `logprobs`: the prompt's entries, which come with the
+        first token's event."""
+        if event.index or not self.plan.echo or self.logprob_decoder is None:
+            return []
+        self.prompt_logprobs = self.logprob_decoder.prompt_entries(
+            list(self.plan.prompt_ids), list(event.prompt_logprobs)
+        )
+        return self.prompt_logprobs
 
     def _finish(self, event: scheduler_pb2.TokenEvent) -> Piece | None:
         self.usage = event.usage

@@ -32,9 +32,9 @@ class Alternative:
 @dataclass(frozen=True)
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (nothing before it), as OpenAI
     bytes: list[int]
-    top: list[Alternative] = field(default_factory=list)
+    top: list[Alternative] | None = field(default_factory=list)
 
 
 class LogprobDecoder:
@@ -67,13 +67,30 @@ class LogprobDecoder:
         alts = [self.alternative(t.token_id, t.logprob) for t in top]
         return TokenLogprob(chosen.token, chosen.logprob, chosen.bytes, alts)
 
+    def prompt_entries(self, ids: list[int], given: list) -> list[TokenLogprob]:
+        """Completions `echo` with `logprobs`: one entry per prompt token (special ones
+        included, as they are part of the prompt). The first has none (null, as OpenAI);
+        `given` holds positions 1.. (PromptLogprob messages) or is empty after a scheduler
+        failover, when every entry's logprob is null."""
+        out = []
+        for i, token_id in enumerate(ids):
+            pl = given[i - 1] if i and len(given) == len(ids) - 1 else None
+            if pl is None:
+                text = self.text(token_id)
+                out.append(TokenLogprob(text, None, list(text.encode("utf-8")), None))
+                continue
+            chosen = self.alternative(token_id, pl.logprob)
+            alts = [self.alternative(t.token_id, t.logprob) for t in pl.top]
+            out.append(TokenLogprob(chosen.token, chosen.logprob, chosen.bytes, alts))
+        return out
+
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
     def one(a: Alternative | TokenLogprob) -> dict:
         return {"token": a.token, "logprob": a.logprob, "bytes": a.bytes}
 
     return {
-        "content": [{**one(e), "top_logprobs": [one(a) for a in e.top]} for e in entries],
+        "content": [{**one(e), "top_logprobs": [one(a) for a in e.top or ()]} for e in entries],
         "refusal": None,
     }
 
@@ -87,6 +104,8 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries],
+        "top_logprobs": [
+            None if e.top is None else {a.token: a.logprob for a in e.top} for e in entries
+        ],
         "text_offset": offsets,
     }

@@ -287,10 +287,6 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
 
 def _refuse_unsupported_completion(body: CompletionRequest) -> None:
     _refuse_common(body)
-    if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo"
-        )
     if isinstance(body.prompt, list) and not body.prompt:
         raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
 
@@ -319,6 +315,7 @@ def _sampling(
             min_p=value("min_p", 0.0),
             logit_bias=_logit_bias(body.logit_bias, vocab_size),
             top_logprobs=_logprobs(body) or 0,
+            prompt_logprobs=_logprobs(body) if getattr(body, "echo", False) else None,
             guide_kind=guide[0],
             guide_spec=guide[1],
             bad_words=bad_words,

@@ -87,7 +87,11 @@ class ChunkMaker:
         self.token_times = token_times
         self.index = index  # the choice this maker writes (n > 1: one maker per choice)
         self.id = response_id or ("chatcmpl-" if chat else "cmpl-") + gen.plan.request_id
-        self.offset = len(gen.plan.prompt_text) if gen.plan.echo else 0  # completions text_offset
+        # echo + logprobs: the prompt's text goes with its log-probabilities, in the first
+        # token's chunk (they come with the first token); plain echo sends it at once
+        self.echo_later = gen.plan.echo and gen.plan.logprobs is not None
+        echo_now = gen.plan.echo and not self.echo_later
+        self.offset = len(gen.plan.prompt_text) if echo_now else 0  # completions text_offset
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -146,7 +150,7 @@ class ChunkMaker:
         }
         if self.chat:
             return self._chunk(self._choice(None, None, role=True), ext)
-        if self.gen.plan.echo:
+        if self.gen.plan.echo and not self.echo_later:
             return self._chunk(self._choice(self.gen.plan.prompt_text, None), ext)
         return None
 
@@ -156,6 +160,9 @@ class ChunkMaker:
         """One piece's chunk (b"" while an answer that may hold tool calls is held back)."""
         if self.gen.plan.tools_mode:
             return b""
+        if self.echo_later:
+            self.echo_later = False
+            text = self.gen.plan.prompt_text + text
         ext = {"time": token_time} if self.token_times else None
         return self._chunk(self._choice(text, None, logprobs=logprobs), ext)
 
@@ -234,10 +241,15 @@ def _full_choice(gen: Generation, chat: bool, index: int) -> dict:
             "finish_reason": _finish_reason(gen, calls),
         }
     prefix = plan.prompt_text if plan.echo else ""
+    shaped = None
+    if asked and plan.echo:  # the prompt's entries first; offsets count from the prompt's start
+        shaped = completion_logprobs(gen.prompt_logprobs + gen.logprobs, 0)
+    elif asked:
+        shaped = completion_logprobs(gen.logprobs, len(prefix))
     return {
         "index": index,
         "text": prefix + gen.text,
-        "logprobs": completion_logprobs(gen.logprobs, len(prefix)) if asked else None,
+        "logprobs": shaped,
         "finish_reason": gen.finish_reason,
     }
 

@@ -89,6 +89,10 @@ class StepRecorder:
     def step_done(self, loop: ExecutorLoop, step: CompletedStep) -> None:
         """Hand the Step's write to the store writer (and its line to the step trace)."""
         tops = {t.request_id: list(t.top) for t in step.result.sampled if t.top}
+        for rows in step.result.prompt_logprobs:  # sent with the first token's event
+            entry = self.entries.get(rows.request_id)
+            if entry is not None and not entry.final:
+                entry.stream.add_prompt_logprobs(rows.start, list(rows.tokens))
         w = self.record(loop.address, step.out, step.updates, tops)
         w.executors[loop.address] = executor_fields(loop)
         self.writer.submit(w)

@@ -28,6 +28,7 @@ class RequestStream:
         self.request_id = request_id
         self.tokens: list[tuple[int, float, float]] = list(tokens or [])  # (id, logprob, time)
         self.tops: dict[int, list] = {}  # output index -> its top_logprobs (TopLogprob)
+        self.prompt: dict[int, common_pb2.PromptLogprob] = {}  # prompt position -> logprob
         self.final: scheduler_pb2.TokenEvent | None = None
         self.prediction = prediction
         self.readers = 0
@@ -56,6 +57,10 @@ class RequestStream:
                 self.tops.update(tops)
             self._notify()
 
+    def add_prompt_logprobs(self, start: int, entries: list[common_pb2.PromptLogprob]) -> None:
+        """Prompt positions start.. (a recomputed chunk simply computes them again)."""
+        self.prompt.update(enumerate(entries, start))
+
     def finish(self, event: scheduler_pb2.TokenEvent) -> None:
         """Publish the final event (only the first one counts)."""
         if self.final is None:
@@ -80,6 +85,7 @@ class RequestStream:
             logprob=logprob,
             time=t,
             top_logprobs=self.tops.get(index, ()),
+            prompt_logprobs=[self.prompt[p] for p in sorted(self.prompt)] if index == 0 else (),
         )
 
     async def events(self, start: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:

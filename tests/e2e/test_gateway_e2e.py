@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from services.common.redis_runner import EmbeddedRedis
 from services.common.settings import GatewaySettings, PredictorSettings
@@ -294,11 +295,44 @@ def test_completions_logprobs_and_echo(client):
         model="smollm2-135m-instruct", prompt=prompt, max_tokens=6, temperature=0, echo=True
     )
     assert echoed.choices[0].text == prompt + out.choices[0].text
-    with pytest.raises(Exception) as err:
-        client.completions.create(
-            model="smollm2-135m-instruct", prompt=prompt, max_tokens=2, echo=True, logprobs=1
-        )
-    assert getattr(err.value, "status_code", None) == 400 and "echo" in str(err.value)
+
+
+def test_echo_logprobs_score_the_prompt_as_transformers_does(stack, client):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs, max_tokens 1): one entry per
+    prompt token, the first null, the rest equal to transformers' log-softmax of the bundled
+    model; streamed the same; and the prompt is computed in full although a request with the
+    same prompt just filled the prefix cache."""
+    from transformers import AutoModelForCausalLM
+
+    from services.common.models import load_tokenizer, weights_dir
+
+    data_dir = PredictorSettings().data_dir
+    tok = load_tokenizer("smollm2-135m-instruct", data_dir)
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"]
+    kw = dict(model="smollm2-135m-instruct", prompt=ids, max_tokens=1, temperature=0)
+    client.completions.create(**kw)  # fills the prefix cache with this prompt's blocks
+    out = client.completions.create(**kw, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == out.choices[0].text
+    model = AutoModelForCausalLM.from_pretrained(
+        weights_dir("smollm2-135m-instruct", data_dir), dtype=torch.float32
+    )
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1 : len(ids)], want)) < 2e-3
+    for top in lp.top_logprobs[1 : len(ids)]:
+        assert 1 <= len(top) <= 2
+    streamed = client.completions.create(**kw, echo=True, logprobs=2, stream=True)
+    tokens, values = [], []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+    assert tokens == lp.tokens and values[0] is None
+    assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
 def prefix_hits(stack) -> float:

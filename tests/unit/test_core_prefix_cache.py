@@ -91,6 +91,25 @@ def test_whole_prompt_cached_still_computes_a_token():
     assert bm.cached_prefix_len(mk("w", [0, 1, 2, 9] + list(range(4, 8)))) == 0
 
 
+def test_a_request_reading_prompt_logits_takes_nothing_from_the_cache():
+    """prompt_logprobs needs the logits of every prompt position: no cached prefix until the
+    request has output (a recompute after its first token may use the cache again)."""
+    from dataclasses import replace
+
+    bm = cached_bm(bs=4)
+    first = mk("x", range(12))
+    bm.allocate(first, 12)
+    first.num_computed_tokens = 12
+    bm.commit(first)
+    bm.free("x")
+    reader = mk("y", range(12))
+    reader.sampling = replace(reader.sampling, prompt_logprobs=0)
+    assert bm.cached_prefix_len(mk("z", range(12))) == 8
+    assert bm.cached_prefix_len(reader) == 0 and bm.cache.peek(reader) == 0
+    reader.output_token_ids.append(5)
+    assert bm.cached_prefix_len(reader) == 12
+
+
 def test_concurrent_requests_share_a_system_prompt():
     s = make_sched("sarathi", device_blocks=32, block_size=4, prefix_caching=True, token_budget=64)
     system = list(range(200, 216))  # 4 full blocks

@@ -278,3 +278,38 @@ def test_guided_decoding_masks_every_row_and_survives_recompute(tiny_dirs):
         )
     ).sampled["u"][0]
     assert not re.fullmatch(r"(cat|dog)?", tok.decode([unguided]).strip())
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(tiny_dirs):
+    """prompt_logprobs: every prompt position from 1 on gets the log-probability of its token
+    given the tokens before it, with the top-k alternatives, equal to a full transformers
+    forward pass, whatever chunks the prompt is computed in and whatever else the batch holds
+    (a decode packed first). A request that does not ask gets nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from services.common.sampling import SamplingParams
+
+    engine = _engine(tiny_dirs)
+    _admit(engine, "other", 20, blocks=(0, 1))
+    prompt = list(range(3000, 3040))
+    ask = SamplingParams(prompt_logprobs=3)
+    got: dict[int, tuple] = {}
+    step = StepInput(1, [NewRequest("p", prompt, ask)], {"p": ([2, 3, 4], False)}, {"p": 7})
+    step.num_scheduled_tokens["other"] = 1
+    for i, n in enumerate([7, 20, 13]):
+        if i:
+            step = StepInput(2 + i, num_scheduled_tokens={"p": n, "other": 1})
+        out = engine.step(step)
+        assert "other" not in out.prompt
+        start, entries = out.prompt["p"]
+        got.update({start + j: e for j, e in enumerate(entries)})
+    assert sorted(got) == list(range(1, 40))  # the last chunk predicts up to position 39
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+    for pos, (token, logprob, top) in got.items():
+        assert token == prompt[pos]
+        assert abs(logprob - ref[pos - 1, token].item()) < 1e-4
+        values, ids = ref[pos - 1].topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        assert max(abs(v - r) for (_, v), r in zip(top, values.tolist())) < 1e-4

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x08\x61lise.v1\"\x98\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12;\n\nlogit_bias\x18\t \x03(\x0b\x32\'.alise.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x12\n\nguide_kind\x18\x0b \x01(\t\x12\x12\n\nguide_spec\x18\x0c \x01(\t\x12*\n\tbad_words\x18\r \x03(\x0b\x32\x17.alise.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"k\n\x03Slo\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05tbt_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ndeadline_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\t\n\x07_ttft_sB\x08\n\x06_tbt_sB\r\n\x0b_deadline_s\"e\n\nPrediction\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x12\n\nsimilarity\x18\x03 \x01(\x02\x12\x11\n\tneighbors\x18\x04 \x01(\x05\x12\x10\n\x08p_capped\x18\x05 \x01(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x08\x61lise.v1\"\xca\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12;\n\nlogit_bias\x18\t \x03(\x0b\x32\'.alise.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x12\n\nguide_kind\x18\x0b \x01(\t\x12\x12\n\nguide_spec\x18\x0c \x01(\t\x12*\n\tbad_words\x18\r \x03(\x0b\x32\x17.alise.v1.TokenSequence\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.alise.v1.TopLogprob\"k\n\x03Slo\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05tbt_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ndeadline_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\t\n\x07_ttft_sB\x08\n\x06_tbt_sB\r\n\x0b_deadline_s\"e\n\nPrediction\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x12\n\nsimilarity\x18\x03 \x01(\x02\x12\x11\n\tneighbors\x18\x04 \x01(\x05\x12\x10\n\x08p_capped\x18\x05 \x01(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=27
-  _globals['_SAMPLINGPARAMS']._serialized_end=435
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=378
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=426
-  _globals['_TOKENSEQUENCE']._serialized_start=437
-  _globals['_TOKENSEQUENCE']._serialized_end=471
-  _globals['_TOPLOGPROB']._serialized_start=473
-  _globals['_TOPLOGPROB']._serialized_end=520
-  _globals['_SLO']._serialized_start=522
-  _globals['_SLO']._serialized_end=629
-  _globals['_PREDICTION']._serialized_start=631
-  _globals['_PREDICTION']._serialized_end=732
+  _globals['_SAMPLINGPARAMS']._serialized_end=485
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=408
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=456
+  _globals['_TOKENSEQUENCE']._serialized_start=487
+  _globals['_TOKENSEQUENCE']._serialized_end=521
+  _globals['_TOPLOGPROB']._serialized_start=523
+  _globals['_TOPLOGPROB']._serialized_end=570
+  _globals['_PROMPTLOGPROB']._serialized_start=572
+  _globals['_PROMPTLOGPROB']._serialized_end=657
+  _globals['_SLO']._serialized_start=659
+  _globals['_SLO']._serialized_end=766
+  _globals['_PREDICTION']._serialized_start=768
+  _globals['_PREDICTION']._serialized_end=869
 # @@protoc_insertion_point(module_scope)

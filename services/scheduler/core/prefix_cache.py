@@ -88,7 +88,10 @@ class PrefixCache:
 
     def max_prefix_blocks(self, req: Request) -> int:
         """Blocks a cache hit may cover: full blocks only, and never every known token (the
-        last one is always computed, so the step has logits to sample from)."""
+        last one is always computed, so the step has logits to sample from); none for a
+        request that reads its prompt's logits."""
+        if req.reads_prompt_logits:
+            return 0
         return (req.num_tokens - 1) // self.block_size
 
     def peek(self, req: Request) -> int:

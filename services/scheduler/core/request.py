@@ -147,6 +147,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def reads_prompt_logits(self) -> bool:
+        """It asks for its prompt's log-probabilities and has not had them yet (no output):
+        every prompt token must be computed, none taken from the prefix cache."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status in _FINISHED
 
