@@ -306,6 +306,11 @@ class GatewaySettings(CommonSettings):
     cors_origins: StrList = Field(default_factory=list, description="Allowed CORS origins.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Request body size limit.")
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one request.")
+    tool_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="Tool-call parser: auto (by the chat template: llama3_json for Llama 3, "
+        "else hermes), hermes (<tool_call> blocks) or llama3_json.",
+    )
     served_model_name: str = Field(
         "", description="Model id clients pass (default: the model setting)."
     )

@@ -81,7 +81,9 @@ async def _load_state(settings: GatewaySettings, metrics: GatewayMetrics) -> Gat
     config_len = await asyncio.to_thread(model_max_length, settings, tokenizer)
     model_id = settings.served_model_name or served_model_id(settings.model)
     upstream = Upstream(settings)
-    prompts = PromptBuilder(tokenizer, model_id, lambda: upstream.context_limit(config_len))
+    prompts = PromptBuilder(
+        tokenizer, model_id, lambda: upstream.context_limit(config_len), settings.tool_parser
+    )
     state = GatewayState(
         settings, metrics, tokenizer, upstream, prompts, model_id, config_len, int(time.time())
     )

@@ -60,6 +60,7 @@ class Plan:
     logprobs: int | None = None  # None: not asked; else the top alternatives per token (0-20)
     echo: bool = False  # completions: the prompt text opens the answer
     tools_mode: str = ""  # "" | "auto" | "forced": parse tool calls out of the answer
+    tool_parser: str = "hermes"  # services/gateway/tools.py PARSERS: the model family's
     prompt_index: int = 0  # which prompt of a batched completion request
 
     def to_pb(self, prediction: common_pb2.Prediction | None) -> scheduler_pb2.GenerateRequest:

@@ -24,7 +24,10 @@ REFUSED: dict[str, tuple[Any, str]] = {
         "special tokens are always decoded as the tokenizer does",
     ),
     "truncate_prompt_tokens": (ANY, "prompts are never truncated: a long one is a 400"),
-    "prompt_logprobs": (ANY, "prompt log-probabilities are not supported"),
+    "prompt_logprobs": (
+        ANY,
+        "vLLM's prompt_logprobs shape is not served; use completions echo with logprobs",
+    ),
     "allowed_token_ids": (
         ANY,
         "allowed_token_ids is not supported; use guided_choice or logit_bias",

@@ -24,7 +24,7 @@ from services.gateway.schemas import (
     Slo,
     TextPart,
 )
-from services.gateway.tools import history_text, plan_tools
+from services.gateway.tools import history_text, parser_for, plan_tools
 from services.gateway.tools import system_prompt as tools_system_prompt
 
 if TYPE_CHECKING:
@@ -46,12 +46,17 @@ _N = TypeVar("_N", int, float)
 
 class PromptBuilder:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, model_id: str, max_len: Callable[[], int]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        model_id: str,
+        max_len: Callable[[], int],
+        tool_parser: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_len = max_len  # current maximum model length (the scheduler may report later)
         self.vocab_size = len(tokenizer)
+        self.tool_parser = parser_for(getattr(tokenizer, "chat_template", None), tool_parser)
 
     @functools.cached_property
     def guides(self) -> GuideCompiler:
@@ -87,6 +92,7 @@ class PromptBuilder:
             guide = await checked_tool_guide(tools.guide, self.guides)
         plan = self._plan(body, headers, request_id, text, ids, max_tokens, "messages", guide)
         plan.tools_mode = tools.mode
+        plan.tool_parser = self.tool_parser
         return plan
 
     async def completion(

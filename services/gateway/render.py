@@ -173,7 +173,8 @@ class ChunkMaker:
             return self._chunk(
                 self._choice(None, self.gen.finish_reason), final_extension(self.gen)
             )
-        content, calls = tools.parse(self.gen.text, self.gen.plan.tools_mode)
+        plan = self.gen.plan
+        content, calls = tools.parse(self.gen.text, plan.tools_mode, plan.tool_parser)
         delta: dict = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
@@ -231,7 +232,7 @@ def _full_choice(gen: Generation, chat: bool, index: int) -> dict:
         message: dict = {"role": "assistant", "content": gen.text}
         calls: list = []
         if plan.tools_mode:
-            message["content"], calls = tools.parse(gen.text, plan.tools_mode)
+            message["content"], calls = tools.parse(gen.text, plan.tools_mode, plan.tool_parser)
             if calls:
                 message["tool_calls"] = calls
         return {

@@ -13,6 +13,12 @@ Choices: `none` renders no tools and parses nothing; `auto` (the default with to
 (`services/common/guided.py`): one object `{"name", "arguments"}` whose arguments follow
 that function's parameters, so it always parses. One call per answer is forced that way;
 `auto` returns as many as the model writes.
+
+Parsing `auto` answers is per model family (`PARSERS`, chosen by `parser_for` from the chat
+template unless `ALISE_TOOL_PARSER` names one): `hermes` takes `<tool_call>` blocks;
+`llama3_json` takes an answer that is only calls, Llama 3's way: JSON objects `{"name",
+"parameters"}` (or `arguments`), separated by `;`, after an optional `<|python_tag|>`. A new
+family is one function of (text) -> (content, calls) registered in `PARSERS`.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import bad_request
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-PARSER = "hermes"
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ def history_text(role: str, content: str, extra: dict[str, Any]) -> tuple[str, s
 def _call(obj: Any) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", {})
+    args = obj.get("arguments", obj.get("parameters", {}))
     return {
         "id": "call_" + uuid.uuid4().hex[:24],
         "type": "function",
@@ -119,15 +126,20 @@ def _call(obj: Any) -> dict[str, Any] | None:
     }
 
 
-def parse(text: str, mode: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse(text: str, mode: str, parser: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of an answer: a forced answer is the call's JSON itself; `auto`
-    takes every well-formed `<tool_call>` block and leaves the rest as content."""
+    asks the model family's parser (`PARSERS`)."""
     if mode == "forced":
         try:
             call = _call(json.loads(text))
         except json.JSONDecodeError:
             call = None
         return (None, [call]) if call else (text, [])
+    return PARSERS[parser](text)
+
+
+def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Every well-formed `<tool_call>` block; the rest stays the content."""
     calls = []
     for block in CALL.findall(text):
         try:
@@ -140,3 +152,37 @@ def parse(text: str, mode: str) -> tuple[str | None, list[dict[str, Any]]]:
         return text, []
     rest = CALL.sub("", text).strip()
     return (rest or None), calls
+
+
+def _llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """An answer that is only calls: JSON objects separated by `;` (after an optional
+    `<|python_tag|>`); anything else is content, with no calls."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while i < len(body):
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return text, []
+        call = _call(obj)
+        if call is None:
+            return text, []
+        calls.append(call)
+        i = len(body) - len(body[i:].lstrip().removeprefix(";").lstrip())
+    return (None, calls) if calls else (text, [])
+
+
+PARSERS: dict[str, Callable[[str], tuple[str | None, list[dict[str, Any]]]]] = {
+    "hermes": _hermes,
+    "llama3_json": _llama3_json,
+}
+
+
+def parser_for(chat_template: str | None, setting: str = "auto") -> str:
+    """The tool parser of a model: the setting when it names one, else by its chat template
+    (Llama 3's mentions `<|python_tag|>`); Hermes-style otherwise."""
+    if setting != "auto":
+        if setting not in PARSERS:
+            raise ValueError(f"tool parser must be auto or one of {sorted(PARSERS)}: {setting!r}")
+        return setting
+    return "llama3_json" if PYTHON_TAG in (chat_template or "") else "hermes"

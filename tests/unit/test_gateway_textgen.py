@@ -145,6 +145,34 @@ def test_tool_calls_are_parsed_out_of_auto_and_forced_answers():
     assert parse('{"name": "f", "argu', "forced") == ('{"name": "f", "argu', [])  # cut
 
 
+def test_llama3_json_tool_calls_and_the_parser_chosen_per_model_family():
+    import json
+    import typing
+
+    import pytest
+
+    from services.common.settings import GatewaySettings
+    from services.gateway.tools import PARSERS, parse, parser_for
+
+    one = '<|python_tag|>{"name": "weather", "parameters": {"city": "Paris"}}'
+    content, calls = parse(one, "auto", "llama3_json")
+    assert content is None and calls[0]["function"]["name"] == "weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    two = '{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}}'
+    assert [c["function"]["name"] for c in parse(two, "auto", "llama3_json")[1]] == ["f", "g"]
+    for text in ("The weather is fine.", '{"name": "f"} and then words', '{"city": "Paris"}'):
+        assert parse(text, "auto", "llama3_json") == (text, [])
+    hermes = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert parse(hermes, "auto", "llama3_json") == (hermes, [])  # not this family's format
+    assert parser_for("{{ '<|python_tag|>' }}{% if tools %}...") == "llama3_json"
+    assert parser_for("{% for message in messages %}<|im_start|>") == "hermes"
+    assert parser_for(None) == "hermes" and parser_for(None, "llama3_json") == "llama3_json"
+    with pytest.raises(ValueError, match="tool parser"):
+        parser_for(None, "mistral")
+    setting = GatewaySettings.model_fields["tool_parser"].annotation
+    assert set(typing.get_args(setting)) == {"auto", *PARSERS}
+
+
 def test_completion_prompts_get_the_tokenizers_bos_and_chat_prompts_do_not(tmp_path):
     """A tokenizer that adds BOS (Llama-style) gets it on a raw completion prompt, as
     transformers adds it; the rendered chat text is encoded as is."""

@@ -1,0 +1,39 @@
+"""docs/gateway.md's table of request fields says what the code does with every field."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from services.gateway.params import NO_EFFECT, REFUSED
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+ROW = re.compile(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \|")
+
+
+def table() -> dict[str, tuple[str, str]]:
+    text = DOC.read_text(encoding="utf-8").split("### Every request field", 1)[1]
+    text = re.split(r"\n#", text, maxsplit=1)[0]  # up to the next heading
+    rows = {}
+    for line in text.splitlines():
+        if (m := ROW.match(line)) is not None:
+            rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip())
+    return rows
+
+
+def test_every_field_has_one_row_with_its_status():
+    rows = table()
+    declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    assert set(rows) == declared | set(REFUSED) | NO_EFFECT
+    for name, (endpoint, status) in rows.items():
+        if name in declared:
+            assert status in ("honoured", "accepted, no effect"), name
+        elif name in NO_EFFECT:
+            assert status == "accepted, no effect", name
+        else:
+            assert status.startswith("400"), name
+        chat = name in ChatCompletionRequest.model_fields
+        completion = name in CompletionRequest.model_fields
+        if chat != completion:
+            assert endpoint == ("chat" if chat else "completions"), name
