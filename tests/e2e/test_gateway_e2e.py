@@ -104,6 +104,7 @@ def test_requests_cut_by_max_tokens_are_observed_as_censored(stack, client):
     rid = key(out.id)
     assert out.choices[0].finish_reason == "length"
     assert wait_until(lambda: observed(stack, rid))
+    stack["loop"].run(stack["predictor"].observer.drain())  # learned in the background
     got = stack["predictor"].predictor.predict("smollm2-135m-instruct", [prompt])[0]
     assert (got.source, got.p_capped, got.length) == ("retrieval", 1.0, 3)
 
