@@ -141,7 +141,6 @@ def test_invalid_chat_parameters_are_400(client, body, param):
         ({"prompt": ["a", ""]}, "prompt.1"),
         ({"prompt": ["a"] * 65}, "prompt"),
         ({"prompt": [1, 99_999_999]}, "prompt"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
         ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
