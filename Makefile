@@ -50,7 +50,7 @@ K8S_VENV := .venv-k8s
 k8s-check:
 	test -x $(K8S_VENV)/bin/checkov || ($(PY) -m venv $(K8S_VENV) && \
 		$(K8S_VENV)/bin/pip install --disable-pip-version-check -q kubernetes-validate==1.37.0 checkov==3.3.30)
-	for o in cpu gpu; do \
+	for o in cpu gpu gpu-shards; do \
 		kubectl kustomize deploy/k8s/overlays/$$o > $(K8S_VENV)/$$o.yaml && \
 		$(K8S_VENV)/bin/kubernetes-validate --strict -k 1.32.0 $(K8S_VENV)/$$o.yaml && \
 		$(K8S_VENV)/bin/checkov --quiet --compact --skip-download -f $(K8S_VENV)/$$o.yaml --framework kubernetes \

@@ -25,7 +25,7 @@ from services.launcher.topology import ServiceSpec, local_topology
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-shards")
 INFRA = {"redis", "qdrant"}
 K8S_VERSION = "1.32.0"
 # The one variable that is not a setting: the pod's name, for ALISE_ADVERTISE_ADDRESS.
@@ -71,6 +71,11 @@ def workloads(objects: list[dict]) -> dict[str, dict]:
 
 def apps(objects: list[dict]) -> dict[str, dict]:
     return {n: w for n, w in workloads(objects).items() if n not in INFRA}
+
+
+def role(name: str) -> str:
+    """The launcher's service a workload runs (`scheduler-shard1` is a scheduler too)."""
+    return name.split("-shard")[0]
 
 
 def pod(workload: dict) -> dict:
@@ -125,12 +130,12 @@ def resolve(objects: list[dict], address: str) -> tuple[dict, int]:
 
 def test_the_same_services_and_commands_as_the_launcher(objects: list[dict]) -> None:
     groups = launcher()
-    assert set(apps(objects)) == set(groups)
+    assert {role(n) for n in apps(objects)} == set(groups)
     parser = build_parser()
     for name, workload in apps(objects).items():
         command = container(workload)["command"]
         assert command[0] == "alise"
-        assert tuple(command[1:]) == groups[name][0].command, name
+        assert tuple(command[1:]) == groups[role(name)][0].command, name
         assert callable(getattr(parser.parse_args(command[1:]), "func", None)), command
 
 
@@ -142,7 +147,7 @@ def test_every_environment_variable_is_a_real_setting(objects: list[dict]) -> No
     for name, workload in apps(objects).items():
         env = env_of(objects, workload)
         assert not set(env) - known, f"{name}: {set(env) - known} are not ALISE settings"
-        spec = launcher()[name][0]
+        spec = launcher()[role(name)][0]
         assert not set(spec.env) - set(env), f"{name} lacks {set(spec.env) - set(env)}"
         for var, value in spec.env.items():
             if var.endswith("_HOST"):
@@ -154,7 +159,7 @@ def test_every_environment_variable_is_a_real_setting(objects: list[dict]) -> No
 def test_containers_services_and_probes_use_each_service_port(objects: list[dict]) -> None:
     services = of_kind(objects, "Service")
     for name, workload in apps(objects).items():
-        port = PORTS[name]
+        port = PORTS[role(name)]
         c = container(workload)
         assert [p["containerPort"] for p in c["ports"]] == [port], name
         service = services[name]
@@ -207,6 +212,42 @@ def test_addresses_name_real_services(objects: list[dict]) -> None:
     assert pdb["selector"]["matchLabels"] == a["scheduler"]["spec"]["selector"]["matchLabels"]
 
 
+def test_two_scheduler_shards_each_with_its_own_pods_and_the_gateway_knows_both() -> None:
+    """gpu-shards: shard 0 (the base's scheduler) and shard 1 (stamped from it) each own their
+    pods (Service, StatefulSet and PDB selectors do not overlap), read ALISE_SHARD 0 / 1 of
+    ALISE_NUM_SHARDS 2 as the scheduler's settings, and the gateway lists each shard's leader
+    and standby by their pod DNS names, the same Redis serving both."""
+    from services.common.settings import GatewaySettings, SchedulerSettings
+    from services.gateway.shards import shard_addresses
+
+    objects = render("gpu-shards")
+    a = apps(objects)
+    services = of_kind(objects, "Service")
+    pdbs = of_kind(objects, "PodDisruptionBudget")
+    gateway = settings_of(GatewaySettings, env_of(objects, a["gateway"]))
+    groups = shard_addresses(gateway)
+    assert len(groups) == 2
+    for shard, name in enumerate(("scheduler", "scheduler-shard1")):
+        settings = settings_of(SchedulerSettings, env_of(objects, a[name]))
+        assert (settings.shard, settings.num_shards) == (shard, 2)
+        pods = a[name]["spec"]["template"]["metadata"]["labels"]
+        for other in {"scheduler", "scheduler-shard1"} - {name}:
+            other_pods = a[other]["spec"]["template"]["metadata"]["labels"]
+            assert not services[name]["spec"]["selector"].items() <= other_pods.items()
+            assert not pdbs[name]["spec"]["selector"]["matchLabels"].items() <= other_pods.items()
+        assert services[name]["spec"]["selector"].items() <= pods.items()
+        assert pdbs[name]["spec"]["selector"]["matchLabels"].items() <= pods.items()
+        assert [resolve(objects, x)[0]["metadata"]["name"] for x in groups[shard]] == [name] * 2
+        assert settings.redis_url == env_of(objects, a["scheduler"])["ALISE_REDIS_URL"]
+
+
+def settings_of(cls: type, env: dict[str, str]) -> object:
+    """A settings class built from a container's ALISE_* variables (the ones it knows)."""
+    known = set(cls.model_fields)  # type: ignore[attr-defined]
+    given = {k.removeprefix("ALISE_").lower(): v for k, v in env.items()}
+    return cls(**{k: v for k, v in given.items() if k in known})
+
+
 def test_containers_run_as_non_root_with_limits(objects: list[dict]) -> None:
     for name, workload in workloads(objects).items():
         spec = pod(workload)
@@ -253,12 +294,12 @@ def test_gpus_and_images_per_overlay() -> None:
         for name, workload in workloads(objects).items():
             resources = container(workload)["resources"]
             gpus = {k: resources[k].get("nvidia.com/gpu") for k in ("requests", "limits")}
-            wanted = 1 if (overlay, name) == ("gpu", "executor") else None
+            gpu = overlay.startswith("gpu")
+            wanted = 1 if gpu and name == "executor" else None
             assert gpus == {"requests": wanted, "limits": wanted}, (overlay, name)
         a = apps(objects)
-        device = {"cpu": "cpu", "gpu": "cuda"}[overlay]
-        assert env_of(objects, a["executor"])["ALISE_DEVICE"] == device
-        executor_image = {"cpu": "alise:latest", "gpu": "alise-executor:latest"}[overlay]
+        assert env_of(objects, a["executor"])["ALISE_DEVICE"] == ("cuda" if gpu else "cpu")
+        executor_image = "alise-executor:latest" if gpu else "alise:latest"
         assert container(a["executor"])["image"] == executor_image
         for name in ("gateway", "predictor", "scheduler"):
             assert container(a[name])["image"] == "alise:latest", name
