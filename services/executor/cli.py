@@ -13,16 +13,21 @@ def _settings():
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Serve until a signal; exit 1 when loading or warm-up fails (the reason is logged on
+    one line by the server)."""
     from services.common.logs import setup_logging
     from services.common.runner import run_until_signal
-    from services.executor.server import start_executor
+    from services.executor.server import StartupFailed, start_executor
 
     settings = _settings()
     setup_logging("executor", settings.log_level, settings.log_format)
-    return run_until_signal(
-        lambda: start_executor(settings),
-        lambda handle: f"executor listening on {settings.executor_host}:{handle.port}",
-    )
+    try:
+        return run_until_signal(
+            lambda: start_executor(settings),
+            lambda handle: f"executor listening on {settings.executor_host}:{handle.port}",
+        )
+    except StartupFailed:
+        return 1
 
 
 def _stub(args: argparse.Namespace) -> int:
