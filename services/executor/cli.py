@@ -59,6 +59,7 @@ def _profile(args: argparse.Namespace) -> int:
     settings = _settings()
     setup_logging("executor", settings.log_level, settings.log_format)
     engine = Engine.from_settings(settings)
+    engine.warm_up()  # CUDA: time the steps as served (kernels compiled, graphs captured)
     profile = profile_engine(engine, quick=args.quick, max_prefill=args.max_prefill)
     engine.close()
     write_profile(profile, args.out)

@@ -17,8 +17,9 @@ pytestmark = GPU_ONLY
 PROMPTS = [list(range(200, 290)), list(range(1000, 1013)), list(range(5000, 5070))]
 CHUNKS = [1, 7, None]  # one token a step, 7 a step, the whole prompt at once
 # Ours must be no further from transformers in fp32 than transformers' own bf16 is (x1.5:
-# two bf16 implementations round their matmuls differently), and pick the same token.
-ERROR_RATIO, MIN_AGREEMENT = 1.5, 0.95
+# two bf16 implementations round their matmuls differently), and pick fp32's token about as
+# often as transformers' bf16 does (random tiny models have many near-ties).
+ERROR_RATIO, AGREEMENT_SLACK = 1.5, 0.05
 
 
 def _hf_logits(model_dir, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -57,9 +58,10 @@ def test_bf16_logits_track_transformers(model_dirs, name):
     ref32, ref16 = (_hf_logits(model_dirs[name], d) for d in (torch.float32, torch.bfloat16))
     for ids, o, r32, r16 in zip(PROMPTS, ours, ref32, ref16):
         ours_err, hf_err = (o - r32).abs().mean().item(), (r16 - r32).abs().mean().item()
-        agreement = (o.argmax(-1) == r32.argmax(-1)).float().mean().item()
+        agree = (o.argmax(-1) == r32.argmax(-1)).float().mean().item()
+        hf_agree = (r16.argmax(-1) == r32.argmax(-1)).float().mean().item()
         assert ours_err <= ERROR_RATIO * hf_err + 1e-4, (name, len(ids), ours_err, hf_err)
-        assert agreement >= MIN_AGREEMENT, (name, len(ids), agreement)
+        assert agree >= hf_agree - AGREEMENT_SLACK, (name, len(ids), agree, hf_agree)
 
 
 def test_packed_and_classic_step_paths_agree(smollm2_dir):
