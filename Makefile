@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup run test lint proto clean-venv k8s-check base-image images test-containers
+.PHONY: setup run test test-gpu lint proto clean-venv k8s-check base-image images test-containers
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The CUDA suite (tests/gpu, marker `gpu`): parity in bf16, CUDA graphs, INT8 KV, swaps,
+# memory sizing, warm-up and an `alise serve` smoke test. Skipped with the reason without a
+# GPU; on one, torch must be a CUDA build (`$(BIN)/pip install torch==2.13.0` from PyPI).
+test-gpu: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu
 
 # Lint, format check and strict types (core and common); part of `make test`.
 lint: setup

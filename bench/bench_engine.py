@@ -191,6 +191,10 @@ def _progress(message: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.device == "cuda" or args.against:
+        from bench.bench_engine_gpu import run_gpu
+
+        return run_gpu(args)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -274,4 +278,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="instead: structured decoding's cost, every request under this JSON schema vs none",
     )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: GPU bench")
+    p.add_argument("--model", help="GPU bench: a model directory (default ALISE_MODEL)")
+    p.add_argument("--against", choices=["vllm"], help="GPU bench: also run vLLM")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU bench (0.9)")
     p.set_defaults(func=_run)

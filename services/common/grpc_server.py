@@ -152,11 +152,13 @@ async def start_server(
     registrations: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], object, str]],
     address: str,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    serving: bool = True,
 ) -> GrpcServer:
     """Start an aio server on `address` (host:port, port 0 = pick a free one).
 
     `registrations` holds (add_XServicer_to_server, servicer, full service name) triples.
-    Health is SERVING for every service once started; reflection lists them all.
+    Health is SERVING for every service once started (`serving=False`: NOT_SERVING until
+    `set_serving`); reflection lists them all.
     """
     server = grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors], options=SERVER_OPTIONS
@@ -175,6 +177,6 @@ async def start_server(
         raise OSError(f"could not bind gRPC server to {address}")
     await server.start()
     grpc_server = GrpcServer(server, health_servicer, port, tuple(names))
-    await grpc_server.set_serving(True)
+    await grpc_server.set_serving(serving)
     log.info("gRPC server listening", extra={"address": address, "port": port, "services": names})
     return grpc_server

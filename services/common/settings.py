@@ -98,6 +98,34 @@ class ExecutorSettings(CommonSettings):
     profile_path: Path | None = Field(
         None, description="Cost-model profile JSON reported by Describe."
     )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="CUDA: fraction of the GPU's memory this executor may use; the KV pool "
+        "takes what weights, activations and reserves leave of it (vLLM's meaning). "
+        "An explicitly set ALISE_KV_MEMORY_GB wins.",
+    )
+    cuda_graphs: bool = Field(
+        True, description="CUDA: capture decode-only steps as CUDA graphs at start-up."
+    )
+    cuda_graph_max_batch: int = Field(
+        512,
+        ge=0,
+        le=4096,
+        description="CUDA: largest decode batch captured (buckets 1, 2, 4, ... up to it).",
+    )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description="CUDA: the step size (tokens) whose activations the memory profile reserves.",
+    )
+    max_num_seqs: int = Field(
+        512,
+        ge=1,
+        description="CUDA: the most requests in one step the memory profile reserves for "
+        "(logits rows, INT8 staging buffers).",
+    )
 
 
 class PredictorSettings(CommonSettings):

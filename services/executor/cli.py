@@ -13,16 +13,21 @@ def _settings():
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Serve until a signal; exit 1 when loading or warm-up fails (the reason is logged on
+    one line by the server)."""
     from services.common.logs import setup_logging
     from services.common.runner import run_until_signal
-    from services.executor.server import start_executor
+    from services.executor.server import StartupFailed, start_executor
 
     settings = _settings()
     setup_logging("executor", settings.log_level, settings.log_format)
-    return run_until_signal(
-        lambda: start_executor(settings),
-        lambda handle: f"executor listening on {settings.executor_host}:{handle.port}",
-    )
+    try:
+        return run_until_signal(
+            lambda: start_executor(settings),
+            lambda handle: f"executor listening on {settings.executor_host}:{handle.port}",
+        )
+    except StartupFailed:
+        return 1
 
 
 def _stub(args: argparse.Namespace) -> int:
@@ -54,6 +59,7 @@ def _profile(args: argparse.Namespace) -> int:
     settings = _settings()
     setup_logging("executor", settings.log_level, settings.log_format)
     engine = Engine.from_settings(settings)
+    engine.warm_up()  # CUDA: time the steps as served (kernels compiled, graphs captured)
     profile = profile_engine(engine, quick=args.quick, max_prefill=args.max_prefill)
     engine.close()
     write_profile(profile, args.out)

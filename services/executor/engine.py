@@ -26,18 +26,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.common.arith import ceil_div
 from services.executor.config import resolve_device, resolve_dtype
+from services.executor.cuda_graphs import Capture
+from services.executor.cuda_runtime import DeviceRuntime, RuntimeOptions, uses_graphs, uses_packed
+from services.executor.memory import (
+    MemoryPlan,
+    make_pool,
+    profile_activation_peak,
+    profile_runs,
+    release_unused_memory,
+    size_kv_pool,
+    staging_reserve,
+)
 from services.executor.messages import RequestState, StepInput, StepOutput, StepTimings
 from services.executor.prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
-from services.executor.sampler import sample, top_alternatives
+from services.executor.sampler import sample, sample_batch, top_alternatives, unpack_samples
 from services.executor.step_plan import BlockOwners, StepChecker, StepPlan, apply_plan
 from services.executor.swap import SwapManager
 
 if TYPE_CHECKING:
     from services.common.guided import GuideCompiler
     from services.common.settings import ExecutorSettings
+    from services.executor.runner import KVCache
     from services.scheduler.core.output import SchedulerOutput
 
 GIB = 1 << 30
@@ -68,29 +81,34 @@ class Engine:
         attention_backend: str = "auto",
         max_model_len: int = 0,
         profile_path: str | Path | None = None,
+        runtime: RuntimeOptions | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
+        self.options = runtime or RuntimeOptions()
         self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype)
         self.kv_dtype, self.block_size = kv_dtype, block_size
-        per_block = bytes_per_block(self.spec, kv_dtype, block_size, self.dtype)
-        if num_device_blocks is None:
-            num_device_blocks = int(kv_memory_gb * GIB // per_block)
-        if num_device_blocks < 1:
-            raise ValueError(f"kv memory budget holds no block ({per_block} bytes each)")
-        self.cache = make_cache(
-            self.spec, kv_dtype, num_device_blocks, block_size, self.dtype, self.device
-        )
+        self.max_model_len = self._max_len(max_model_len)
         self.attn = make_attention(self.spec, attention_backend, self.device)
         # padded query-key pairs one more attention group must save (batch.split_by_context),
         # set by the backend; None: one group per kind (decodes, prefill chunks)
         self.attention_group_cost: int | None = self.attn.group_cost
+        packed = uses_packed(self.options, self.device, self.attn.name, kv_dtype)
+        graphs = uses_graphs(self.options, packed)
+        per_block = bytes_per_block(self.spec, kv_dtype, block_size, self.dtype)
+        self.memory: MemoryPlan | None = None  # CUDA pools sized by gpu_memory_utilization
+        if num_device_blocks is None:
+            num_device_blocks = self._size_pool(per_block, kv_memory_gb, graphs)
+        if num_device_blocks < 1:
+            raise ValueError(f"kv memory budget holds no block ({per_block} bytes each)")
+        self.pool_blocks = num_device_blocks  # the scheduler's; a graph padding block follows
+        self.cache = self._make_pool(num_device_blocks + graphs)
         host_bytes = SwapManager.host_block_bytes(self.cache, swap_compress)
         if num_host_blocks is None:
             num_host_blocks = int(swap_memory_gb * GIB // host_bytes)
         self.swap = SwapManager(self.cache, num_host_blocks, swap_compress)
-        self.max_model_len = self._max_len(max_model_len)
+        self.runtime = self._make_runtime(packed, graphs)  # None: the CPU path
         self.profile_path = Path(profile_path) if profile_path else None
         self.instance_id = uuid.uuid4().hex
         self.requests: dict[str, RequestState] = {}
@@ -105,6 +123,63 @@ class Engine:
             self.spec.vocab_size,
         )
         self._lock = threading.RLock()
+
+    def _make_runtime(self, packed: bool, graphs: bool) -> DeviceRuntime | None:
+        """The CUDA step path (also the packed path off CUDA, under Triton's interpreter);
+        the padding block of graph batches is the one after the scheduler's blocks."""
+        if self.device.type != "cuda" and not packed:
+            return None
+        return DeviceRuntime(
+            self.runner,
+            self.cache,
+            self.attn,
+            self.block_size,
+            self.max_model_len,
+            self.options.graph_max_batch,
+            packed,
+            self.pool_blocks if graphs else None,
+        )
+
+    def _size_pool(self, per_block: int, kv_memory_gb: float, graphs: bool) -> int:
+        """Device blocks: on CUDA with gpu_memory_utilization, what a profiled forward pass
+        at the largest step leaves under it (memory.py); otherwise kv_memory_gb's worth."""
+        util = self.options.gpu_memory_utilization
+        if self.device.type != "cuda" or not util:
+            return int(kv_memory_gb * GIB // per_block)
+        opts, bs = self.options, self.block_size
+        lengths = profile_runs(opts.max_num_batched_tokens, opts.max_num_seqs, self.max_model_len)
+        reserve = staging_reserve(self.kv_dtype, self.spec, bs, self.dtype, opts.max_num_seqs)
+        reserve += per_block if graphs else 0  # the padding block
+
+        def peak() -> int:
+            release_unused_memory()  # the unfused projections, before anything is measured
+            blocks = sum(ceil_div(n, bs) for n in lengths)
+            scratch = make_pool(
+                self.spec, self.kv_dtype, blocks, bs, self.dtype, self.device, len(lengths)
+            )
+            return profile_activation_peak(
+                self.runner, scratch, self.attn, lengths, bs, self.spec.vocab_size
+            )
+
+        self.memory = size_kv_pool(
+            peak, lambda: torch.cuda.mem_get_info(self.device), reserve, util, per_block, graphs
+        )
+        return self.memory.num_blocks
+
+    def _make_pool(self, num_blocks: int) -> KVCache:
+        if self.device.type != "cuda":
+            return make_cache(
+                self.spec, self.kv_dtype, num_blocks, self.block_size, self.dtype, self.device
+            )
+        return make_pool(  # INT8 staging for max_num_seqs requests allocated up front
+            self.spec,
+            self.kv_dtype,
+            num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.options.max_num_seqs,
+        )
 
     @classmethod
     def from_settings(cls, settings: ExecutorSettings) -> Engine:
@@ -125,6 +200,7 @@ class Engine:
             attention_backend=settings.attention_backend,
             max_model_len=settings.max_model_len,
             profile_path=settings.profile_path,
+            runtime=runtime_options(settings),
         )
 
     def _max_len(self, requested: int) -> int:
@@ -137,7 +213,7 @@ class Engine:
     # -- description ----------------------------------------------------------------------
     @property
     def num_device_blocks(self) -> int:
-        return self.cache.num_blocks
+        return self.pool_blocks
 
     @property
     def num_host_blocks(self) -> int:
@@ -169,6 +245,8 @@ class Engine:
             "profile_json": self.profile_json(),
             "instance_id": self.instance_id,
             "attention_backend": self.attn.name,
+            "gpu_memory": self.memory.as_dict() if self.memory else None,
+            "cuda_graph_buckets": sorted(self.runtime.graphs.replays) if self.runtime else [],
         }
 
     @functools.cached_property
@@ -225,6 +303,8 @@ class Engine:
             return StepOutput(step_id, {}, timings, logits={} if all_logits else None)
         if self.swap.pending:
             timings.swap_wait_s = self.swap.wait_for({b for r in runs for b in r.block_table})
+        if self.runtime is not None and not self._reads_prompt_logits(runs):
+            return self._run_device(step_id, runs, all_logits, timings, self.runtime)
         t0 = time.perf_counter()
         batch = build_batch(runs, self.block_size, self.device, self.attention_group_cost)
         if all_logits:
@@ -236,21 +316,71 @@ class Engine:
             hidden = self.runner.forward(batch, self.cache, self.attn)  # [T, hidden]
             logits = self.runner.logits(hidden[batch.logits_rows])  # [S, V]
             prompt = compute_prompt_logprobs(hidden, self.runner.logits, wanted) if wanted else {}
-        self._sync()
         t1 = time.perf_counter()
         timings.forward_s = t1 - t0
         out = StepOutput(step_id, {}, timings, prompt=prompt)
         self._count(out, batch)
         if all_logits:
             out.logits = self._split_logits(batch, logits)
-            sample_rows = [i for i, r in enumerate(batch.runs) if r.sample]
-            ends = torch.tensor([r.q_len for r in batch.runs]).cumsum(0) - 1
-            logits = logits[ends[sample_rows]] if sample_rows else logits[:0]
+            logits = self._sampled_rows(batch, logits)
         self._sample(batch, logits, out)
         timings.sample_s = time.perf_counter() - t1
+        self._advance(batch)
+        return out
+
+    def _run_device(
+        self,
+        step_id: int,
+        runs: list[TokenRun],
+        all_logits: bool,
+        timings: StepTimings,
+        rt: DeviceRuntime,
+    ) -> StepOutput:
+        """The CUDA path (cuda_runtime.py): everything enqueued, then one copy back and one
+        wait for the step's last event."""
+        rt.clock.mark(0)
+        batch, logits = rt.forward(runs, all_logits, self.attention_group_cost)
+        rt.clock.mark(1)
+        out = StepOutput(step_id, {}, timings)
+        self._count(out, batch)
+        if all_logits:
+            out.logits = self._split_logits(batch, logits)
+            logits = self._sampled_rows(batch, logits)
+        states = [self.requests[rid] for rid in batch.sample_ids]
+        params = [s.sampling for s in states]
+        packed = None
+        if states:
+            with torch.inference_mode():  # the logits may be a graph's (inference) output
+                self._mask_guided(states, logits)
+                packed = sample_batch(
+                    logits,
+                    params,
+                    [s.num_output_tokens for s in states],
+                    [s.token_ids for s in states],
+                    rt.generator,
+                )
+        rows = rt.fetch(packed)
+        timings.forward_s, timings.sample_s = rt.clock.times()
+        if states:
+            self._accept(states, *unpack_samples(rows, params), out)
+        self._advance(batch)
+        return out
+
+    def _reads_prompt_logits(self, runs: list[TokenRun]) -> bool:
+        """A run of a request asking prompt_logprobs: such a step takes the classic path,
+        which keeps every row's hidden state."""
+        return any(self.requests[r.request_id].sampling.prompt_logprobs is not None for r in runs)
+
+    def _advance(self, batch: StepBatch) -> None:
         for r in batch.runs:
             self.requests[r.request_id].num_computed += r.q_len
-        return out
+
+    @staticmethod
+    def _sampled_rows(batch: StepBatch, logits: torch.Tensor) -> torch.Tensor:
+        """The rows of all-position logits that are sampled (each sampled run's last)."""
+        sample_rows = [i for i, r in enumerate(batch.runs) if r.sample]
+        ends = torch.tensor([r.q_len for r in batch.runs]).cumsum(0) - 1
+        return logits[ends[sample_rows]] if sample_rows else logits[:0]
 
     @staticmethod
     def _split_logits(batch: StepBatch, logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -268,9 +398,7 @@ class Engine:
         if not batch.sample_ids:
             return
         states = [self.requests[rid] for rid in batch.sample_ids]
-        guided = [i for i, s in enumerate(states) if s.matcher and not s.matcher.is_terminated()]
-        if guided:
-            self.guides.mask(logits, guided, [states[i].matcher for i in guided])
+        self._mask_guided(states, logits)
         tokens, logprobs = sample(
             logits,
             [s.sampling for s in states],
@@ -278,8 +406,24 @@ class Engine:
             [s.token_ids for s in states],
         )
         tops = top_alternatives(logits, [s.sampling for s in states])
-        for i in guided:
-            states[i].matcher.accept_token(tokens[i])
+        self._accept(states, tokens, logprobs, tops, out)
+
+    def _mask_guided(self, states: list[RequestState], logits: torch.Tensor) -> None:
+        guided = [i for i, s in enumerate(states) if s.matcher and not s.matcher.is_terminated()]
+        if guided:
+            self.guides.mask(logits, guided, [states[i].matcher for i in guided])
+
+    @staticmethod
+    def _accept(
+        states: list[RequestState],
+        tokens: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[int, float]]],
+        out: StepOutput,
+    ) -> None:
+        for st, tok in zip(states, tokens):
+            if st.matcher and not st.matcher.is_terminated():
+                st.matcher.accept_token(tok)
         for st, tok, lp, top in zip(states, tokens, logprobs, tops):
             st.token_ids.append(tok)
             st.num_output_tokens += 1
@@ -287,9 +431,12 @@ class Engine:
             if top:
                 out.top[st.request_id] = top
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def warm_up(self, capture: Capture | None = None) -> dict:
+        """Compile every kernel variant and capture the CUDA graphs before serving
+        (warmup.py); `capture` replaces the real CUDA-graph capture (tests off CUDA)."""
+        from services.executor.warmup import warm_up_engine
+
+        return warm_up_engine(self, capture)
 
     @contextmanager
     def exclusive(self) -> Iterator[Engine]:
@@ -310,6 +457,19 @@ class Engine:
             from services.executor.profiler import write_profile
 
             write_profile(profile, self.profile_path)
+
+
+def runtime_options(settings: ExecutorSettings) -> RuntimeOptions:
+    """The CUDA knobs of ExecutorSettings. An explicitly set ALISE_KV_MEMORY_GB sizes the pool
+    instead of ALISE_GPU_MEMORY_UTILIZATION."""
+    explicit_pool = "kv_memory_gb" in settings.model_fields_set
+    return RuntimeOptions(
+        gpu_memory_utilization=None if explicit_pool else settings.gpu_memory_utilization,
+        cuda_graphs=settings.cuda_graphs,
+        graph_max_batch=settings.cuda_graph_max_batch,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+    )
 
 
 BUNDLED_PROFILES = Path(__file__).parent / "profiles"

@@ -43,11 +43,13 @@ def allocate(
     device: torch.device | str,
     pin: bool = False,
 ) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, (shape, dtype) in layout.items():
-        t = torch.zeros((num_layers, kv_heads, num_blocks, *shape), dtype=dtype, device=device)
-        out[name] = t.pin_memory() if pin else t
-    return out
+    """Zeroed pool tensors; `pin`: page-locked host memory, allocated pinned (one copy)."""
+    return {
+        name: torch.zeros(
+            (num_layers, kv_heads, num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin
+        )
+        for name, (shape, dtype) in layout.items()
+    }
 
 
 class PagedKV:

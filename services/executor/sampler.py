@@ -116,3 +116,104 @@ def top_alternatives(
         n = params[i].top_logprobs
         out[i] = list(zip(ids[j, :n].tolist(), values[j, :n].tolist()))
     return out
+
+
+# -- batched sampling (CUDA): one filter pass over the batch, one packed result ----------------
+
+
+def allowed_mask(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """bool [S, V]: the tokens each row may draw after temperature, top-k, top-p and min-p,
+    the same sets as `_filter` and `_min_p` row by row, in one sort over the batch.
+    x [S, V]: the (adjusted) logits. Greedy rows take their argmax, which every filter keeps."""
+    dev, vocab = x.device, x.shape[-1]
+    rows = [
+        (
+            1.0 if p.greedy else p.temperature,
+            p.top_k if 0 < p.top_k < vocab else vocab,
+            p.top_p if 0 < p.top_p < 1 else 2.0,  # >1: never drops a token
+            p.min_p,
+        )
+        for p in params
+    ]
+    knobs = torch.tensor(rows, dtype=torch.float32).to(dev, non_blocking=True)  # [S, 4]
+    z = x / knobs[:, 0:1]
+    sorted_z, order = torch.sort(z, dim=-1, descending=True)
+    kth = sorted_z.gather(1, knobs[:, 1:2].long() - 1)  # [S, 1]
+    keep = sorted_z >= kth  # top-k, ties kept (as `x < kth` masking)
+    probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= probs.cumsum(-1) - probs < knobs[:, 2:3]  # top-p: the first token always stays
+    probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= probs >= knobs[:, 3:4] * probs[:, :1]  # min-p against the most likely token
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def _noise(
+    shape: torch.Size,
+    device: torch.device,
+    params: list[SamplingParams],
+    output_index: list[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Exp(1) noise [S, V]: unseeded rows from the default generator in one call, a seeded
+    row from `generator` seeded with (seed, output index), so its draw depends on nothing else
+    in the batch."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for i, p in enumerate(params):
+        if p.seed is not None and not p.greedy:
+            gen = generator or torch.Generator(device=device)
+            gen.manual_seed((p.seed * 1_000_003 + output_index[i]) % (2**63))
+            noise[i].exponential_(generator=gen)
+    return noise
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_index: list[int],
+    histories: list[list[int]] | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """`sample` and `top_alternatives` on the logits' device without a host round trip:
+    float64 [S, 2 + 2k] = (token, logprob, k alternative ids, k alternative logprobs), k the
+    largest `top_logprobs` asked (rows asking fewer, or none, hold unused columns). Read it
+    with `unpack_samples` after one device-to-host copy. Penalties and biases are applied row
+    by row (rare); everything else is one pass over the batch."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # under the raw distribution
+    x = logits
+    adjust = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjust:
+        x = logits.clone()
+        for i in adjust:
+            x[i] = _adjust(logits[i], params[i], histories[i] if histories else [], output_index[i])
+    tokens = torch.argmax(x, dim=-1)
+    if not all(p.greedy for p in params):
+        keep = allowed_mask(x, params)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+        z = (x / temps.to(x.device, non_blocking=True)[:, None]).masked_fill(~keep, float("-inf"))
+        noise = _noise(z.shape, z.device, params, output_index, generator)
+        drawn = torch.argmax(torch.softmax(z, dim=-1) / noise, dim=-1)
+        greedy = torch.tensor([p.greedy for p in params]).to(x.device, non_blocking=True)
+        tokens = torch.where(greedy, tokens, drawn)
+    k = max((p.top_logprobs for p in params), default=0)
+    out = torch.zeros((len(params), 2 + 2 * k), dtype=torch.float64, device=logits.device)
+    out[:, 0] = tokens
+    out[:, 1] = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if k:
+        values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+        out[:, 2 : 2 + ids.shape[1]] = ids
+        out[:, 2 + k : 2 + k + ids.shape[1]] = values
+    return out
+
+
+def unpack_samples(
+    packed: list[list[float]], params: list[SamplingParams]
+) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+    """The host rows of `sample_batch` -> (tokens, logprobs, top alternatives per row)."""
+    k = (len(packed[0]) - 2) // 2 if packed else 0
+    tokens = [int(row[0]) for row in packed]
+    logprobs = [row[1] for row in packed]
+    tops = [
+        [(int(row[2 + j]), row[2 + k + j]) for j in range(p.top_logprobs)] if p.top_logprobs else []
+        for row, p in zip(packed, params)
+    ]
+    return tokens, logprobs, tops

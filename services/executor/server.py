@@ -14,6 +14,7 @@ from services.common.metrics import TOKEN_BUCKETS, Metrics
 from services.common.pb import executor_pb2_grpc
 from services.executor.messages import StepOutput
 from services.executor.servicer import ExecutorServicer
+from services.executor.warmup import Phase, Startup
 
 if TYPE_CHECKING:
     from services.common.settings import ExecutorSettings
@@ -46,12 +47,24 @@ class ExecutorMetrics(Metrics):
         self.decode_tokens.inc(out.num_decode_tokens)
 
 
+class StartupFailed(RuntimeError):
+    """The executor could not load its model or warm up; the reason was logged on one line."""
+
+
 @dataclass
 class ExecutorHandle:
     server: GrpcServer
-    engine: Engine
+    servicer: ExecutorServicer
     metrics: ExecutorMetrics
+    startup: Startup
     registration: Registration | None = None
+    warmup: dict | None = None  # what the warm-up did (warmup.warm_up_engine)
+
+    @property
+    def engine(self) -> Engine:
+        if self.servicer.engine is None:
+            raise RuntimeError(f"the executor is {self.startup.phase.value}: no engine yet")
+        return self.servicer.engine
 
     @property
     def port(self) -> int:
@@ -61,7 +74,8 @@ class ExecutorHandle:
         if self.registration is not None:  # schedulers stop sending before the server goes
             await self.registration.stop()
         await self.server.stop()
-        await asyncio.to_thread(self.engine.close)
+        if self.servicer.engine is not None:
+            await asyncio.to_thread(self.servicer.engine.close)
 
 
 def advertise_address(settings: ExecutorSettings, port: int) -> str:
@@ -75,44 +89,77 @@ def advertise_address(settings: ExecutorSettings, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def start_executor(
-    settings: ExecutorSettings, engine: Engine | None = None
-) -> ExecutorHandle:
-    """Serve `engine` (default: built from `settings`, off the event loop) on
-    settings.executor_host:executor_port (port 0 = a free one)."""
-    if engine is None:
-        from services.executor.engine import Engine
-
-        engine = await asyncio.to_thread(Engine.from_settings, settings)
-    metrics = ExecutorMetrics()
-    servicer = ExecutorServicer(engine, metrics)
+async def open_executor(settings: ExecutorSettings) -> ExecutorHandle:
+    """The gRPC server listening on settings.executor_host:executor_port (port 0 = a free
+    one) with health NOT_SERVING and no engine yet: Steps are refused as UNAVAILABLE."""
+    metrics, startup = ExecutorMetrics(), Startup()
+    servicer = ExecutorServicer(None, metrics, startup)
     address = f"{settings.executor_host}:{settings.executor_port}"
     server = await start_server(
-        [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer, SERVICE_NAME)], address
+        [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer, SERVICE_NAME)],
+        address,
+        serving=False,
     )
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
-    registration = None
+    return ExecutorHandle(server, servicer, metrics, startup)
+
+
+async def bring_up(
+    handle: ExecutorHandle, settings: ExecutorSettings, engine: Engine | None = None
+) -> None:
+    """Load `engine` (default: from `settings`, off the event loop), warm it up, then report
+    SERVING and register. A failure is logged on one line, the server stopped, and
+    StartupFailed raised."""
+    try:
+        if engine is None:
+            from services.executor.engine import Engine
+
+            engine = await asyncio.to_thread(Engine.from_settings, settings)
+        handle.servicer.engine = engine
+        handle.startup.advance(Phase.WARMING)
+        warm_up = getattr(engine, "warm_up", None)  # the benchmark stub has nothing to warm
+        handle.warmup = await asyncio.to_thread(warm_up) if warm_up else {}
+    except Exception as exc:
+        phase = handle.startup.phase.value
+        reason = handle.startup.fail(exc)
+        log.error("executor start-up failed while %s: %s", phase, reason)
+        await handle.stop()
+        raise StartupFailed(reason) from exc
+    handle.startup.advance(Phase.SERVING)
+    await handle.server.set_serving(True)
     if settings.registry_url:
-        registration = Registration(
+        handle.registration = Registration(
             settings.registry_url,
             settings.redis_namespace,
-            advertise_address(settings, server.port),
+            advertise_address(settings, handle.server.port),
         )
-        await registration.start()
-    info = engine.describe()
-    log.info(
-        "executor ready",
-        extra={
-            k: info[k]
-            for k in (
-                "model",
-                "device",
-                "dtype",
-                "kv_dtype",
-                "num_device_blocks",
-                "num_host_blocks",
-            )
-        },
+        await handle.registration.start()
+    log_ready(engine.describe(), handle.warmup)
+
+
+def log_ready(info: dict, warmup: dict) -> None:
+    """The one start-up line: model, device, pool sizes, memory plan, graphs."""
+    memory = info.get("gpu_memory") or {}
+    fields = {
+        k: info[k]
+        for k in ("model", "device", "dtype", "kv_dtype", "num_device_blocks", "num_host_blocks")
+    }
+    fields.update(
+        bytes_per_block=info.get("bytes_per_block"),
+        kv_gib=round(memory.get("kv_bytes", 0) / 2**30, 3),
+        gpu_memory_utilization=memory.get("utilization"),
+        cuda_graphs=info.get("cuda_graph_buckets", []),
+        warmup_s=round(warmup.get("seconds", 0.0), 2),
     )
-    return ExecutorHandle(server, engine, metrics, registration)
+    log.info("executor ready", extra=fields)
+
+
+async def start_executor(
+    settings: ExecutorSettings, engine: Engine | None = None
+) -> ExecutorHandle:
+    """Serve `engine` (default: built from `settings`) once loaded and warmed up: the server
+    listens from the start (NOT_SERVING) and reports SERVING when this returns."""
+    handle = await open_executor(settings)
+    await bring_up(handle, settings, engine)
+    return handle

@@ -18,6 +18,7 @@ from services.executor.messages import NewRequest, StepInput, StepOutput
 if TYPE_CHECKING:
     from services.executor.engine import Engine
     from services.executor.server import ExecutorMetrics
+    from services.executor.warmup import Startup
 
 
 def _unique(ids: list[str], what: str) -> None:
@@ -80,19 +81,34 @@ def info_to_pb(info: dict) -> executor_pb2.ExecutorInfo:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, engine: Engine, metrics: ExecutorMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine | None,
+        metrics: ExecutorMetrics | None = None,
+        startup: Startup | None = None,
+    ) -> None:
+        """engine None: still loading (`startup` says how far); every RPC is UNAVAILABLE
+        until the start-up reaches `serving`."""
         self.engine = engine
         self.metrics = metrics
+        self.startup = startup
         self._profiling = asyncio.Lock()
         # one step at a time, whichever RPC brings it (a Step sent after a timed-out one, or a
         # new stream while an abandoned one finishes, must not run beside it)
         self._stepping = asyncio.Lock()
         self.epoch = 0  # the highest scheduler leadership epoch seen in a Step
 
+    def ready(self) -> Engine:
+        """The engine, once start-up has finished; otherwise UNAVAILABLE."""
+        if self.engine is None or (self.startup is not None and not self.startup.serving):
+            phase = self.startup.phase.value if self.startup is not None else "loading"
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the executor is {phase}")
+        return self.engine
+
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ExecutorInfo:
-        return info_to_pb(self.engine.describe())
+        return info_to_pb(self.ready().describe())
 
     async def Step(
         self, request: executor_pb2.StepRequest, context: grpc.aio.ServicerContext
@@ -108,11 +124,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             yield await self._step(request)
 
     async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        engine = self.ready()
         async with self._stepping:
             start = time.perf_counter()
             step = step_from_pb(request)
             self._fence(request.epoch, step)
-            out = await asyncio.to_thread(self.engine.step, step)
+            out = await asyncio.to_thread(engine.step, step)
             pb = result_to_pb(out)
             # The executor's time is its whole step, encoding the reply included: what the
             # scheduler measures around a Step minus this is transport and its own work.
@@ -133,16 +150,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if epoch > self.epoch:
             if self.epoch:
                 step.free_request_ids = list(
-                    dict.fromkeys([*self.engine.requests, *step.free_request_ids])
+                    dict.fromkeys([*self.ready().requests, *step.free_request_ids])
                 )
             self.epoch = epoch
 
     async def Profile(
         self, request: executor_pb2.ProfileRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ProfileResult:
+        engine = self.ready()
         if self._profiling.locked():
             raise ValueError("a profile is already running")
         async with self._profiling:
-            profile = await asyncio.to_thread(self.engine.profile, request.quick)
-        self.engine.save_profile(profile)
+            profile = await asyncio.to_thread(engine.profile, request.quick)
+        engine.save_profile(profile)
         return executor_pb2.ProfileResult(profile_json=json.dumps(profile))
