@@ -2,12 +2,14 @@
 
     TRITON_INTERPRET=1 python -m services.executor.triton_check [--case NAME ...]   # CPU
     python -m services.executor.triton_check --device cuda                         # GPU
+    ... [--engine TINY_MODEL_DIR]   # also whole engines: torch vs Triton backend logits
 
 Each case is one forward step of one layer over a paged pool holding a random history (shuffled
 block tables): decodes and prefill chunks mixed in one packed batch, one long context per case.
 Prints {"cases": {name: {"out": max |diff| of attention outputs, "cache": max |diff| of the KV
 pool after the write, "tol": the case's bound, "splits": the split-KV factor used}},
-"padding_write": max |change| of pool slots a padding token (slot -1) must not touch}.
+"padding_write": max |change| of pool slots a padding token (slot -1) must not touch,
+"engine": {kv-block: max |diff| of logits} with --engine}.
 The interpreter runs every program in Python, so the matrix is small and one context per case
 is long.
 """
