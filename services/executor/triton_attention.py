@@ -1,4 +1,6 @@
-"""Triton attention backend: KV write (+ INT8 block quantization) and paged attention kernels.
+"""Triton attention backend: KV write (+ INT8 block quantization), unified paged attention over
+the packed ragged batch and, for decode steps with few programs and long contexts, split-KV
+with a reduce (triton_plan.py chooses tiles and splits once per step).
 
 Selected automatically on CUDA. On CPU tensors the same kernels run under Triton's
 interpreter (slow; used to check correctness against the torch reference backend).
@@ -11,11 +13,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.executor import triton_kernels as kern
+from services.executor import triton_plan as plan
 from services.executor.int8_kv import Int8PagedKV
+from services.executor.kv_cache import PagedKV
 from services.executor.ragged_batch import StepBatch
 
 if TYPE_CHECKING:
     from services.executor.runner import KVCache
+
+
+LOG2E = 1.4426950408889634  # the kernels exponentiate in base 2
 
 
 def _pow2(n: int) -> bool:
@@ -27,41 +34,72 @@ class TritonAttention:
     group_cost: int | None = None  # ragged kernels pad nothing: one group per kind suffices
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        device: torch.device,
+        kv_splits: int | None = None,
     ) -> None:
-        if not _pow2(head_dim):
-            raise ValueError(f"the Triton backend needs a power-of-two head_dim, not {head_dim}")
+        """kv_splits: force a split-KV factor (a power of two; None: plan.num_kv_splits)."""
+        if not _pow2(head_dim) or head_dim < 16:
+            raise ValueError(
+                f"the Triton backend needs a power-of-two head_dim >= 16, not {head_dim}"
+            )
         if device.type != "cuda" and not kern.INTERPRETED:
             raise ValueError(
                 "the Triton backend on CPU needs TRITON_INTERPRET=1 in the "
                 "environment (set before start); use attention_backend=torch"
             )
+        if kv_splits is not None and not _pow2(kv_splits):
+            raise ValueError(f"kv_splits must be a power of two, not {kv_splits}")
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
+        self.kv_splits = kv_splits
+        self.device = device
+        self._sm_count = 0  # read from the device at the first step (not at construction)
+        self.step: plan.StepPlan | None = None
         self.meta: dict[str, torch.Tensor] = {}
 
+    def sm_count(self) -> int:
+        """Streaming multiprocessors the split-KV rule aims to fill (CPU: an H100's)."""
+        if not self._sm_count:
+            self._sm_count = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else plan.NOMINAL_SMS
+            )
+        return self._sm_count
+
     def prepare(self, batch: StepBatch) -> None:
-        """Per-step metadata (int32), shared by every layer's kernels."""
+        """Per-step tiles, split factor and metadata (int32), shared by every layer."""
         if not _pow2(batch.block_size):
             raise ValueError("the Triton backend needs a power-of-two block size")
         dev = batch.token_ids.device
         runs = batch.runs
+        step = plan.plan_step(
+            runs, self.g, self.hkv, batch.block_size, self.d, self.sm_count(), self.kv_splits
+        )
         nb_max = max(len(r.block_table) for r in runs)
         tables = torch.zeros((len(runs), nb_max), dtype=torch.int32)
         for i, r in enumerate(runs):
             tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
-        req = torch.repeat_interleave(
-            torch.arange(len(runs)), torch.tensor([r.q_len for r in runs])
-        )
-        i32 = dict(dtype=torch.int32, device=dev)
+        self.step = step
         self.meta = {
-            "tok_req": req.to(**i32),
-            "tok_pos": batch.positions.to(torch.int32),
+            "tiles": step.tiles.to(dev),
             "tables": tables.to(dev),
             "slots": batch.slot_mapping.to(torch.int32),
-            "req_ctx": torch.tensor([r.ctx_after for r in runs], **i32),
-            "req_slot": torch.tensor([max(r.staging_slot, 0) for r in runs], **i32),
+            "req_ctx": torch.tensor([r.ctx_after for r in runs], dtype=torch.int32, device=dev),
+            "req_slot": torch.tensor(
+                [max(r.staging_slot, 0) for r in runs], dtype=torch.int32, device=dev
+            ),
         }
+        if step.splits > 1:  # partial states, reused by every layer
+            t = batch.num_tokens
+            shape = (step.splits, t, self.h)
+            self.meta["part_acc"] = torch.empty((*shape, self.d), dtype=torch.float32, device=dev)
+            self.meta["part_ml"] = torch.empty((*shape, 2), dtype=torch.float32, device=dev)
 
     def forward(
         self,
@@ -73,63 +111,94 @@ class TritonAttention:
         batch: StepBatch,
     ) -> torch.Tensor:
         """q [T, H, D], new k/v [T, Hkv, D] -> attention output [T, H*D]."""
-        int8 = isinstance(cache, Int8PagedKV)
-        if int8:
+        if isinstance(cache, Int8PagedKV):
             cache.write(layer, k, v, batch, block_writer=_quantize_blocks)
         else:
             self._write_fp(layer, k.contiguous(), v.contiguous(), cache)
         out = torch.empty_like(q)
-        self._attend(layer, q.contiguous(), out, cache, int8)
+        self._attend(layer, q.contiguous(), out, cache)
         return out.view(q.shape[0], self.h * self.d)
 
-    def _write_fp(self, layer: int, k, v, cache) -> None:
+    def _write_fp(self, layer: int, k: torch.Tensor, v: torch.Tensor, cache: PagedKV) -> None:
         kc, vc = cache.tensors["k"][layer], cache.tensors["v"][layer]  # [Hkv, NB, BS, D]
         kern.write_kv[(k.shape[0], self.hkv)](
             k, v, self.meta["slots"], kc, vc, kc.shape[1] * kc.shape[2], HKV=self.hkv, D=self.d
         )
 
-    def _attend(self, layer: int, q, out, cache, int8: bool) -> None:
-        t = cache.tensors
-        if int8:
-            kc, vc = t["kq"][layer], t["vq"][layer]
-            scales = (t["ks"][layer], t["ko"][layer], t["vs"][layer], t["vo"][layer])
-            stage = (cache.k_stage[layer], cache.v_stage[layer])
-            n_slots = stage[0].shape[1]
-        else:
-            kc, vc = t["k"][layer], t["v"][layer]
-            scales, stage, n_slots = (kc, kc, kc, kc), (kc, kc), 1
-        m = self.meta
-        kern.paged_attention[(q.shape[0], self.hkv)](
+    def _attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, cache: KVCache) -> None:
+        step, m = self.step, self.meta
+        assert step is not None, "prepare() before forward()"
+        kv = _kv_args(cache, layer)
+        parts = (m["part_acc"], m["part_ml"]) if step.splits > 1 else (out, out)
+        fp32 = q.dtype == torch.float32
+        emulate = kern.INTERPRETED and q.dtype == torch.bfloat16
+        kern.paged_attention[(step.num_tiles, self.hkv, step.splits)](
             q,
             out,
-            m["tok_req"],
-            m["tok_pos"],
+            *parts,
+            m["tiles"],
             m["tables"],
             m["req_ctx"],
             m["req_slot"],
-            kc,
-            vc,
-            *scales,
-            *stage,
-            self.scale,
-            kc.shape[1],
-            n_slots,
+            *kv,
+            self.scale * LOG2E,
+            step.num_tiles,
+            q.shape[0],
+            kv[0].shape[1],
+            kv[6].shape[1],
             m["tables"].shape[1],
             H=self.h,
             G=self.g,
-            BLOCK_G=triton_next_pow2(self.g),
             D=self.d,
-            BS=kc.shape[2],
-            INT8=int8,
+            BS=kv[0].shape[2],
+            BLOCK_M=step.block_m,
+            BLOCK_N=step.block_n,
+            INT8=isinstance(cache, Int8PagedKV),
+            SPLITS=step.splits,
+            PRECISION="ieee" if fp32 else "tf32",
+            EMULATE=emulate,
+            **plan.launch_config(q.dtype),
         )
+        if step.splits > 1:
+            kern.reduce_splits[(q.shape[0], self.hkv)](
+                *parts,
+                out,
+                q.shape[0],
+                H=self.h,
+                G=self.g,
+                BLOCK_G=plan.next_pow2(self.g),
+                D=self.d,
+                SPLITS=step.splits,
+                EMULATE=emulate,
+            )
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _kv_args(cache: KVCache, layer: int) -> tuple[torch.Tensor, ...]:
+    """K, V, key scale/offset, value scale/offset, K/V staging of one layer (the
+    full-precision pool passes K in the INT8-only places; the kernel never reads them)."""
+    t = cache.tensors
+    if isinstance(cache, Int8PagedKV):
+        return (
+            t["kq"][layer],
+            t["vq"][layer],
+            t["ks"][layer],
+            t["ko"][layer],
+            t["vs"][layer],
+            t["vo"][layer],
+            cache.k_stage[layer],
+            cache.v_stage[layer],
+        )
+    kc = t["k"][layer]
+    return (kc, t["v"][layer], kc, kc, kc, kc, kc, kc)
 
 
 def _quantize_blocks(
-    cache, layer: int, name: str, combined: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor
+    cache: Int8PagedKV,
+    layer: int,
+    name: str,
+    combined: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst: torch.Tensor,
 ) -> None:
     """INT8 block writer: quantize blocks combined[:, src_idx[f]] into pool blocks dst[f]."""
     codes, scale, offset = (cache.tensors[name + x][layer] for x in "qso")

@@ -1,11 +1,18 @@
-"""Triton kernels: paged attention (prefill chunks and decodes, fused INT8 dequantization), KV
-write, and block quantization.
+"""Triton kernels: unified paged attention over the packed ragged batch (prefill chunks and
+decodes together, optional split-KV with a reduce kernel, fused INT8 dequantization), KV write,
+and block quantization.
 
 Compiled for CUDA tensors; with TRITON_INTERPRET=1 in the environment before Triton is first
 imported they run in Triton's interpreter on CPU tensors instead, which is how CI checks them
 without a GPU. Cache layouts are those of kv_cache.py / int8_kv.py (per layer):
 K, V [Hkv, NB, BS, D]; key scale/offset [Hkv, NB, D]; value scale/offset [Hkv, NB, BS];
-INT8 staging [Hkv, S, BS, D]. BS and D must be powers of two.
+INT8 staging [Hkv, S, BS, D]. BS and D must be powers of two (D >= 16 for tl.dot).
+
+Attention program (tile, hk, split): the query tile's tokens (one request) times the G query
+heads of KV head hk, packed densely into BLOCK_M rows (row i: token i // G, head hk*G + i % G),
+against KV tiles of BLOCK_N tokens (BLOCK_N / BS pages, gathered through the block table),
+scores and P @ V with tl.dot, online softmax in base 2 with fp32 state. All pointer offsets are
+int64. Query positions give the causal mask (a token at position p sees keys <= p).
 
 Kernel parameters carry no Python type hints on purpose: Triton reads them (`tl.constexpr`
 marks compile-time constants, and a hint such as `int` would force an i32 argument type).
@@ -20,147 +27,199 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _dequantize_block(
-    K, V, KS, KO, VS, VO, blk_base, tile, d, s, BS: tl.constexpr, D: tl.constexpr
-):
-    """One sealed INT8 block as float32 [BS, D]: codes * scale - offset, keys per channel and
-    values per token."""
-    k_codes = tl.load(K + blk_base * BS * D + tile).to(tl.float32)
-    k_scale = tl.load(KS + blk_base * D + d)[None, :].to(tl.float32)
-    k = k_codes * k_scale - tl.load(KO + blk_base * D + d)[None, :].to(tl.float32)
-    v_codes = tl.load(V + blk_base * BS * D + tile).to(tl.float32)
-    v_scale = tl.load(VS + blk_base * BS + s)[:, None].to(tl.float32)
-    v = v_codes * v_scale - tl.load(VO + blk_base * BS + s)[:, None].to(tl.float32)
-    return k, v
+def _round(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """x rounded to the compute dtype. EMULATE (interpreter with bf16 only): Triton 3.9's
+    interpreter truncates fp32 -> bf16 casts and multiplies bf16 tl.dot operands as their raw
+    uint16 bits, so there bf16 values are rounded to nearest even on the bits and kept in
+    fp32 (exactly representable; the dots then run in fp32 on the same values)."""
+    if EMULATE:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
-def _load_kv_block(
-    blk,
-    n_full,
-    blocks,
-    head_base,
-    stage_base,
-    K,
-    V,
-    KS,
-    KO,
-    VS,
-    VO,
-    KST,
-    VST,
-    BS: tl.constexpr,
-    D: tl.constexpr,
-    INT8: tl.constexpr,
-):
-    """Context block `blk` of one request and KV head as float32 K and V tiles [BS, D].
-    blocks: the request's block-table row; head_base: the KV head's block 0 (hk * NB);
-    stage_base: its open block's offset in the INT8 staging area. INT8: sealed blocks (below
-    n_full) are dequantized, the open block comes exact from staging."""
+def _page_slots(TABLES, table_row, head_base, n, valid, BS: tl.constexpr):
+    """Token positions n [BLOCK_N] of one request -> (int64 pool block index (head_base + block
+    id), int64 flat slot ((head_base + block) * BS + n % BS))."""
+    blk = tl.load(TABLES + table_row + n // BS, mask=valid, other=0).to(tl.int64)
+    blk = head_base + blk
+    return blk, blk * BS + (n % BS)
+
+
+@triton.jit
+def _load_fp_tile(K, V, TABLES, table_row, head_base, n, valid, BS: tl.constexpr, D: tl.constexpr):
+    """Full-precision K^T [D, BLOCK_N] and V [BLOCK_N, D] of one KV tile."""
     d = tl.arange(0, D)
-    s = tl.arange(0, BS)
-    tile = s[:, None] * D + d[None, :]  # [BS, D]
-    if INT8:
-        if blk >= n_full:  # open block: exact
-            k = tl.load(KST + stage_base + tile).to(tl.float32)
-            v = tl.load(VST + stage_base + tile).to(tl.float32)
-        else:
-            b = tl.load(blocks + blk)
-            k, v = _dequantize_block(K, V, KS, KO, VS, VO, head_base + b, tile, d, s, BS, D)
-    else:
-        b = tl.load(blocks + blk)
-        base = (head_base + b) * BS * D
-        k = tl.load(K + base + tile).to(tl.float32)
-        v = tl.load(V + base + tile).to(tl.float32)
-    return k, v
+    _, slot = _page_slots(TABLES, table_row, head_base, n, valid, BS)
+    kt = tl.load(K + slot[None, :] * D + d[:, None], mask=valid[None, :], other=0.0)
+    v = tl.load(V + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    return kt, v
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, valid, m, l_sum, acc):
-    """Fold one K/V tile into the running max m [BG], sum l_sum [BG] and output acc [BG, D];
-    `valid` [BS] masks the tile's positions past the query (causal)."""
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BG, BS]
-    scores = tl.where(valid[None, :], scores, float("-inf"))
+def _load_int8_tile(
+    K, V, KS, KO, VS, VO, KST, VST, TABLES, table_row, head_base, stage_base, sealed_len, n,
+    valid, BS: tl.constexpr, D: tl.constexpr, CDT: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """INT8 K^T [D, BLOCK_N] and V [BLOCK_N, D] in the compute dtype CDT: tokens of sealed
+    blocks (n below sealed_len) dequantized in registers in fp32 (keys: codes * scale[channel]
+    - offset[channel] of their block; values: per token) and rounded once, tokens of the open
+    block exact from the staging row."""
+    d = tl.arange(0, D)
+    sealed = valid & (n < sealed_len)
+    opened = valid & (n >= sealed_len)
+    blk, slot = _page_slots(TABLES, table_row, head_base, n, sealed, BS)
+    kc = tl.load(K + slot[None, :] * D + d[:, None], mask=sealed[None, :], other=0).to(tl.float32)
+    ks = tl.load(KS + blk[None, :] * D + d[:, None], mask=sealed[None, :], other=0.0)
+    ko = tl.load(KO + blk[None, :] * D + d[:, None], mask=sealed[None, :], other=0.0)
+    kt = kc * ks.to(tl.float32) - ko.to(tl.float32)
+    vc = tl.load(V + slot[:, None] * D + d[None, :], mask=sealed[:, None], other=0).to(tl.float32)
+    vs = tl.load(VS + slot, mask=sealed, other=0.0).to(tl.float32)
+    vo = tl.load(VO + slot, mask=sealed, other=0.0).to(tl.float32)
+    v = vc * vs[:, None] - vo[:, None]
+    stage = stage_base + (n % BS).to(tl.int64) * D
+    k_open = tl.load(KST + stage[None, :] + d[:, None], mask=opened[None, :], other=0.0)
+    v_open = tl.load(VST + stage[:, None] + d[None, :], mask=opened[:, None], other=0.0)
+    kt = tl.where(opened[None, :], k_open.to(tl.float32), kt)
+    v = tl.where(opened[:, None], v_open.to(tl.float32), v)
+    return _round(kt, CDT, EMULATE), _round(v, CDT, EMULATE)
+
+
+@triton.jit
+def _softmax_step(q, kt, v, n, q_pos, m, l_sum, acc, qk_scale, CDT: tl.constexpr,
+                  PRECISION: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+    """Fold one KV tile (kt, v in the compute dtype CDT) into the running max m [M], sum
+    l_sum [M] and output acc [M, D] (fp32, base-2 exponentials; a row that has seen no key
+    yet keeps m = -inf and zeros). l_sum sums the weights as rounded for P @ V."""
+    scores = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+    scores = tl.where(n[None, :] <= q_pos[:, None], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - m_new[:, None])
-    l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = _round(tl.exp2(scores - m_safe[:, None]), CDT, EMULATE)  # the weights P @ V uses
+    l_sum = l_sum * alpha + tl.sum(p.to(tl.float32), axis=1)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_sum, acc
 
 
 @triton.jit
+def _tile_rows(Q, TILES, n_tiles, tile, hk, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+               BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+    """The program's query tile: (request, q [BLOCK_M, D], row index token * H + head of each
+    row (int64), row validity, query position per row, keys the tile may see)."""
+    r = tl.load(TILES + tile)
+    row0 = tl.load(TILES + n_tiles + tile)
+    q_len = tl.load(TILES + 2 * n_tiles + tile)
+    pos0 = tl.load(TILES + 3 * n_tiles + tile)
+    i = tl.arange(0, BLOCK_M)
+    qi = i // G
+    ok = qi < q_len
+    rows = (row0 + qi).to(tl.int64) * H + hk * G + i % G  # token * H + head
+    d = tl.arange(0, D)
+    q = tl.load(Q + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    if EMULATE:
+        q = q.to(tl.float32)  # exact
+    q_pos = pos0 + tl.minimum(qi, q_len - 1)  # padding rows repeat the tile's last query
+    return r, q, rows, ok, q_pos, pos0 + q_len
+
+
+@triton.jit
 def paged_attention(
-    Q,
-    OUT,
-    TOK_REQ,
-    TOK_POS,
-    TABLES,
-    REQ_CTX,
-    REQ_SLOT,
-    K,
-    V,
-    KS,
-    KO,
-    VS,
-    VO,
-    KST,
-    VST,
-    sm_scale,
-    nb_total,
-    n_slots,
-    nb_max,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    D: tl.constexpr,
-    BS: tl.constexpr,
-    INT8: tl.constexpr,
-):
-    """One program per (query token, KV head): its G query heads against the request's
-    context blocks 0..pos//BS, online softmax. Q, OUT [T, H, D]."""
-    t = tl.program_id(0)
-    hk = tl.program_id(1)
-    r = tl.load(TOK_REQ + t)
-    pos = tl.load(TOK_POS + t)
+    Q, OUT, PART_ACC, PART_ML, TILES, TABLES, REQ_CTX, REQ_SLOT, K, V, KS, KO, VS, VO, KST, VST,
+    qk_scale, n_tiles, n_tokens, nb_total, n_slots, nb_max,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr, SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """Grid (query tiles, Hkv, SPLITS). Q, OUT [T, H, D]; TILES [4, n_tiles] (plan's
+    tile_table); qk_scale = softmax scale * log2(e). SPLITS > 1: each program covers a
+    contiguous share of the tile's KV tiles and writes its unnormalised state to PART_ACC
+    [SPLITS, T, H, D] and PART_ML [SPLITS, T, H, 2] (max, sum) for reduce_splits."""
+    tile, hk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r, q, rows, ok, q_pos, kv_len = _tile_rows(
+        Q, TILES, n_tiles, tile, hk, H, G, D, BLOCK_M, EMULATE
+    )
+    table_row = r.to(tl.int64) * nb_max
+    head_base = hk.to(tl.int64) * nb_total
+    stage_base = (hk.to(tl.int64) * n_slots + tl.load(REQ_SLOT + r)) * BS * D
+    sealed_len = tl.load(REQ_CTX + r) // BS * BS
+    per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLITS)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    last = tl.minimum((split + 1) * per_split, tl.cdiv(kv_len, BLOCK_N))
+    for j in range(split * per_split, last):
+        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = n < kv_len
+        if INT8:
+            kt, v = _load_int8_tile(
+                K, V, KS, KO, VS, VO, KST, VST, TABLES, table_row, head_base, stage_base,
+                sealed_len, n, valid, BS, D, Q.dtype.element_ty, EMULATE,
+            )  # fmt: skip
+        else:
+            kt, v = _load_fp_tile(K, V, TABLES, table_row, head_base, n, valid, BS, D)
+            if EMULATE:  # the interpreter's bf16 stand-in: fp32 holding bf16 values (exact)
+                kt, v = kt.to(tl.float32), v.to(tl.float32)
+        m, l_sum, acc = _softmax_step(
+            q, kt, v, n, q_pos, m, l_sum, acc, qk_scale, Q.dtype.element_ty, PRECISION, EMULATE
+        )
+    d = tl.arange(0, D)
+    if SPLITS == 1:
+        out = _round(acc / l_sum[:, None], OUT.dtype.element_ty, EMULATE).to(OUT.dtype.element_ty)
+        tl.store(OUT + rows[:, None] * D + d[None, :], out, mask=ok[:, None])
+    else:
+        part = split.to(tl.int64) * n_tokens * H + rows  # [SPLITS, T, H] row of this state
+        tl.store(PART_ACC + part[:, None] * D + d[None, :], acc, mask=ok[:, None])
+        tl.store(PART_ML + part * 2, m, mask=ok)
+        tl.store(PART_ML + part * 2 + 1, l_sum, mask=ok)
+
+
+@triton.jit
+def reduce_splits(PART_ACC, PART_ML, OUT, n_tokens, H: tl.constexpr, G: tl.constexpr,
+                  BLOCK_G: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                  EMULATE: tl.constexpr):  # fmt: skip
+    """Grid (T, Hkv): merge the SPLITS partial states of one token's G query heads of one KV
+    head into OUT, one split at a time (state [BLOCK_G, D] in registers)."""
+    t, hk = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    s = tl.arange(0, BS)
-    heads = hk * G + g
-    gmask = g < G
-    q = tl.load(Q + t * H * D + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-    q = q.to(tl.float32) * sm_scale  # [BG, D]
+    ok = g < G
+    rows = t.to(tl.int64) * H + hk * G + g  # token * H + head
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    n_full = tl.load(REQ_CTX + r) // BS
-    blocks = TABLES + r * nb_max  # the request's block-table row
-    head_base = hk * nb_total  # this KV head's block 0
-    stage_base = (hk * n_slots + tl.load(REQ_SLOT + r)) * BS * D  # INT8 open block
-    for blk in range(0, pos // BS + 1):
-        k, v = _load_kv_block(
-            blk, n_full, blocks, head_base, stage_base, K, V, KS, KO, VS, VO, KST, VST, BS, D, INT8
-        )
-        m, l_sum, acc = _online_softmax_step(q, k, v, blk * BS + s <= pos, m, l_sum, acc)
-    out = acc / l_sum[:, None]
-    tl.store(
-        OUT + t * H * D + heads[:, None] * D + d[None, :],
-        out.to(OUT.dtype.element_ty),
-        mask=gmask[:, None],
-    )
+    part = rows  # [SPLITS, T, H] row of split 0's state (int64)
+    for _ in range(SPLITS):
+        m_s = tl.load(PART_ML + part * 2, mask=ok, other=float("-inf"))
+        l_s = tl.load(PART_ML + part * 2 + 1, mask=ok, other=0.0)
+        acc_s = tl.load(PART_ACC + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m, m_s)  # finite from split 0 on: it always holds key 0
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding heads
+        alpha, beta = tl.exp2(m - m_safe), tl.exp2(m_s - m_safe)  # 0 for a split with no key
+        l_sum = l_sum * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m = m_new
+        part += n_tokens * H
+    l_sum = tl.where(ok, l_sum, 1.0)  # padding heads: no 0 / 0
+    out = _round(acc / l_sum[:, None], OUT.dtype.element_ty, EMULATE).to(OUT.dtype.element_ty)
+    tl.store(OUT + rows[:, None] * D + d[None, :], out, mask=ok[:, None])
 
 
 @triton.jit
 def write_kv(KN, VN, SLOTS, KC, VC, total_slots, HKV: tl.constexpr, D: tl.constexpr):
-    """Full-precision write: new K/V [T, Hkv, D] -> cache [Hkv, NB*BS, D] at SLOTS[t]."""
+    """Full-precision write: new K/V [T, Hkv, D] -> cache [Hkv, NB*BS, D] at SLOTS[t];
+    a slot < 0 (padding token) writes nothing."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, D)
-    slot = tl.load(SLOTS + t)
-    src = t * HKV * D + h * D + d
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    keep = d * 0 + slot >= 0  # [D]: all false for a padding token
+    src = (t * HKV + h) * D + d
     dst = (h * total_slots + slot) * D + d
-    tl.store(KC + dst, tl.load(KN + src).to(KC.dtype.element_ty))
-    tl.store(VC + dst, tl.load(VN + src).to(VC.dtype.element_ty))
+    tl.store(KC + dst, tl.load(KN + src).to(KC.dtype.element_ty), mask=keep)
+    tl.store(VC + dst, tl.load(VN + src).to(VC.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -180,26 +239,38 @@ def quantize_blocks(
     """Gather one full block (SRC [Hkv, n_src, D] rows SRC_IDX[f]) and quantize it into block
     DST[f]: per channel (keys, stats over the block's tokens) or per token (values)."""
     f = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BS)
     d = tl.arange(0, D)
-    rows = tl.load(SRC_IDX + f * BS + s)
+    rows = tl.load(SRC_IDX + f * BS + s).to(tl.int64)
     x = tl.load(SRC + (h * n_src + rows)[:, None] * D + d[None, :]).to(tl.float32)  # [BS, D]
-    dst = tl.load(DST + f)
-    axis = 0 if PER_CHANNEL else 1
-    lo = tl.min(x, axis=axis)
-    hi = tl.max(x, axis=axis)
-    scale = tl.maximum((hi - lo) / 255.0, 1e-6).to(tl.float16)
-    offset = (-lo).to(tl.float16)
-    sf = scale.to(tl.float32)
-    of = offset.to(tl.float32)
-    if PER_CHANNEL:
-        codes = tl.floor((x + of[None, :]) / sf[None, :] + 0.5)
-        sidx = (h * nb_total + dst) * D + d
-    else:
-        codes = tl.floor((x + of[:, None]) / sf[:, None] + 0.5)
-        sidx = (h * nb_total + dst) * BS + s
-    codes = tl.minimum(tl.maximum(codes, 0.0), 255.0).to(tl.uint8)
-    tl.store(CODES + (h * nb_total + dst) * BS * D + s[:, None] * D + d[None, :], codes)
+    blk = h * nb_total + tl.load(DST + f).to(tl.int64)
+    if PER_CHANNEL:  # statistics over the block's tokens, one per channel
+        lo, hi = tl.min(x, axis=0), tl.max(x, axis=0)  # [D]
+        scale, offset = _scale_offset(lo, hi)
+        codes = _codes(x, scale.to(tl.float32)[None, :], offset.to(tl.float32)[None, :])
+        sidx = blk * D + d
+    else:  # one per token
+        lo, hi = tl.min(x, axis=1), tl.max(x, axis=1)  # [BS]
+        scale, offset = _scale_offset(lo, hi)
+        codes = _codes(x, scale.to(tl.float32)[:, None], offset.to(tl.float32)[:, None])
+        sidx = blk * BS + s
+    tl.store(CODES + blk * BS * D + s[:, None] * D + d[None, :], codes)
     tl.store(SCALE + sidx, scale)
     tl.store(OFFSET + sidx, offset)
+
+
+@triton.jit
+def _scale_offset(lo, hi):
+    """fp16 scale (range / 255, at least 1e-6) and offset (-min), as quant.quantize stores
+    them (IEEE division: Triton's `/` is approximate on GPUs)."""
+    scale = tl.maximum(tl.math.div_rn(hi - lo, tl.full(lo.shape, 255.0, tl.float32)), 1e-6)
+    return scale.to(tl.float16), (-lo).to(tl.float16)
+
+
+@triton.jit
+def _codes(x, scale, offset):
+    """uint8 codes floor((x + offset) / scale + 0.5) clamped to 0..255, bit for bit those of
+    quant.quantize (IEEE division, so no approximate or fused rounding)."""
+    ratio = tl.math.div_rn(x + offset, tl.broadcast_to(scale, x.shape))
+    return tl.minimum(tl.maximum(tl.floor(ratio + 0.5), 0.0), 255.0).to(tl.uint8)

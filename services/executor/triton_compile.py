@@ -1,0 +1,150 @@
+"""Compile the Triton kernels for a CUDA target without a GPU (Triton's own compiler and the
+ptxas its wheel ships), so a CPU-only CI catches what the interpreter cannot: constexpr misuse,
+dtype mismatches in tl.dot, shapes a GPU tl.dot refuses, resources ptxas rejects. Variants
+use the tile sizes and launch configuration the backend picks (triton_plan.py).
+
+    python -m services.executor.triton_compile [--arch 90]      # 90: H100; TRITON_INTERPRET unset
+Prints {variant: {"shared": bytes of shared memory}}; exits 1 listing the failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.executor import triton_plan as plan
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kernel: str  # attribute of triton_kernels
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, int]
+
+
+def _sig(
+    pointers: dict[str, str], scalars: dict[str, str], consts: dict[str, Any]
+) -> dict[str, str]:
+    return {
+        **{k: "*" + v for k, v in pointers.items()},
+        **scalars,
+        **dict.fromkeys(consts, "constexpr"),
+    }
+
+
+def attention(
+    dtype: torch.dtype, int8: bool, splits: int, d: int, g: int, bs: int, chunks: bool
+) -> Variant:
+    """paged_attention as TritonAttention launches it for this shape."""
+    t = TYPES[dtype]
+    block_m, _ = plan.query_tile(g, chunks)
+    kv, scale = ("u8", "fp16") if int8 else (t, t)
+    pointers = {"Q": t, "OUT": t, "PART_ACC": "fp32", "PART_ML": "fp32"}
+    pointers |= dict.fromkeys(("TILES", "TABLES", "REQ_CTX", "REQ_SLOT"), "i32")
+    pointers |= {"K": kv, "V": kv, "KS": scale, "KO": scale, "VS": scale, "VO": scale}
+    pointers |= {"KST": t, "VST": t}
+    scalars = {"qk_scale": "fp32"} | dict.fromkeys(
+        ("n_tiles", "n_tokens", "nb_total", "n_slots", "nb_max"), "i32"
+    )
+    consts: dict[str, Any] = {"H": 2 * g, "G": g, "D": d, "BS": bs, "BLOCK_M": block_m}
+    consts |= {"BLOCK_N": plan.kv_tile(bs, d), "INT8": int8, "SPLITS": splits}
+    consts |= {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "EMULATE": False}
+    name = f"attention-{t}-{'int8' if int8 else 'fp'}-d{d}-g{g}-bs{bs}-split{splits}"
+    name += "-chunks" if chunks else "-decodes"
+    sig = _sig(pointers, scalars, consts)
+    return Variant(name, "paged_attention", sig, consts, plan.launch_config(dtype))
+
+
+def reduce(dtype: torch.dtype, d: int, g: int, splits: int) -> Variant:
+    t = TYPES[dtype]
+    consts = {"H": 2 * g, "G": g, "BLOCK_G": plan.next_pow2(g), "D": d, "SPLITS": splits}
+    consts["EMULATE"] = False
+    sig = _sig({"PART_ACC": "fp32", "PART_ML": "fp32", "OUT": t}, {"n_tokens": "i32"}, consts)
+    return Variant(f"reduce-{t}-d{d}-g{g}-split{splits}", "reduce_splits", sig, consts, {})
+
+
+def write(dtype: torch.dtype, d: int) -> Variant:
+    t = TYPES[dtype]
+    consts = {"HKV": 8, "D": d}
+    pointers = {"KN": t, "VN": t, "SLOTS": "i32", "KC": t, "VC": t}
+    sig = _sig(pointers, {"total_slots": "i32"}, consts)
+    return Variant(f"write-{t}-d{d}", "write_kv", sig, consts, {})
+
+
+def quantize(dtype: torch.dtype, d: int, bs: int, keys: bool) -> Variant:
+    t = TYPES[dtype]
+    consts = {"BS": bs, "D": d, "PER_CHANNEL": keys}
+    pointers = {"SRC": t, "SRC_IDX": "i32", "DST": "i32", "CODES": "u8"}
+    pointers |= {"SCALE": "fp16", "OFFSET": "fp16"}
+    sig = _sig(pointers, {"n_src": "i32", "nb_total": "i32"}, consts)
+    name = f"quantize-{t}-d{d}-bs{bs}-{'keys' if keys else 'values'}"
+    return Variant(name, "quantize_blocks", sig, consts, {})
+
+
+def variants() -> list[Variant]:
+    """Both head dims, INT8 and not, decodes with split-KV and prefill chunks, GQA 1/7/8,
+    blocks 8 (the tiny test models, D 16), 16 and 32, in bf16 (the GPU default), fp16, fp32."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    out = [
+        attention(bf16, int8, splits, d, g, 16, chunks)
+        for d in (64, 128)
+        for int8 in (False, True)
+        for splits, g, chunks in ((4, 8, False), (1, 7, True))
+    ]
+    out += [
+        attention(bf16, False, 1, 128, 4, 32, True),
+        attention(bf16, False, 1, 16, 2, 8, True),
+        attention(fp16, False, 2, 128, 4, 16, False),
+        attention(fp32, True, 1, 128, 7, 16, True),
+        attention(fp32, False, 2, 64, 1, 16, False),
+        reduce(bf16, 128, 7, 4),
+        reduce(fp32, 64, 1, 16),
+        write(bf16, 128),
+        quantize(bf16, 128, 16, True),
+        quantize(bf16, 64, 32, False),
+    ]
+    return out
+
+
+def compile_all(arch: int = 90) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+    """Compile every variant for sm_<arch>: ({name: {"shared": bytes}}, {name: error})."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from services.executor import triton_kernels as kern
+
+    target = GPUTarget("cuda", arch, 32)
+    done, failed = {}, {}
+    for v in variants():
+        src = ASTSource(getattr(kern, v.kernel), v.signature, v.constexprs)
+        try:
+            compiled = triton.compile(src, target=target, options=v.options)
+        except Exception as e:  # report every failing variant, not only the first
+            failed[v.name] = f"{type(e).__name__}: {e}"[-2000:]
+            continue
+        done[v.name] = {"shared": int(compiled.metadata.shared)}
+    return done, failed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x10")
+    args = parser.parse_args(argv)
+    done, failed = compile_all(args.arch)
+    print(json.dumps({"compiled": done, "failed": failed}))
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

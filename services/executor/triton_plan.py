@@ -1,0 +1,106 @@
+"""Launch planning for the Triton paged-attention kernels (pure host logic, no Triton import).
+
+Per step the packed ragged batch is cut into *query tiles*: up to `block_q` consecutive query
+tokens of one request. A program of the attention kernel takes one query tile times the G query
+heads that share one KV head, packed densely into the M rows of its tile (row i = token i // G,
+head i % G), and walks the request's context in KV tiles of `block_n` tokens (several pages).
+
+Split-KV (flash-decoding): when a decode-only step has too few (tile, KV head) programs to fill
+the GPU and its contexts are long, each program's context is cut into `splits` contiguous
+ranges handled by separate programs, and a reduce kernel merges their partial softmax states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.arith import ceil_div
+from services.executor.ragged_batch import TokenRun
+
+QUERY_ROWS_DECODE = 16  # M rows of a tile in decode-only steps (tl.dot needs M >= 16)
+QUERY_ROWS_PREFILL = 64  # M rows when the step holds prefill chunks (more reuse of each KV tile)
+SPLIT_MIN_CONTEXT = 1024  # tokens: below this a decode step never splits
+SPLIT_MIN_TOKENS = 256  # each split covers at least this many keys of the longest context
+MAX_SPLITS = 16
+NOMINAL_SMS = 132  # an H100's SM count: the target when no CUDA device is asked (interpreter)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def query_tile(groups_per_kv: int, has_chunks: bool) -> tuple[int, int]:
+    """(block_m, block_q): M rows per tile and query tokens per tile. Rows pack block_q tokens
+    times G heads densely; rows past block_q * G are padding (G = 7: 2 tokens = 14 of 16)."""
+    rows = QUERY_ROWS_PREFILL if has_chunks else QUERY_ROWS_DECODE
+    block_m = max(rows, next_pow2(groups_per_kv))
+    return block_m, block_m // groups_per_kv
+
+
+def kv_tile(block_size: int, head_dim: int) -> int:
+    """Keys per KV tile: 128 for head_dim <= 64, else 64 (registers), never below a page."""
+    return max(128 if head_dim <= 64 else 64, block_size)
+
+
+def num_kv_splits(programs: int, max_context: int, sm_count: int, decode_only: bool) -> int:
+    """Split-KV factor (a power of two, 1 = no split). Splits only a decode-only step whose
+    (query tile, KV head) programs number fewer than the SMs and whose longest context is at
+    least SPLIT_MIN_CONTEXT: then enough splits to give every SM a program, at most one per
+    SPLIT_MIN_TOKENS keys of the longest context and at most MAX_SPLITS."""
+    if not decode_only or programs >= sm_count or max_context < SPLIT_MIN_CONTEXT:
+        return 1
+    want = min(ceil_div(sm_count, programs), max_context // SPLIT_MIN_TOKENS, MAX_SPLITS)
+    return 1 << (want.bit_length() - 1)  # round down to a power of two: few compiled variants
+
+
+def launch_config(dtype: torch.dtype) -> dict[str, int]:
+    """num_warps / num_stages of the attention kernel (fp32 tiles are twice as big)."""
+    return {"num_warps": 4, "num_stages": 1 if dtype == torch.float32 else 2}
+
+
+def tile_table(runs: Sequence[TokenRun], block_q: int) -> torch.Tensor:
+    """[4, n_tiles] int32: request index, first packed row, query count and first query
+    position of each query tile (runs in packed order, each run's rows contiguous)."""
+    cols: list[tuple[int, int, int, int]] = []
+    row = 0
+    for i, r in enumerate(runs):
+        for start in range(0, r.q_len, block_q):
+            cols.append((i, row + start, min(block_q, r.q_len - start), r.ctx_before + start))
+        row += r.q_len
+    return torch.tensor(cols, dtype=torch.int32).T.contiguous()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    block_m: int
+    block_q: int
+    block_n: int
+    splits: int
+    tiles: torch.Tensor  # tile_table(...)
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tiles.shape[1])
+
+
+def plan_step(
+    runs: Sequence[TokenRun],
+    groups_per_kv: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    sm_count: int,
+    splits: int | None = None,
+) -> StepPlan:
+    """Tile sizes, query tiles and split factor of one step (`splits` forces a factor)."""
+    has_chunks = any(r.q_len > 1 for r in runs)
+    block_m, block_q = query_tile(groups_per_kv, has_chunks)
+    tiles = tile_table(runs, block_q)
+    if splits is None:
+        max_ctx = max(r.ctx_before + r.q_len for r in runs)
+        splits = num_kv_splits(tiles.shape[1] * kv_heads, max_ctx, sm_count, not has_chunks)
+    return StepPlan(block_m, block_q, kv_tile(block_size, head_dim), splits, tiles)
