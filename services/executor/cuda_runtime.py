@@ -38,6 +38,7 @@ from services.executor.step_buffers import (
 
 if TYPE_CHECKING:
     from services.executor.runner import Attention, KVCache, ModelRunner
+    from services.executor.triton_attention import TritonAttention
 
 STEP_RUNTIMES = ("auto", "packed", "classic")
 
@@ -154,12 +155,14 @@ class DeviceRuntime:
     def _eager(self, ordered: list[TokenRun], all_logits: bool) -> tuple[StepBatch, torch.Tensor]:
         tokens = sum(r.q_len for r in ordered)
         samples = sum(r.sample for r in ordered)
-        layout = MetaLayout(tokens, len(ordered), samples, table_width(ordered, self.bs))
-        meta = self.buffers.stage(layout, ordered, self.bs)
+        step = self._triton().plan_runs(ordered, self.bs)
+        width = table_width(ordered, self.bs)
+        layout = MetaLayout(tokens, len(ordered), samples, width, step.num_tiles)
+        meta = self.buffers.stage(layout, ordered, self.bs, tiles=step.tiles)
         batch = meta.batch(ordered, self.bs)
         if all_logits:
             batch.logits_rows = torch.arange(tokens, device=self.device)
-        self.attn.meta = meta.triton()
+        self._triton().use(step, meta.triton(), tokens)
         return batch, self._logits(batch)
 
     def _logits(self, batch: StepBatch) -> torch.Tensor:
@@ -171,7 +174,9 @@ class DeviceRuntime:
         assert self.graph_buffers is not None and self.pad_block is not None
         n = len(ordered)
         padded = pad_decodes(ordered, bucket, self.pad_block)
-        meta = self.graph_buffers.stage(self._graph_layout(bucket), padded, self.bs, rows=n)
+        step = self._triton().plan_runs(padded, self.bs, splits=1)  # as captured
+        layout = self._graph_layout(bucket)
+        meta = self.graph_buffers.stage(layout, padded, self.bs, rows=n, tiles=step.tiles)
         logits = self.graphs.replay(bucket)  # [bucket, V]
         samples = sum(r.sample for r in ordered)
         if samples == n:
@@ -184,7 +189,15 @@ class DeviceRuntime:
 
     # -- graphs -------------------------------------------------------------------------------
     def _graph_layout(self, bucket: int) -> MetaLayout:
-        return MetaLayout(bucket, bucket, bucket, self.width)
+        """A bucket's layout: its decodes, one query tile each (a tile never spans requests)."""
+        return MetaLayout(bucket, bucket, bucket, self.width, num_tiles=bucket)
+
+    def _triton(self) -> TritonAttention:
+        """The packed path's attention backend (uses_packed: always Triton)."""
+        from services.executor.triton_attention import TritonAttention
+
+        assert isinstance(self.attn, TritonAttention), "packed steps need the Triton backend"
+        return self.attn
 
     def capture_graphs(self, capture: Capture | None = None) -> None:
         """Capture every bucket (default: real CUDA graphs; `eager_capture` off CUDA)."""
@@ -201,12 +214,15 @@ class DeviceRuntime:
     def _graph_body(self, bucket: int) -> Body:
         assert self.graph_buffers is not None and self.pad_block is not None
         padded = pad_decodes([], bucket, self.pad_block)
-        meta = self.graph_buffers.stage(self._graph_layout(bucket), padded, self.bs)
+        step = self._triton().plan_runs(padded, self.bs, splits=1)
+        meta = self.graph_buffers.stage(
+            self._graph_layout(bucket), padded, self.bs, tiles=step.tiles
+        )
         batch = meta.batch(padded, self.bs)
         triton_meta = meta.triton()
 
         def body() -> torch.Tensor:
-            self.attn.meta = triton_meta
+            self._triton().use(step, triton_meta, bucket)
             with torch.inference_mode():
                 return self.runner.logits(self.runner.forward(batch, self.cache, self.attn))
 

@@ -5,10 +5,11 @@ Layout (int32; every segment starts on a 32-element = 128-byte boundary, so Trit
 alignment specialisation is the same on every step):
 
     tokens [T]  positions [T]  slots [T]  tok_req [T]  req_ctx [R]  req_slot [R]
-    logits_rows [S]  tables [R, W]
+    logits_rows [S]  tiles [4, Q]  tables [R, W]
 
 T packed tokens of R requests (decodes first, then prefill chunks, as `build_batch` orders
-them without context groups), S rows whose logits are sampled, W block-table columns. The
+them without context groups), S rows whose logits are sampled, Q query tiles of the Triton
+attention kernel (`triton_plan.tile_table`), W block-table columns. The
 tables come last so a copy can stop after the rows in use (CUDA-graph buckets pad a decode
 batch with rows whose tables are never read past column 0).
 """
@@ -38,6 +39,7 @@ class MetaLayout:
     num_reqs: int
     num_logits: int
     width: int  # block-table columns
+    num_tiles: int = 0  # query tiles of the attention kernel (triton_plan.tile_table)
 
     def lengths(self) -> dict[str, int]:
         t, r = self.num_tokens, self.num_reqs
@@ -49,6 +51,7 @@ class MetaLayout:
             "req_ctx": r,
             "req_slot": r,
             "logits_rows": self.num_logits,
+            "tiles": 4 * self.num_tiles,
             "tables": r * self.width,
         }
 
@@ -87,9 +90,16 @@ def pad_decodes(runs: list[TokenRun], bucket: int, pad_block: int) -> list[Token
     return runs + [pad] * (bucket - len(runs))
 
 
-def fill_meta(buf: np.ndarray, layout: MetaLayout, runs: list[TokenRun], block_size: int) -> None:
-    """Write the metadata of `runs` (in packed order) into the int32 array `buf` at `layout`.
-    Block-table rows are zero past each request's last needed block."""
+def fill_meta(
+    buf: np.ndarray,
+    layout: MetaLayout,
+    runs: list[TokenRun],
+    block_size: int,
+    tiles: torch.Tensor | None = None,
+) -> None:
+    """Write the metadata of `runs` (in packed order) into the int32 array `buf` at `layout`,
+    with the attention kernel's query `tiles` [4, Q] when given. Block-table rows are zero
+    past each request's last needed block."""
     off, n = layout.offsets(), layout.lengths()
     r_count, width = len(runs), layout.width
     q = np.fromiter((r.q_len for r in runs), np.int64, r_count)
@@ -118,6 +128,8 @@ def fill_meta(buf: np.ndarray, layout: MetaLayout, runs: list[TokenRun], block_s
         "req_slot": np.fromiter((max(r.staging_slot, 0) for r in runs), np.int64, r_count),
         "logits_rows": (ends - 1)[sample],
     }
+    if tiles is not None:
+        values["tiles"] = tiles.numpy().reshape(-1)
     for name, v in values.items():
         buf[off[name] : off[name] + v.size] = v
 
@@ -133,13 +145,13 @@ class StepMeta:
     req_ctx: torch.Tensor
     req_slot: torch.Tensor
     logits_rows: torch.Tensor
+    tiles: torch.Tensor  # [4, Q]
     tables: torch.Tensor  # [R, W]
 
     def triton(self) -> dict[str, torch.Tensor]:
-        """The per-step metadata dict of the Triton backend (TritonAttention.meta)."""
+        """The per-step metadata dict of the Triton backend (TritonAttention.use)."""
         return {
-            "tok_req": self.tok_req,
-            "tok_pos": self.positions,
+            "tiles": self.tiles,
             "tables": self.tables,
             "slots": self.slots,
             "req_ctx": self.req_ctx,
@@ -181,17 +193,22 @@ class StepBuffers:
         return int(self.host.shape[0])
 
     def stage(
-        self, layout: MetaLayout, runs: list[TokenRun], block_size: int, rows: int | None = None
+        self,
+        layout: MetaLayout,
+        runs: list[TokenRun],
+        block_size: int,
+        rows: int | None = None,
+        tiles: torch.Tensor | None = None,
     ) -> StepMeta:
-        """Fill and copy the metadata of `runs`; `rows`: copy only the first block-table rows
-        (default all)."""
+        """Fill and copy the metadata of `runs` (and the kernel's query `tiles`); `rows`: copy
+        only the first block-table rows (default all)."""
         if layout.size > self.capacity:
             if not self.growable:
                 raise ValueError(f"step metadata of {layout.size} exceeds {self.capacity}")
             self._allocate(2 * layout.size)
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has read the host buffer
-        fill_meta(self.host_np, layout, runs, block_size)
+        fill_meta(self.host_np, layout, runs, block_size, tiles)
         n = layout.copy_size(layout.num_reqs if rows is None else rows)
         self.dev[:n].copy_(self.host[:n], non_blocking=self.pin)
         if self.device.type == "cuda":
@@ -202,5 +219,6 @@ class StepBuffers:
     def views(self, layout: MetaLayout) -> StepMeta:
         off, n = layout.offsets(), layout.lengths()
         v = {name: self.dev[off[name] : off[name] + n[name]] for name in SEGMENTS}
+        tiles = self.dev[off["tiles"] : off["tiles"] + n["tiles"]].view(4, layout.num_tiles)
         tables = self.dev[off["tables"] : off["tables"] + n["tables"]]
-        return StepMeta(**v, tables=tables.view(layout.num_reqs, layout.width))
+        return StepMeta(**v, tiles=tiles, tables=tables.view(layout.num_reqs, layout.width))

@@ -16,7 +16,7 @@ from services.executor import triton_kernels as kern
 from services.executor import triton_plan as plan
 from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import PagedKV
-from services.executor.ragged_batch import StepBatch
+from services.executor.ragged_batch import StepBatch, TokenRun
 
 if TYPE_CHECKING:
     from services.executor.runner import KVCache
@@ -72,21 +72,26 @@ class TritonAttention:
             )
         return self._sm_count
 
+    def plan_runs(
+        self, runs: list[TokenRun], block_size: int, splits: int | None = None
+    ) -> plan.StepPlan:
+        """Tiles and split factor of a step over `runs` (packed order); `splits` forces one
+        (CUDA graphs capture decode steps with 1)."""
+        if not _pow2(block_size):
+            raise ValueError("the Triton backend needs a power-of-two block size")
+        forced = self.kv_splits if splits is None else splits
+        return plan.plan_step(runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced)
+
     def prepare(self, batch: StepBatch) -> None:
         """Per-step tiles, split factor and metadata (int32), shared by every layer."""
-        if not _pow2(batch.block_size):
-            raise ValueError("the Triton backend needs a power-of-two block size")
         dev = batch.token_ids.device
         runs = batch.runs
-        step = plan.plan_step(
-            runs, self.g, self.hkv, batch.block_size, self.d, self.sm_count(), self.kv_splits
-        )
+        step = self.plan_runs(runs, batch.block_size)
         nb_max = max(len(r.block_table) for r in runs)
         tables = torch.zeros((len(runs), nb_max), dtype=torch.int32)
         for i, r in enumerate(runs):
             tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
-        self.step = step
-        self.meta = {
+        meta = {
             "tiles": step.tiles.to(dev),
             "tables": tables.to(dev),
             "slots": batch.slot_mapping.to(torch.int32),
@@ -95,9 +100,15 @@ class TritonAttention:
                 [max(r.staging_slot, 0) for r in runs], dtype=torch.int32, device=dev
             ),
         }
+        self.use(step, meta, batch.num_tokens)
+
+    def use(self, step: plan.StepPlan, meta: dict[str, torch.Tensor], num_tokens: int) -> None:
+        """Take a step's plan and device metadata (`prepare`'s, or the CUDA runtime's packed
+        buffer: step_buffers.StepMeta.triton); split-KV partial states are allocated here."""
+        self.step, self.meta = step, dict(meta)
         if step.splits > 1:  # partial states, reused by every layer
-            t = batch.num_tokens
-            shape = (step.splits, t, self.h)
+            dev = meta["tiles"].device
+            shape = (step.splits, num_tokens, self.h)
             self.meta["part_acc"] = torch.empty((*shape, self.d), dtype=torch.float32, device=dev)
             self.meta["part_ml"] = torch.empty((*shape, 2), dtype=torch.float32, device=dev)
 

@@ -157,7 +157,7 @@ def test_packed_metadata_equals_build_batch(seed):
 
 
 def test_segments_are_aligned_and_tables_come_last():
-    layout = MetaLayout(num_tokens=37, num_reqs=5, num_logits=3, width=9)
+    layout = MetaLayout(num_tokens=37, num_reqs=5, num_logits=3, width=9, num_tiles=6)
     offsets = layout.offsets()
     assert all(o % ALIGN == 0 for o in offsets.values())  # 128-byte aligned segments
     assert max(offsets, key=offsets.get) == "tables"
