@@ -1,11 +1,12 @@
 """Torch reference attention over the paged cache (CPU and GPU).
 
-Per group, the group's blocks are gathered into a reused workspace (paged_read.py), then a
-group of decodes runs two batched matmuls (decode_attention.py; INT8 KV as codes with the
-scales folded in) and a group of prefill chunks one scaled_dot_product_attention call on a
-padded view. Grouped-query attention without repeating K/V: the G query heads that share a KV
-head are folded into the query axis, [Hkv, B, Qmax*G, D] against [Hkv, B, Lk, D] (the layout
-the paged cache gathers into).
+Per group, the group's blocks are gathered into a reused workspace (paged_read.py). A group
+of decodes then runs one batched matmul for the scores and reads the values in place from the
+pool with one embedding_bag (decode_attention.py; INT8 KV as codes with the scales folded
+in); a group of prefill chunks runs one scaled_dot_product_attention call on a padded view.
+Grouped-query attention without repeating K/V: the G query heads that share a KV head are
+folded into the query axis, [Hkv, B, Qmax*G, D] against [Hkv, B, Lk, D] (the layout the paged
+cache gathers into).
 """
 
 from __future__ import annotations
