@@ -1,9 +1,12 @@
 """Torch reference attention over the paged cache (CPU and GPU).
 
-Per group (decodes, then prefill chunks) one scaled_dot_product_attention call on a padded
-view. Grouped-query attention without repeating K/V: the G query heads that share a KV head
-are folded into the query axis, [Hkv, B, Qmax*G, D] against [Hkv, B, Lk, D] (the layout the
-paged cache gathers into).
+Per group, the group's blocks are gathered into a reused workspace (paged_read.py). A group
+of decodes then runs one batched matmul for the scores and reads the values in place from the
+pool with one embedding_bag (decode_attention.py; INT8 KV as codes with the scales folded
+in); a group of prefill chunks runs one scaled_dot_product_attention call on a padded view.
+Grouped-query attention without repeating K/V: the G query heads that share a KV head are
+folded into the query axis, [Hkv, B, Qmax*G, D] against [Hkv, B, Lk, D] (the layout the paged
+cache gathers into).
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from services.executor.decode_attention import (
+    decode_attention,
+    decode_bias,
+    int8_decode_attention,
+    value_rows,
+)
+from services.executor.int8_kv import Int8PagedKV
+from services.executor.kv_cache import PagedKV
+from services.executor.paged_read import Workspace, gather_blocks
 from services.executor.ragged_batch import Group, StepBatch
 
 if TYPE_CHECKING:
@@ -38,10 +50,16 @@ class TorchAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
+        self.ws: Workspace | None = None  # gathers, reused by every layer and step
 
     def prepare(self, batch: StepBatch) -> None:
+        if self.ws is None or self.ws.device != batch.token_ids.device:
+            self.ws = Workspace(batch.token_ids.device)
         for g in batch.groups:
-            g.extra["mask"] = group_mask(g, self.g)
+            if g.q_max == 1:
+                g.extra["bias"] = decode_bias(g.extra["key_valid"])
+            else:
+                g.extra["mask"] = group_mask(g, self.g)
 
     def forward(
         self,
@@ -54,18 +72,53 @@ class TorchAttention:
     ) -> torch.Tensor:
         """q [T, H, D], new k/v [T, Hkv, D] -> attention output [T, H*D]."""
         cache.write(layer, k, v, batch)
-        outs = [self._group(layer, q, cache, g) for g in batch.groups]
+        outs = [
+            self._decode(layer, q, cache, g) if g.q_max == 1 else self._chunks(layer, q, cache, g)
+            for g in batch.groups
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
-    def _group(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
+    def _context(self, layer: int, cache: KVCache, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's K, V [Hkv, B, Lk, D] in the workspace."""
+        assert self.ws is not None
+        if isinstance(cache, Int8PagedKV):
+            return cache.gather(layer, g, self.ws)
+        return self._gather(layer, cache, g, "k"), self._gather(layer, cache, g, "v")
+
+    def _gather(self, layer: int, cache: PagedKV, g: Group, name: str) -> torch.Tensor:
+        """The group's blocks of the full-precision pool `name`, [Hkv, B, Lk, D] (workspace)."""
+        assert self.ws is not None
+        b, nb = g.tables.shape
+        bs = cache.block_size
+        buf = self.ws.get(name, (self.hkv, b * nb, bs, self.d), cache.dtype)
+        gathered = gather_blocks(cache.tensors[name][layer], g.tables.view(-1), buf)
+        return gathered.view(self.hkv, b, nb * bs, self.d)
+
+    def _decode(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
+        """One query per request: [B, H*D]."""
+        b = g.size
+        qg = q[g.row_start : g.row_start + b].view(b, self.hkv, self.g, self.d).transpose(0, 1)
+        bias = g.extra["bias"]
+        if isinstance(cache, Int8PagedKV):
+            assert self.ws is not None
+            o = int8_decode_attention(qg, cache.read_codes(layer, g, self.ws), bias, self.scale)
+        else:
+            if "v_rows" not in g.extra:  # built once per step, at the first layer
+                g.extra["v_rows"] = value_rows(
+                    g.tables, cache.block_size, cache.num_blocks, self.hkv, self.g
+                )
+            keys = self._gather(layer, cache, g, "k")
+            values = cache.tensors["v"][layer]
+            o = decode_attention(qg, keys, values, g.extra["v_rows"], bias, self.scale)
+        return o.transpose(0, 1).reshape(b, self.h * self.d)
+
+    def _chunks(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
+        """Prefill chunks: one SDPA call over the padded group, [Tg, H*D]."""
         b, qm = g.q_rows.shape
-        kc, vc = cache.gather(layer, g)  # [Hkv, B, Lk, D]
+        kc, vc = self._context(layer, cache, g)  # [Hkv, B, Lk, D]
         qg = q.index_select(0, g.q_rows.view(-1))  # [B*Qm, H, D]
         qg = qg.view(b, qm, self.hkv, self.g, self.d).permute(2, 0, 1, 3, 4)
         qg = qg.reshape(self.hkv, b, qm * self.g, self.d)  # [Hkv, B, Qm*G, D]
         o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=g.extra["mask"], scale=self.scale)
         o = o.view(self.hkv, b, qm, self.g, self.d).permute(1, 2, 0, 3, 4)  # [B, Qm, Hkv, G, D]
-        o = o.reshape(b * qm, self.h * self.d)
-        if qm == 1:
-            return o
-        return o[g.q_valid.view(-1)]  # [Tg, H*D]
+        return o.reshape(b * qm, self.h * self.d)[g.q_valid.view(-1)]  # [Tg, H*D]

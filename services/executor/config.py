@@ -88,9 +88,38 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# CPU flags (Linux /proc/cpuinfo names) of native bf16 arithmetic: AVX512-BF16 dot products
+# or AMX tiles. oneDNN runs bf16 matmuls on them; without them bf16 is emulated and slower.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The first CPU's feature flags (empty where /proc/cpuinfo is missing)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def auto_dtype(device: torch.device, flags: set[str] | None = None) -> torch.dtype:
+    """bf16 on GPUs and on CPUs with native bf16 arithmetic (any of BF16_CPU_FLAGS), else
+    fp32. `flags`: the CPU's flags (default: read from /proc/cpuinfo)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu":
+        have = cpu_flags() if flags is None else flags
+        if any(f in have for f in BF16_CPU_FLAGS):
+            return torch.bfloat16
+    return torch.float32
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)
     if name == "fp16" and device.type == "cpu":
         raise ValueError("fp16 is only supported on GPU; use fp32 or bf16 on CPU")
     return DTYPES[name]

@@ -6,7 +6,9 @@ dtype) in a per-request staging buffer [bs, Hkv, D] per layer. So every key bloc
 statistics cover exactly the tokens it holds, and the most recent tokens (which attention
 weighs most in decoding) are never rounded.
 
-Attention context of a request = its full blocks (dequantized) followed by its staging buffer.
+Attention context of a request = its full blocks followed by its staging buffer. Decode groups
+read the full blocks as codes (`read_codes`: scales folded into the attention, see
+decode_attention.py); prefill groups dequantize them into a reused buffer (`gather`).
 Attention does not depend on key order, only on the mask, so key positions are carried
 explicitly for the causal mask.
 """
@@ -18,7 +20,9 @@ from collections.abc import Callable
 import torch
 
 from services.executor import quant
+from services.executor.decode_attention import Int8Context
 from services.executor.kv_cache import allocate, layout_bytes
+from services.executor.paged_read import Workspace, gather_blocks
 from services.executor.ragged_batch import Group, StepBatch
 
 # (cache, layer, "k" | "v", combined rows, source rows per block, target blocks): quantizes
@@ -170,18 +174,63 @@ class Int8PagedKV:
             writer(self, layer, name, combined, p["fq_src"], p["fq_dst"])
         stage[layer][:, p["slots"]] = combined[:, p["st_src"]]  # [Hkv, R, bs, D]
 
-    def gather(self, layer: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [Hkv, B, NFmax*bs + bs, D]: dequantized full blocks, then the staging buffer."""
+    def gather(
+        self, layer: int, g: Group, ws: Workspace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [Hkv, B, NFmax*bs + bs, D]: dequantized full blocks, then the staging buffer
+        (in `ws` when given; prefill chunks, whose many queries amortise the dequantization)."""
+        ws = ws or Workspace(self.device)
         ft, slots = g.extra["full_tables"], g.extra["slots"]
         b, nf = ft.shape
-        ids = ft.reshape(-1)
-        t = {name: x[layer].index_select(1, ids) for name, x in self.tensors.items()}
-        k = quant.dequantize_keys(t["kq"], t["ks"], t["ko"], self.dtype)  # [Hkv, B*NF, bs, D]
-        v = quant.dequantize_values(t["vq"], t["vs"], t["vo"], self.dtype)
-        shape = (self.kv_heads, b, nf * self.block_size, self.head_dim)
-        k = torch.cat([k.view(shape), self.k_stage[layer].index_select(1, slots)], dim=2)
-        v = torch.cat([v.view(shape), self.v_stage[layer].index_select(1, slots)], dim=2)
-        return k, v
+        hkv, bs, d = self.kv_heads, self.block_size, self.head_dim
+        out = []
+        for name, deq in (("k", quant.dequantize_keys), ("v", quant.dequantize_values)):
+            full = ws.get(name, (hkv, b, nf + 1, bs, d), self.dtype)
+            codes = self._codes(layer, name, ft, ws).view(hkv, b, nf, bs, d)
+            scale, offset = (
+                self.tensors[name + x][layer].index_select(1, ft.reshape(-1)) for x in "so"
+            )
+            side = (hkv, b, nf, scale.shape[-1])  # per channel (D) or per token (bs)
+            deq(codes, scale.view(side), offset.view(side), self.dtype, out=full[:, :, :nf])
+            stage = self.k_stage if name == "k" else self.v_stage
+            full[:, :, nf] = stage[layer].index_select(1, slots)
+            out.append(full.view(hkv, b, (nf + 1) * bs, d))
+        return out[0], out[1]
+
+    def _codes(
+        self, layer: int, name: str, full_tables: torch.Tensor, ws: Workspace
+    ) -> torch.Tensor:
+        """uint8 codes of the group's full blocks, [Hkv, B*NF, bs, D] (in `ws`)."""
+        ids = full_tables.reshape(-1)
+        shape = (self.kv_heads, ids.numel(), self.block_size, self.head_dim)
+        out = ws.get(name + "q", shape, torch.uint8)
+        return gather_blocks(self.tensors[name + "q"][layer], ids, out)
+
+    def read_codes(self, layer: int, g: Group, ws: Workspace) -> Int8Context:
+        """A decode group's context as codes (converted to the model dtype in `ws`), fp32
+        scales and offsets, and the exact staging blocks (decode_attention.py folds them)."""
+        ft, slots = g.extra["full_tables"], g.extra["slots"]
+        b, nf = ft.shape
+        hkv, bs, d = self.kv_heads, self.block_size, self.head_dim
+        ids, t = ft.reshape(-1), self.tensors
+
+        def side(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return t[name][layer].index_select(1, ids).float().view(shape)
+
+        k_codes = ws.get("kc", (hkv, b, nf, bs, d), self.dtype)
+        k_codes.view(hkv, b * nf, bs, d).copy_(self._codes(layer, "k", ft, ws))
+        v_codes = ws.get("vc", (hkv, b, nf * bs, d), self.dtype)
+        v_codes.view(hkv, b * nf, bs, d).copy_(self._codes(layer, "v", ft, ws))
+        return Int8Context(
+            k_codes,
+            side("ks", (hkv, b, nf, d)),
+            side("ko", (hkv, b, nf, d)),
+            v_codes,
+            side("vs", (hkv, b, nf * bs)),
+            side("vo", (hkv, b, nf * bs)),
+            self.k_stage[layer].index_select(1, slots),
+            self.v_stage[layer].index_select(1, slots),
+        )
 
 
 def torch_block_writer(

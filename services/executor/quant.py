@@ -31,12 +31,21 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dim: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of `quantize` (scale/offset have `dim` reduced)."""
+    """Inverse of `quantize` (scale/offset have `dim` reduced), computed in fp32; written
+    into `out` (dtype `dtype`) when given."""
     s = scale.unsqueeze(dim).float()
     o = offset.unsqueeze(dim).float()
-    return (codes.float() * s - o).to(dtype)
+    if out is not None and out.dtype == torch.float32:
+        return torch.mul(codes, s, out=out).sub_(o)  # no fp32 temporaries
+    x = (codes.float() * s - o).to(dtype)
+    return x if out is None else out.copy_(x)
 
 
 def quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,12 +59,20 @@ def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def dequantize_keys(
-    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return dequantize(codes, scale, offset, dim=-2, dtype=dtype)
+    return dequantize(codes, scale, offset, dim=-2, dtype=dtype, out=out)
 
 
 def dequantize_values(
-    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return dequantize(codes, scale, offset, dim=-1, dtype=dtype)
+    return dequantize(codes, scale, offset, dim=-1, dtype=dtype, out=out)

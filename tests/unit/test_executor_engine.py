@@ -34,7 +34,13 @@ def test_tiny_parity_mixed_chunks(tiny_dirs, arch, block_size):
     straddle blocks of every size) and how long each block table is."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(tiny_dirs[arch], num_device_blocks=32, num_host_blocks=4, block_size=block_size)
+    engine = Engine(
+        tiny_dirs[arch],
+        dtype="fp32",
+        num_device_blocks=32,
+        num_host_blocks=4,
+        block_size=block_size,
+    )
     assert engine.describe()["block_size"] == block_size
     ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32)
@@ -46,7 +52,7 @@ def test_tiny_parity_mixed_chunks(tiny_dirs, arch, block_size):
 
 
 def _engine(tiny_dirs, **kw):
-    return Engine(tiny_dirs["llama"], num_device_blocks=16, num_host_blocks=4, **kw)
+    return Engine(tiny_dirs["llama"], dtype="fp32", num_device_blocks=16, num_host_blocks=4, **kw)
 
 
 def _admit(engine, rid="a", n=20, blocks=(0, 1)):
@@ -212,7 +218,7 @@ def test_llama3_rope_scaling_parity(tiny_dirs, tmp_path):
         "original_max_position_embeddings": 64,
     }
     (scaled / "config.json").write_text(json.dumps(config))
-    engine = Engine(scaled, num_device_blocks=32, num_host_blocks=4)
+    engine = Engine(scaled, dtype="fp32", num_device_blocks=32, num_host_blocks=4)
     ours = teacher_forced_logits(engine, PROMPTS, CHUNKS)
     model = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32)
     plain = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32)

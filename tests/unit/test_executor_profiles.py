@@ -15,7 +15,9 @@ def test_bundled_cpu_profile_matches_only_its_device_model_and_dtype():
     assert profile["device"] == "cpu" and profile["coefficients"]["c0"] > 0
     assert CostModel.from_profile(profile).c_prefill == profile["coefficients"]["c_prefill"]
     assert bundled_profile("cuda", "smollm2-135m-instruct", "float32") == ""
-    assert bundled_profile("cpu", "smollm2-135m-instruct", "bfloat16") == ""
+    bf16 = json.loads(bundled_profile("cpu", "smollm2-135m-instruct", "bfloat16"))
+    assert bf16["dtype"] == "bfloat16" and bf16["coefficients"] != profile["coefficients"]
+    assert bundled_profile("cpu", "smollm2-135m-instruct", "float16") == ""
     assert bundled_profile("cpu", "some-other-model", "float32") == ""
     assert any(BUNDLED_PROFILES.glob("*.json"))
 

@@ -68,7 +68,7 @@ def _run(engine, swap: bool) -> list[int]:
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_swap_round_trip_mid_decode_continues_identically(tiny_dir, kv_dtype):
-    kw = dict(num_device_blocks=16, num_host_blocks=16, kv_dtype=kv_dtype)
+    kw = dict(num_device_blocks=16, num_host_blocks=16, kv_dtype=kv_dtype, dtype="fp32")
     plain = _run(Engine(tiny_dir, **kw), swap=False)
     swapped_engine = Engine(tiny_dir, **kw)
     swapped = _run(swapped_engine, swap=True)
@@ -77,7 +77,9 @@ def test_swap_round_trip_mid_decode_continues_identically(tiny_dir, kv_dtype):
 
 
 def test_compressed_swap_stores_int8_and_stays_close(tiny_dir):
-    engine = Engine(tiny_dir, num_device_blocks=16, num_host_blocks=16, swap_compress=True)
+    engine = Engine(
+        tiny_dir, dtype="fp32", num_device_blocks=16, num_host_blocks=16, swap_compress=True
+    )
     assert engine.swap.compress and engine.swap.host["kq"].dtype == torch.uint8
     assert engine.swap.host_bytes_per_block < 0.35 * engine.cache.bytes_per_block  # head_dim 16
     before = engine.cache.tensors["k"].clone()
@@ -177,7 +179,7 @@ class MiniScheduler:
 )
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(4, 14))
 def test_random_steps_never_corrupt_other_requests(tiny_dir, hf_model, seed, steps):
-    engine = Engine(tiny_dir, num_device_blocks=24, num_host_blocks=12)
+    engine = Engine(tiny_dir, dtype="fp32", num_device_blocks=24, num_host_blocks=12)
     sched = MiniScheduler(engine, random.Random(seed))
     token_ids = {}
     for _ in range(steps):
@@ -196,7 +198,7 @@ def test_random_steps_never_corrupt_other_requests(tiny_dir, hf_model, seed, ste
 def test_one_step_swaps_in_from_and_out_to_the_same_host_blocks(tiny_dir):
     """Copies are a parallel assignment: a host block read by a swap-in may be the target of
     a swap-out in the same step (and a device block swapped out may be a swap-in target)."""
-    kw = dict(num_device_blocks=16, num_host_blocks=4)
+    kw = dict(num_device_blocks=16, num_host_blocks=4, dtype="fp32")
     b_prompt = list(range(700, 728))  # 28 tokens + 3 decodes fit 2 blocks
     ref = Engine(tiny_dir, **kw)
     ref.step(
@@ -261,7 +263,7 @@ def _prefill_a_b(engine) -> None:
 
 
 def test_pending_swap_does_not_block_other_requests_steps(tiny_dir):
-    kw = {"num_device_blocks": 16, "num_host_blocks": 8}
+    kw = {"num_device_blocks": 16, "num_host_blocks": 8, "dtype": "fp32"}
     b_alone = StepInput(0, num_scheduled_tokens={"b": 1})
     a_alone = StepInput(0, num_scheduled_tokens={"a": 1})
     both = StepInput(0, num_scheduled_tokens={"a": 1, "b": 1})
@@ -311,7 +313,7 @@ def test_step_reusing_swapped_out_blocks_waits_for_the_copy(tiny_dir):
     """The scheduler may hand a swapped-out request's device blocks to another request in
     the next step: that step must wait until the copy has read them, or it would overwrite
     the KV on its way to the host."""
-    kw = {"num_device_blocks": 16, "num_host_blocks": 8}
+    kw = {"num_device_blocks": 16, "num_host_blocks": 8, "dtype": "fp32"}
     x_prompt = list(range(900, 940))  # 40 tokens: fills blocks 0..2
     ref = Engine(tiny_dir, **kw)
     ref.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
