@@ -25,10 +25,9 @@ import torch
 
 from services.common.arith import ceil_div
 from services.executor import quant
-from services.executor.attention import TorchAttention
 from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import PagedKV
-from services.executor.ragged_batch import Group, StepBatch, TokenRun, build_batch
+from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 
 KVPool: TypeAlias = PagedKV | Int8PagedKV
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2, "int8": 2e-2}
@@ -113,20 +112,48 @@ def _runs(case: Case, slots: list[int], gen: torch.Generator) -> tuple[list[Toke
     return runs, len(ids)
 
 
-class Fp32Gather:
-    """The reference's view of a pool: writes go to the pool; gather returns the pool's own
-    context (INT8: dequantized at the model dtype, as the torch backend serves it) upcast to
-    fp32, so the reference attention runs in fp32 over exactly the values the kernel reads."""
-
-    def __init__(self, cache: KVPool) -> None:
-        self.cache = cache
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> None:
-        self.cache.write(layer, k, v, batch)
-
-    def gather(self, layer: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.cache.gather(layer, g)
+def _context_fp32(cache: KVPool, run: TokenRun) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's K, V [Hkv, ctx, D] as the pool holds them after the step's write, in
+    fp32 (INT8: sealed blocks dequantized at the model dtype, the open block from staging)."""
+    bs, n, t = cache.block_size, run.ctx_after, cache.tensors
+    hkv, d = cache.kv_heads, cache.head_dim
+    if not isinstance(cache, Int8PagedKV):
+        blocks = torch.tensor(run.block_table[: ceil_div(n, bs)], device=cache.device)
+        k, v = (t[x][0].index_select(1, blocks).reshape(hkv, -1, d)[:, :n] for x in "kv")
         return k.float(), v.float()
+    sealed = torch.tensor(run.block_table[: n // bs], dtype=torch.long, device=cache.device)
+    parts = []
+    for name, deq, stage in (
+        ("k", quant.dequantize_keys, cache.k_stage),
+        ("v", quant.dequantize_values, cache.v_stage),
+    ):
+        codes, scale, offset = (t[name + x][0].index_select(1, sealed) for x in "qso")
+        full = deq(codes, scale, offset, cache.dtype).float().reshape(hkv, -1, d)
+        open_part = stage[0][:, run.staging_slot, : n % bs].float()
+        parts.append(torch.cat([full, open_part], dim=1))
+    return parts[0], parts[1]
+
+
+def reference_attention(
+    cache: KVPool, q: torch.Tensor, batch: StepBatch, scale: float
+) -> torch.Tensor:
+    """Causal attention in fp32 of the packed queries q [T, H, D] over each request's context
+    in the pool, GQA by folding the G heads of a KV head: plain torch, no backend involved."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    row = 0
+    for run in batch.runs:  # packed order
+        k, v = _context_fp32(cache, run)  # [Hkv, ctx, D]
+        hkv, n_q, d = k.shape[0], run.q_len, q.shape[2]
+        g = q.shape[1] // hkv
+        qr = q[row : row + n_q].float().view(n_q, hkv, g, d).permute(1, 0, 2, 3)
+        scores = qr.reshape(hkv, n_q * g, d) @ k.transpose(1, 2) * scale
+        pos = (run.ctx_before + torch.arange(n_q, device=q.device)).repeat_interleave(g)
+        later = torch.arange(k.shape[1], device=q.device)[None, :] > pos[:, None]
+        probs = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
+        o = (probs @ v).view(hkv, n_q, g, d).permute(1, 0, 2, 3)
+        out[row : row + n_q] = o.reshape(n_q, hkv * g, d)
+        row += n_q
+    return out
 
 
 def compare_case(case: Case, device: str = "cpu", seed: int = 0) -> dict[str, Any]:
@@ -153,15 +180,14 @@ def compare_case(case: Case, device: str = "cpu", seed: int = 0) -> dict[str, An
         torch.randn(t, n, d, generator=gen).to(dev, dtype) for n in (h, *[case.kv_heads] * 2)
     )
     tri = TritonAttention(h, case.kv_heads, d, d**-0.5, dev, kv_splits=case.splits)
-    outs = []
-    for pool, view, backend, query in (
-        (ref_cache, Fp32Gather(ref_cache), TorchAttention(h, case.kv_heads, d, d**-0.5), q.float()),
-        (tri_cache, tri_cache, tri, q),
-    ):
-        batch = build_batch(runs, case.block_size, dev)  # the same packed order for both
-        pool.prepare(batch)
-        backend.prepare(batch)
-        outs.append(backend.forward(0, query, k, v, view, batch).float())  # type: ignore[arg-type]
+    batch = build_batch(runs, case.block_size, dev)
+    ref_cache.prepare(batch)
+    ref_cache.write(0, k, v, batch)
+    outs = [reference_attention(ref_cache, q, batch, d**-0.5).view(t, h * d)]
+    batch = build_batch(runs, case.block_size, dev)  # the same packed order, fresh metadata
+    tri_cache.prepare(batch)
+    tri.prepare(batch)
+    outs.append(tri.forward(0, q, k, v, tri_cache, batch).float())
     cache_diff = max(
         (ref_cache.tensors[n].float() - tri_cache.tensors[n].float()).abs().max().item()
         for n in ref_cache.tensors
