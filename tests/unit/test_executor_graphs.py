@@ -295,16 +295,11 @@ def interpreted_check(model_dir: str) -> dict:
     from services.executor.engine import Engine
     from services.executor.testing import teacher_forced_logits
 
-    ref = Engine(model_dir, device="cpu", block_size=8, num_device_blocks=96, num_host_blocks=2)
+    common = {"device": "cpu", "dtype": "fp32", "block_size": 8, "num_host_blocks": 2}
+    ref = Engine(model_dir, num_device_blocks=96, **common)
     options = RuntimeOptions(step_runtime="packed", graph_max_batch=8)
     packed = Engine(
-        model_dir,
-        device="cpu",
-        block_size=8,
-        attention_backend="triton",
-        num_device_blocks=96,
-        num_host_blocks=2,
-        runtime=options,
+        model_dir, attention_backend="triton", num_device_blocks=96, runtime=options, **common
     )
     prompts = [list(range(200, 230)), list(range(1000, 1009)), list(range(5000, 5017))]
     a = teacher_forced_logits(ref, prompts, [1, 7, None])
