@@ -168,3 +168,24 @@ def test_without_objectives_hybrid_keeps_sarathi_tau():
     trace = drive(s, decoders + [req("big", 3000, 2, t=0.001)])
     assert {out.token_budget for _, _, out in trace} == {512}
     assert SIMPLE.output_time(trace[-1][2]) > 0
+
+
+def test_lane_miss_limit_keeps_a_long_prompt_from_stalling_many_decodes():
+    """A long prompt's lane is longer than every decode's objective: each of them misses once.
+    `lane_max_misses` bounds that number (the goodput / iteration-attainment trade-off)."""
+
+    def first_step(**knobs):
+        s = make_sched("hybrid", cost=READS, device_blocks=4096, max_model_len=16384, **knobs)
+        now = 0.0
+        for i in range(6):
+            s.admit(req(f"d{i}", 50, 500, t=0.0, slo=Slo(tbt_s=0.05)))
+        while any(s.requests[f"d{i}"].num_output_tokens < 2 for i in range(6)):
+            now = _apply(s, s.schedule(now), now)
+        lone = READS.iteration_time(6000, 0, 6000)
+        s.admit(req("doc", 6000, 5, t=now, slo=Slo(ttft_s=lone * 1.1, tbt_s=0.05)))
+        return s.schedule(now).num_scheduled_tokens
+
+    assert first_step().get("doc") == 6000  # the whole prompt in one step: 6 decodes miss
+    assert first_step(lane_max_misses=3).get("doc", 0) < 6000  # chunked instead
+    with pytest.raises(ValueError, match="lane_max_misses"):
+        make_sched("hybrid", lane_max_misses=-1)

@@ -78,6 +78,9 @@ class HybridKnobs(SrtfKnobs):
     tile_size: int = 128
     slo_aware_budget: bool = True  # size steps with TBT objectives in time (see above)
     prefill_lane: bool = True  # a step of its own for a prompt whose TTFT it can still meet
+    # most decodes a lane may make miss their TBT objective (a long prompt's lane stalls every
+    # decode with a tighter objective than its prefill time); None: no limit
+    lane_max_misses: int | None = None
     era: bool = True
     long_prompt_tokens: int | None = None  # None: longer than the token budget
     max_long_prompts: int = 1
@@ -89,6 +92,8 @@ class HybridKnobs(SrtfKnobs):
         super().__post_init__()
         if self.preempt_level_gap is not None and self.preempt_level_gap < 1:
             raise KnobError("preempt_level_gap must be >= 1 or None")
+        if self.lane_max_misses is not None and self.lane_max_misses < 0:
+            raise KnobError("lane_max_misses must be >= 0 or None")
 
 
 @register_policy("hybrid")
@@ -302,6 +307,19 @@ class HybridPolicy(SrtfPolicy):
         cm = self.sched.cost_model
         return cm.iteration_time(p, 0, cached + p) + self.attention.coef * p * (cached + p / 2)
 
+    def _lane_misses(
+        self, b: Batch, decodes: list[Request], keep: set[str], t: float, after: float
+    ) -> int:
+        """Decodes whose next token a lane of `t` seconds would make miss its objective (a
+        kept one at the lane's end, the others after the step `after` it)."""
+        misses = 0
+        for d in decodes:
+            objective = self._objective(d)
+            if objective is not None:
+                slack = decode_slack(d, objective, b.now)
+                misses += 0 < slack < (t if d.request_id in keep else t + after)
+        return misses
+
     def _running_decodes(self) -> tuple[list[Request], float]:
         """The running decodes and the time of a step of all of them."""
         decodes = [
@@ -329,6 +347,9 @@ class HybridPolicy(SrtfPolicy):
                 keep.add(d.request_id)
                 t += cm.c_decode + cm.c_context * (d.num_computed_tokens + 1)
         if t > left:
+            return None
+        limit = self.knobs.lane_max_misses
+        if limit is not None and self._lane_misses(b, decodes, keep, t, after) > limit:
             return None
         if (
             bm.num_new_blocks(req, p) + self.watermark_blocks + len(keep)
