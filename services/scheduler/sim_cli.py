@@ -65,7 +65,9 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
         help="roofline name or profile JSON from `alise executor profile`",
     )
     p.add_argument(
-        "--prediction", default="oracle", help="oracle | mean[:value=N] | noisy:sigma=S | file:PATH"
+        "--prediction",
+        default="oracle",
+        help="oracle | mean[:value=N] | prior[:value=N] | noisy:sigma=S | file:PATH",
     )
     p.add_argument("--executors", type=int, default=1, help="executors behind the scheduler")
     p.add_argument("--device-blocks", type=int, default=None, help="KV blocks per executor")

@@ -1,7 +1,10 @@
 """Output-length predictions inside the simulator, so prediction quality can be varied.
 
 Specs: `oracle` (the true length), `mean` (one constant: `mean:value=N`, default the trace's
-mean output length), `noisy:sigma=S` (true length x exp(N(0, S^2)), seeded), `file:PATH`
+mean output length), `prior` (`prior:value=N`, default 256: no prediction at all, as for a trace
+without prompt text; every request carries the constant prior that alise/hybrid assume
+without a prediction (`default_predicted_len`), so that no policy falls back on `max_tokens`,
+which the simulator sets to the true length), `noisy:sigma=S` (true length x exp(N(0, S^2)), seeded), `file:PATH`
 (lengths produced offline by the real predictor: a JSON object {id: length} or JSONL rows
 {"id": ..., "predicted_len": ...}; ids are trace sample ids or request ids).
 """
@@ -16,7 +19,8 @@ import numpy as np
 from services.workload.traces.spec import parse_spec
 from services.workload.traces.trace import TraceItem
 
-KINDS = ("oracle", "mean", "noisy", "file")
+KINDS = ("oracle", "mean", "prior", "noisy", "file")
+PRIOR_LEN = 256  # SrtfKnobs.default_predicted_len: what alise/hybrid assume without a prediction
 
 
 def _load_file(path: str) -> dict[str, int]:
@@ -67,6 +71,9 @@ def predict_lengths(
     if kind == "mean" and set(opts) <= {"value"}:
         value = float(opts.get("value", true.mean() if len(true) else 1))
         return [max(1, round(value))] * len(items), "prior"
+    if kind == "prior" and set(opts) <= {"value"}:
+        value = int(opts.get("value", PRIOR_LEN))
+        return [max(1, value)] * len(items), "prior"
     if kind == "noisy" and set(opts) <= {"sigma"}:
         sigma = float(opts.get("sigma", 0.5))
         if sigma < 0:
@@ -76,5 +83,6 @@ def predict_lengths(
     if kind == "file" and "path" in opts:
         return _from_file(items, _load_file(opts["path"]), opts["path"]), "file"
     raise ValueError(
-        f"bad prediction spec {spec!r}: oracle | mean[:value=N] | noisy:sigma=S | file:PATH"
+        f"bad prediction spec {spec!r}: oracle | mean[:value=N] | prior[:value=N] | "
+        "noisy:sigma=S | file:PATH"
     )

@@ -6,12 +6,24 @@ Where the papers disagree, the choice made here:
  * Running decodes are never skipped for priority (Sarathi-Serve), unlike ALISE's
    iteration-level preemption and AccelGen's slack-delayed decodes: smooth TBT is the
    objective we refuse to trade. Priority decides admission, chunk order and eviction instead.
+   The one exception is bounded by the objective itself: a decode with its own TBT objective
+   may sit out one step when its next token still meets that objective (the prefill lane).
  * Token budget: Sarathi's static tau (token_budget, or from tbt_slo_s via the cost model,
-   rounded to tile_size); when running requests carry tighter TBT objectives, the step's budget
-   shrinks to what the cost model says fits the tightest one with the decodes actually
-   scheduled (AccelGen's S_b idea, computed from the real batch instead of the pivot).
+   rounded to tile_size) for steps whose decodes carry no TBT objective. When they do (a
+   request's own `tbt_s`, or `tbt_slo_s` for every request), the step is sized in time, not
+   tokens (`slo_aware_budget`): its length is the tightest time any of its decodes has left
+   before its next token misses its objective (AccelGen's S_b idea, computed from the real
+   batch instead of the pivot), and a prefill chunk is charged the reads of its own context and
+   the attention term the linear cost model lacks, fitted online from measured step times
+   (steptime.py). A decode whose token is already late no longer bounds the step, and tau does
+   not cap a step whose decodes all carry objectives: with many decodes a fixed token count
+   overruns the objective, with few it leaves throughput unused.
+ * Prefill lane (`prefill_lane`): a waiting prompt whose TTFT objective a step of its own can
+   still meet runs whole in such a step, with only the decodes that cannot sit it out (no
+   objective, or too little slack for this step and the next). A TTFT objective near the
+   prompt's lone prefill time cannot be met in a step shared with decodes and other chunks.
  * Order of new work: requests whose TTFT objective is about to be missed (AccelGen urgency,
-   T_r <= T_max) first, then ALISE levels (aging, demotion with doubling) ranked by predicted
+   T_r <= T_max) first, before the chunks of prompts already started, then ALISE levels (aging, demotion with doubling) ranked by predicted
    remaining time x predicted length (`rank="normalized"`, Smith's rule for mean normalized
    latency: under load a short answer no longer waits behind a long one whose prompt happens
    to be shorter). Inside one level (like AccelGen's gamma window) the request nearest in
@@ -35,6 +47,12 @@ from services.scheduler.core.policies.alise import Rank, SrtfKnobs, SrtfPolicy
 from services.scheduler.core.policies.base import KnobError, register_policy
 from services.scheduler.core.policies.multires import Veto, select_nearest
 from services.scheduler.core.policies.sarathi import sarathi_budget
+from services.scheduler.core.policies.steptime import (
+    AttentionFit,
+    chunk_time,
+    chunk_tokens,
+    decode_slack,
+)
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -54,9 +72,15 @@ class HybridKnobs(SrtfKnobs):
     rank: Rank = "normalized"
     num_queues: int = 16  # normalized keys span a wider range than times
     token_budget: int | None = None  # Sarathi tau; None: from tbt_slo_s, else 512
+    # the TBT objective of every request (the operator's P99 TBT target): each step is sized
+    # in time to meet it; with slo_aware_budget=False only tau is derived from it, statically
     tbt_slo_s: float | None = None
     tile_size: int = 128
-    slo_aware_budget: bool = True  # shrink the step budget to the tightest TBT objective
+    slo_aware_budget: bool = True  # size steps with TBT objectives in time (see above)
+    prefill_lane: bool = True  # a step of its own for a prompt whose TTFT it can still meet
+    # most decodes a lane may make miss their TBT objective (a long prompt's lane stalls every
+    # decode with a tighter objective than its prefill time); None: no limit
+    lane_max_misses: int | None = None
     era: bool = True
     long_prompt_tokens: int | None = None  # None: longer than the token budget
     max_long_prompts: int = 1
@@ -68,6 +92,8 @@ class HybridKnobs(SrtfKnobs):
         super().__post_init__()
         if self.preempt_level_gap is not None and self.preempt_level_gap < 1:
             raise KnobError("preempt_level_gap must be >= 1 or None")
+        if self.lane_max_misses is not None and self.lane_max_misses < 0:
+            raise KnobError("lane_max_misses must be >= 0 or None")
 
 
 @register_policy("hybrid")
@@ -85,6 +111,10 @@ class HybridPolicy(SrtfPolicy):
     ttft_heap: list[tuple[float, str]]  # (TTFT deadline, request) of those not started
     long_inflight: set[str]  # long prompts being prefilled (ERA)
     recent: deque[float]  # durations of the last steps (T_max)
+    attention: AttentionFit  # the prefill attention term, fitted from step times
+    _timed: bool  # this step's budget is a time (chunks are charged their context)
+    _pairs: float  # attention pairs of the step in flight
+    _last_decode_step: float  # cost-model time of the last step's decodes alone
 
     def step_budget(self, sched: Scheduler) -> int:
         k = self.knobs
@@ -96,6 +126,8 @@ class HybridPolicy(SrtfPolicy):
         self.ttft_heap = []
         self.long_inflight = set()
         self.recent = deque(maxlen=self.knobs.t_max_window)
+        self.attention = AttentionFit()
+        self._timed, self._pairs, self._last_decode_step = False, 0.0, 0.0
 
     # -- lifecycle --------------------------------------------------------------------------
     def on_add(self, req: Request, now: float) -> None:
@@ -115,8 +147,10 @@ class HybridPolicy(SrtfPolicy):
         self.long_inflight.discard(req.request_id)
 
     def update(self, result: AppliedStep, now: float) -> None:
-        cost = self.sched.cost_model
-        self.recent.append(result.outcome.elapsed_s or cost.output_time(result.output))
+        cost, elapsed = self.sched.cost_model, result.outcome.elapsed_s
+        self.recent.append(elapsed or cost.output_time(result.output))
+        if elapsed:
+            self.attention.observe(elapsed, cost.output_time(result.output), self._pairs)
         super().update(result, now)
         reqs = self.sched.requests
         for rid in list(self.long_inflight):
@@ -128,37 +162,201 @@ class HybridPolicy(SrtfPolicy):
         self._age(now)
         b = self.sched.new_batch(now, self.budget)
         self._chosen, self._victims = [], None
-        self._decodes(b)
-        self._ongoing_prefills(b)
-        if not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs:
-            urgent = self._urgent(now)
-            self._admit(b, urgent[: self.knobs.max_window])
-            for req in urgent:
-                if req.request_id not in b.scheduled and req.status is not RUNNING:
-                    self._push_ttft(req)
-            self._admit(b, None)
+        if not self._decodes(b):
+            if self._room(b):  # requests whose TTFT objective is due go before started chunks
+                urgent = self._urgent(now)
+                self._admit(b, urgent[: self.knobs.max_window])
+                for req in urgent:
+                    if req.request_id not in b.scheduled and req.status is not RUNNING:
+                        self._push_ttft(req)
+            self._ongoing_prefills(b)
+            if self._room(b):
+                self._admit(b, None)
         self._rebalance(b)
         self._track_waits(b, now)
+        self._pairs = AttentionFit.pairs(b.scheduled, self.sched.requests)
         return b.finish()
 
-    def _decodes(self, b: Batch) -> None:
+    def _room(self, b: Batch) -> bool:
+        return not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs
+
+    def _decodes(self, b: Batch) -> bool:
         """Every running decode (Sarathi: never skipped for priority), evicting by EWT when
-        KV runs out; then the step's budget shrinks to the tightest TBT objective."""
+        KV runs out; then the step's budget (`_slo_budget`). With a prefill lane, only the
+        decodes that cannot sit it out, then the lane's prompt: returns True (step closed)."""
+        lane = self._lane(b)
+        context = self._schedule_decodes(b, None if lane is None else lane[1])
+        if lane is None:  # the lane's estimate of the step after it, for the next step
+            self._last_decode_step = self.sched.cost_model.iteration_time(
+                0, len(b.scheduled), context
+            )
+        if lane is not None:
+            req = lane[0]
+            if b.schedule(req, req.num_uncomputed_tokens, self.watermark_blocks):
+                b.token_budget = b.num_tokens
+                return True
+            context += self._schedule_decodes(b, None)  # no room after all: a normal step
+        self._slo_budget(b, context)
+        return False
+
+    def _schedule_decodes(self, b: Batch, only: set[str] | None) -> int:
+        """Schedule the running decodes (those in `only`, when given); returns their context."""
         context, seqs, budget, scheduled = 0, self.seqs, self.budget, b.scheduled
         for req in list(self.sched.running.values()):
             if req.status is not RUNNING or req.num_uncomputed_tokens != 1:
+                continue
+            if req.request_id in scheduled or (only is not None and req.request_id not in only):
                 continue
             if len(scheduled) >= seqs or b.num_tokens >= budget:
                 break
             while not b.schedule(req, 1):
                 if not self._evict_one(b, req):
                     break
-            context += req.num_computed_tokens
-        if self.knobs.slo_aware_budget and self.tbt:
-            tight = self.sched.cost_model.token_budget(
-                min(self.tbt.values()), self.knobs.tile_size, b.num_tokens, context, self.budget
-            )
-            b.token_budget = max(b.num_tokens, min(self.budget, tight))
+            if req.request_id in scheduled:
+                context += req.num_computed_tokens
+        return context
+
+    def _objective(self, req: Request) -> float | None:
+        """The TBT objective a decode of `req` carries: its own, `tbt_slo_s`, the tighter."""
+        own, default = self.tbt.get(req.request_id), self.knobs.tbt_slo_s
+        if own is None or default is None:
+            return own if own is not None else default
+        return min(own, default)
+
+    def _tightest_slack(self, b: Batch) -> tuple[float | None, bool]:
+        """(least time any scheduled decode has left before its next token misses its TBT
+        objective, ignoring late ones; whether every one of them has an objective)."""
+        tbt, default, reqs, now = self.tbt, self.knobs.tbt_slo_s, self.sched.requests, b.now
+        tight, covered = None, True
+        for rid in b.scheduled:  # the hot loop of a step: `_objective` and `decode_slack` inline
+            own = tbt.get(rid)
+            objective = own if default is None or (own is not None and own < default) else default
+            if objective is None:
+                covered = False
+                continue
+            times = reqs[rid].token_times
+            left = (times[-1] if times else now) + objective - now
+            if left > 0 and (tight is None or left < tight):
+                tight = left
+        return tight, covered
+
+    def _slo_budget(self, b: Batch, context: int) -> None:
+        """Size the step in time when its decodes carry TBT objectives: the tokens that fit
+        the least time any of them has left (late ones no longer count), capped by tau only
+        when some decode carries none; without decodes, `tbt_slo_s` when set."""
+        self._timed = False
+        k = self.knobs
+        if not k.slo_aware_budget or not (self.tbt or k.tbt_slo_s):
+            return
+        tight, covered = self._tightest_slack(b)
+        if tight is None and not b.scheduled:
+            tight = k.tbt_slo_s
+        if tight is None:
+            return
+        cap = 1 << 16 if covered else self.budget
+        cm = self.sched.cost_model
+        n = cm.token_budget(tight, 1, b.num_tokens, context, cap)
+        room = n - b.num_tokens
+        if room > 0 and self.attention.coef > 0:  # a new prompt's first chunk attends itself
+            u = cm.c_prefill + cm.c_context
+            n = b.num_tokens + chunk_tokens(cm, self.attention.coef, room * u, 0, room)
+        if n >= k.tile_size:
+            n -= n % k.tile_size
+        b.token_budget = max(b.num_tokens, n)
+        self._timed = True
+
+    def _lane(self, b: Batch) -> tuple[Request, set[str]] | None:
+        """The waiting prompt with the earliest TTFT deadline (among `max_window`) that needs a
+        step of its own and can meet its objective in one, and the decodes that must share it.
+        It needs one when a step shared with every decode would end too late, or when it is
+        longer than tau (chunks over several shared steps); longer than tau, only when every
+        running decode has an objective to bound the stall (the others keep Sarathi's)."""
+        self._drop_missed(b.now)
+        if not self.knobs.prefill_lane or not self.ttft_heap:
+            return None
+        heap, reqs, now = self.ttft_heap, self.sched.requests, b.now
+        seen: list[tuple[float, str]] = []
+        found: tuple[Request, set[str]] | None = None
+        decodes: list[Request] | None = None
+        # every request has a TBT objective (the running decodes among them)
+        bounded = self.knobs.tbt_slo_s is not None or len(self.tbt) >= len(self.q)
+        after = self._last_decode_step
+        while heap and len(seen) < self.knobs.max_window and found is None:
+            deadline, rid = heapq.heappop(heap)
+            seen.append((deadline, rid))
+            req = reqs.get(rid)
+            if req is None or req.status is not WAITING:
+                continue
+            long = req.num_uncomputed_tokens > self.budget
+            if long and not bounded:
+                continue
+            if not long and self._lone_time(req) + after <= deadline - now:
+                continue  # a shared step meets it
+            if decodes is None:
+                decodes, after = self._running_decodes()
+            keep = self._lane_decodes(b, req, deadline - now, decodes, after)
+            if keep is not None:
+                found = (req, keep)
+        for entry in seen:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _lone_time(self, req: Request) -> float:
+        """The step time of `req`'s whole remaining prefill alone."""
+        p, cached = req.num_uncomputed_tokens, req.num_computed_tokens
+        cm = self.sched.cost_model
+        return cm.iteration_time(p, 0, cached + p) + self.attention.coef * p * (cached + p / 2)
+
+    def _lane_misses(
+        self, b: Batch, decodes: list[Request], keep: set[str], t: float, after: float
+    ) -> int:
+        """Decodes whose next token a lane of `t` seconds would make miss its objective (a
+        kept one at the lane's end, the others after the step `after` it)."""
+        misses = 0
+        for d in decodes:
+            objective = self._objective(d)
+            if objective is not None:
+                slack = decode_slack(d, objective, b.now)
+                misses += 0 < slack < (t if d.request_id in keep else t + after)
+        return misses
+
+    def _running_decodes(self) -> tuple[list[Request], float]:
+        """The running decodes and the time of a step of all of them."""
+        decodes = [
+            r
+            for r in self.sched.running.values()
+            if r.status is RUNNING and r.num_uncomputed_tokens == 1
+        ]
+        context = sum(r.num_computed_tokens for r in decodes)
+        return decodes, self.sched.cost_model.iteration_time(0, len(decodes), context)
+
+    def _lane_decodes(
+        self, b: Batch, req: Request, left: float, decodes: list[Request], after: float
+    ) -> set[str] | None:
+        """Decodes that cannot sit out `req`'s own step (no objective, or too little slack for
+        it and the step `after` it), or None when that step would miss `left` or KV lacks."""
+        cm, bm = self.sched.cost_model, self.sched.block_manager
+        p, t = req.num_uncomputed_tokens, self._lone_time(req)
+        if t > left:
+            return None
+        keep: set[str] = set()
+        for d in decodes:
+            objective = self._objective(d)
+            slack = 0.0 if objective is None else decode_slack(d, objective, b.now)
+            if objective is None or 0 < slack < t + after:
+                keep.add(d.request_id)
+                t += cm.c_decode + cm.c_context * (d.num_computed_tokens + 1)
+        if t > left:
+            return None
+        limit = self.knobs.lane_max_misses
+        if limit is not None and self._lane_misses(b, decodes, keep, t, after) > limit:
+            return None
+        if (
+            bm.num_new_blocks(req, p) + self.watermark_blocks + len(keep)
+            > bm.num_free_device_blocks
+        ):
+            return None
+        return keep
 
     def _ongoing_prefills(self, b: Batch) -> None:
         level = self.q.level_of
@@ -170,11 +368,24 @@ class HybridPolicy(SrtfPolicy):
         ongoing.sort(key=lambda r: level.get(r.request_id, 0))
         for req in ongoing:
             n = min(req.num_uncomputed_tokens, b.tokens_left)
+            if self._timed:
+                n = self._timed_chunk(b, req, n)
             if n < 1 or b.num_seqs >= self.seqs:
                 break
             while req.status is RUNNING and not b.schedule(req, n):
                 if not self._evict_one(b, req):
                     break
+
+    def _timed_chunk(self, b: Batch, req: Request, n: int) -> int:
+        """In a step sized in time: the chunk of `req` whose context reads and attention fit
+        what is left, the budget lowered by what they cost beyond its tokens."""
+        cm, coef, c = self.sched.cost_model, self.attention.coef, req.num_computed_tokens
+        u = cm.c_prefill + cm.c_context
+        m = chunk_tokens(cm, coef, b.tokens_left * u, c, n)
+        if m >= 1 and b.token_budget is not None:
+            extra = int(chunk_time(cm, coef, c, m) / u + 0.999)
+            b.token_budget = max(b.num_tokens + m, b.token_budget - extra)
+        return m
 
     def _evict_one(self, b: Batch, req: Request) -> bool:
         """Swap out the resident, unscheduled request with the highest EWT (maybe `req`)."""
@@ -192,9 +403,18 @@ class HybridPolicy(SrtfPolicy):
         self.long_inflight.discard(req.request_id)
         b.preempt(req, self.knobs.evict_mode)
 
+    def _drop_missed(self, now: float) -> None:
+        """Forget TTFT objectives already missed: such a request no longer jumps the queue
+        (EDF over missed deadlines serves the oldest first and makes every later one miss
+        too, the domino effect under overload); the levels order it like any other."""
+        heap = self.ttft_heap
+        while heap and heap[0][0] <= now:
+            heapq.heappop(heap)
+
     def _urgent(self, now: float) -> list[Request]:
         """Waiting requests whose TTFT objective needs them in this iteration."""
         t_max = max(self.recent) if self.recent else 0.0
+        self._drop_missed(now)
         heap, reqs = self.ttft_heap, self.sched.requests
         out: list[Request] = []
         while (

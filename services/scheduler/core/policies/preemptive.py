@@ -79,7 +79,7 @@ class PreemptivePolicy(Policy):
     boost: dict[str, int]  # levels gained by aging (kept until it finishes)
     rem: dict[str, float]  # predicted remaining seconds per request
     level_rem: list[float]  # their sum per level (for EWT, eq. 6)
-    prev: set[str]  # requests scheduled in the previous step
+    prev: dict[str, None]  # requests scheduled in the previous step, in batch order
     _booked: dict[str, tuple[int, float]]  # (level, rem) counted in level_rem
     _res_seq: dict[str, int]  # order of becoming resident (= sched.running)
     _res_count: int
@@ -100,7 +100,7 @@ class PreemptivePolicy(Policy):
         self._booked = {}
         self._res_seq = {}
         self._res_count = 0
-        self.prev = set()
+        self.prev = {}
 
     # -- per-policy hooks -------------------------------------------------------------------
     def step_budget(self, sched: Scheduler) -> int:
@@ -147,7 +147,7 @@ class PreemptivePolicy(Policy):
         self.aging.stop(rid)
         self.boost.pop(rid, None)
         self.rem.pop(rid, None)
-        self.prev.discard(rid)
+        self.prev.pop(rid, None)
 
     def update(self, result: AppliedStep, now: float) -> None:
         reqs = self.sched.requests
@@ -317,11 +317,12 @@ class PreemptivePolicy(Policy):
                     uploads -= b.swap_in(req)
 
     def _track_waits(self, b: Batch, now: float) -> None:
-        cur, prev = b.scheduled.keys(), self.prev
+        cur, prev = b.scheduled, self.prev
         aging = self.aging
-        for rid in prev - cur:
-            if rid in self.q:
+        for rid in prev:  # in batch order, not set order: aging ties break by start order
+            if rid not in cur and rid in self.q:
                 aging.start(rid, now)
-        for rid in cur - prev:  # the others stopped when they ran last step
-            aging.stop(rid)
-        self.prev = set(cur)
+        for rid in cur:
+            if rid not in prev:  # the others stopped when they ran last step
+                aging.stop(rid)
+        self.prev = dict.fromkeys(cur)

@@ -1,0 +1,74 @@
+"""Step-time arithmetic for `hybrid`'s SLO-driven steps.
+
+* `AttentionFit`: the seconds per (prefill token, attended token) pair that the linear cost
+  model leaves out (the O(n^2) attention of a chunk over its prompt so far), fitted online by
+  least squares through the origin of each step's residual (measured minus the cost model's
+  time) against its pairs, with exponential forgetting. It stays at 0 where the model is right
+  (short prompts, a roofline clock without the attention term).
+* `chunk_tokens`: the largest chunk of one prompt whose time (per-token cost, the reads of its
+  own context, the fitted attention) fits what is left of a step's time.
+* `decode_slack`: how long a decode's next token may still take before it misses its TBT
+  objective (the objective counts from its previous token, so a decode that sat out a step has
+  less left).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from services.scheduler.core.cost_model import CostModel
+    from services.scheduler.core.request import Request
+
+
+class AttentionFit:
+    def __init__(self, decay: float = 0.99) -> None:
+        self.coef = 0.0  # seconds per (prefill token, attended token) pair
+        self.decay = decay
+        self._sxy = 0.0
+        self._sxx = 0.0
+
+    @staticmethod
+    def pairs(scheduled: Mapping[str, int], requests: Mapping[str, Request]) -> float:
+        """(token, attended token) pairs of the prefill chunks of a step about to run."""
+        total = 0.0
+        for rid, n in scheduled.items():
+            if n > 1:
+                total += n * (requests[rid].num_computed_tokens + (n + 1) / 2)
+        return total
+
+    def observe(self, elapsed_s: float, model_s: float, pairs: float) -> None:
+        if pairs <= 0:
+            return
+        d = self.decay
+        self._sxy = d * self._sxy + (elapsed_s - model_s) * pairs
+        self._sxx = d * self._sxx + pairs * pairs
+        self.coef = max(0.0, self._sxy / self._sxx)
+
+
+def chunk_tokens(cost: CostModel, coef: float, time_left: float, context: int, n: int) -> int:
+    """Largest m <= n tokens of a prompt with `context` tokens computed whose chunk costs at
+    most `time_left`: m (c_prefill + c_context) + c_context context + coef m (context + m/2)."""
+    u = cost.c_prefill + cost.c_context
+    t = time_left - cost.c_context * context
+    if t <= 0 or n < 1:
+        return 0
+    qa, qb = coef / 2, u + coef * context
+    if qa <= 0:
+        m = int(t / qb) if qb > 0 else n
+    else:  # the positive root of qa m^2 + qb m - t, in the form without cancellation
+        m = int(2 * t / (qb + (qb * qb + 4 * qa * t) ** 0.5))
+    return min(n, m)
+
+
+def chunk_time(cost: CostModel, coef: float, context: int, m: int) -> float:
+    """What `chunk_tokens` charges for a chunk of m tokens beyond m (c_prefill + c_context)."""
+    return cost.c_context * context + coef * m * (context + m / 2)
+
+
+def decode_slack(req: Request, tbt_s: float, now: float) -> float:
+    """Seconds left before `req`'s next token misses its TBT objective (negative: missed)."""
+    last = req.token_times[-1] if req.token_times else now
+    return last + tbt_s - now
