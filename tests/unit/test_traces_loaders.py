@@ -27,11 +27,11 @@ FIX = Path(__file__).parents[1] / "fixtures" / "traces"
 def test_azure_csv_parses_dates_sorts_and_drops_zero_outputs():
     t = load_csv(FIX / "azure_small.csv")
     assert t.format == "azure" and t.dropped == 1
-    assert [s.prompt_len for s in t.shapes] == [374, 1200, 396, 25]  # sorted by time
-    assert [s.output_len for s in t.shapes] == [44, 12, 109, 300]
-    base = datetime(2023, 11, 16, 18, 15, 46, 680590).timestamp()
+    assert [s.prompt_len for s in t.shapes] == [350, 1200, 410, 25]  # sorted by time
+    assert [s.output_len for s in t.shapes] == [40, 12, 100, 300]
+    base = datetime(2024, 2, 3, 9, 0, 1, 250000).timestamp()
     assert t.timestamps[0] == pytest.approx(base)
-    assert t.timestamps[-1] - t.timestamps[0] == pytest.approx(10.01941, abs=1e-5)
+    assert t.timestamps[-1] - t.timestamps[0] == pytest.approx(10.01, abs=1e-5)
 
 
 def test_burstgpt_csv_keeps_ties_in_file_order():
@@ -39,10 +39,10 @@ def test_burstgpt_csv_keeps_ties_in_file_order():
     assert t.format == "burstgpt" and t.dropped == 1
     assert t.timestamps == [5.0, 118.0, 118.0, 204.0]
     assert [(s.prompt_len, s.output_len) for s in t.shapes] == [
-        (472, 18),
-        (417, 276),
-        (1360, 348),
-        (29, 95),
+        (500, 20),
+        (400, 280),
+        (1300, 350),
+        (30, 90),
     ]
 
 
@@ -136,7 +136,7 @@ def test_make_trace_from_specs():
     assert 3 / items[-1].arrival_s == pytest.approx(3.0)
     assert all(i.slo.tbt_s == 0.1 for i in items)
     pois = make_trace(f"csv:{FIX / 'azure_small.csv'}", None, rate=2.0, arrival="poisson")
-    assert [i.prompt_len for i in pois] == [374, 1200, 396, 25]
+    assert [i.prompt_len for i in pois] == [350, 1200, 410, 25]
     with pytest.raises(ValueError, match="unknown option"):
         make_trace(f"csv:{FIX / 'azure_small.csv'}", None, 1.0, slo="uniform:tbd=3")
     with pytest.raises(ValueError, match="unknown workload"):
