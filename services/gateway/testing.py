@@ -190,6 +190,9 @@ class ProcessStack:
                 "ALISE_LOG_LEVEL": "WARNING",
                 "ALISE_KV_MEMORY_GB": "0.25",
                 "ALISE_SWAP_MEMORY_GB": "0.1",
+                # answers are compared with undisturbed runs: fp32, which recomputes bit for
+                # bit on a CPU (bf16, `auto`'s choice where it is faster, does not)
+                "ALISE_DTYPE": "fp32",
                 **self.extra_env,
             }
         )
@@ -313,6 +316,7 @@ def inprocess_backend(
                     "model": str(model_dir),
                     "executor_port": 0,
                     "device": "cpu",
+                    "dtype": "fp32",  # exact comparisons across recomputes (see ProcessStack)
                     "kv_memory_gb": 0.05,
                     "swap_memory_gb": 0.02,
                     "data_dir": run_dir,

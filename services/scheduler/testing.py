@@ -129,9 +129,12 @@ async def start_tiny_executor(
     block_size: int = 16,
     port: int = 0,
     registry_url: str | None = None,
+    dtype: str = "fp32",
 ):
     """A real executor gRPC server on loopback serving the model in `model_dir` on CPU
-    (registered in the executor registry at `registry_url` when given)."""
+    (registered in the executor registry at `registry_url` when given). fp32 by default:
+    tests compare token streams across recomputes and failovers, which bf16 on a CPU (not
+    batch-invariant) does not keep bit for bit."""
     import asyncio
 
     from services.common.settings import ExecutorSettings
@@ -142,6 +145,7 @@ async def start_tiny_executor(
         Engine,
         model_dir,
         device="cpu",
+        dtype=dtype,
         block_size=block_size,
         num_device_blocks=num_device_blocks,
         num_host_blocks=num_host_blocks,
