@@ -291,6 +291,16 @@ class Stack(Backend):
     url: str  # the gateway's base URL
 
 
+# In-process executors: small pools, and fp32, exact across recomputes (see ProcessStack)
+TEST_EXECUTOR: dict[str, object] = {
+    "executor_port": 0,
+    "device": "cpu",
+    "dtype": "fp32",
+    "kv_memory_gb": 0.05,
+    "swap_memory_gb": 0.02,
+}
+
+
 @contextmanager
 def inprocess_backend(
     run_dir: Path,
@@ -311,18 +321,8 @@ def inprocess_backend(
         if model_dir is not None:
             from services.executor.server import start_executor
 
-            settings = ExecutorSettings(
-                **{
-                    "model": str(model_dir),
-                    "executor_port": 0,
-                    "device": "cpu",
-                    "dtype": "fp32",  # exact comparisons across recomputes (see ProcessStack)
-                    "kv_memory_gb": 0.05,
-                    "swap_memory_gb": 0.02,
-                    "data_dir": run_dir,
-                    **(executor_kw or {}),
-                }
-            )
+            given = {"model": str(model_dir), "data_dir": run_dir, **(executor_kw or {})}
+            settings = ExecutorSettings(**{**TEST_EXECUTOR, **given})
             executor = loop.run(start_executor(settings))
             executors = [f"127.0.0.1:{executor.port}"]
         else:
