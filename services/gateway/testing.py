@@ -117,7 +117,12 @@ class ProcessStack:
                 ServiceSpec(
                     f"executor-{i}",
                     ("executor", "serve"),
-                    {"ALISE_EXECUTOR_PORT": str(port), "ALISE_DEVICE": "cpu"},
+                    # fp32: the tests compare tokens across batchings (recovery, failover)
+                    {
+                        "ALISE_EXECUTOR_PORT": str(port),
+                        "ALISE_DEVICE": "cpu",
+                        "ALISE_DTYPE": "fp32",
+                    },
                     ("grpc", self.executor_addresses[-1]),
                 )
             )
@@ -313,6 +318,7 @@ def inprocess_backend(
                     "model": str(model_dir),
                     "executor_port": 0,
                     "device": "cpu",
+                    "dtype": "fp32",  # tests compare tokens across batchings: fp32 keeps them
                     "kv_memory_gb": 0.05,
                     "swap_memory_gb": 0.02,
                     "data_dir": run_dir,

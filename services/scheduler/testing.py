@@ -130,8 +130,10 @@ async def start_tiny_executor(
     port: int = 0,
     registry_url: str | None = None,
 ):
-    """A real executor gRPC server on loopback serving the model in `model_dir` on CPU
-    (registered in the executor registry at `registry_url` when given)."""
+    """A real executor gRPC server on loopback serving the model in `model_dir` on CPU in fp32
+    (registered in the executor registry at `registry_url` when given). fp32, not `auto`:
+    the tests compare a request's tokens across different batchings (recompute, failover,
+    restart), which tiny random models keep only in fp32; bf16 rounds differently per batch."""
     import asyncio
 
     from services.common.settings import ExecutorSettings
@@ -142,6 +144,7 @@ async def start_tiny_executor(
         Engine,
         model_dir,
         device="cpu",
+        dtype="fp32",
         block_size=block_size,
         num_device_blocks=num_device_blocks,
         num_host_blocks=num_host_blocks,
@@ -151,6 +154,7 @@ async def start_tiny_executor(
         executor_host="127.0.0.1",
         executor_port=port,
         device="cpu",
+        dtype="fp32",
         block_size=block_size,
         registry_url=registry_url,
     )

@@ -97,7 +97,9 @@ async def test_executor_failures_recompute_elsewhere(redis_server, tiny_model):
                 await ex.stop()
     from services.executor.engine import Engine
 
-    engine = Engine(tiny_model, device="cpu", num_device_blocks=256, num_host_blocks=64)
+    engine = Engine(
+        tiny_model, device="cpu", dtype="fp32", num_device_blocks=256, num_host_blocks=64
+    )
     pbs = first + second
     ref = reference_run(
         engine,
