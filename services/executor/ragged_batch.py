@@ -9,7 +9,7 @@ the group's longest context.
 Padding is work: 52 decodes with 9,000 context tokens in all but one of 640 read 33,000 keys
 per layer in one group. So each kind is split into groups of similar context length, choosing
 the split that minimises padded query-key pairs plus a fixed cost per extra group
-(`group_cost`, in query-key pairs: what one more attention call costs, ~128 keys on CPU).
+(`group_cost`, in query-key pairs: what one more attention group costs, ~1024 on CPU).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def split_by_context(
 
 
 def build_batch(
-    runs: list[TokenRun], block_size: int, device: torch.device, group_cost: int | None = 128
+    runs: list[TokenRun], block_size: int, device: torch.device, group_cost: int | None = 1024
 ) -> StepBatch:
     """Order decodes first, then prefill chunks (each kind split into groups of similar
     context; `group_cost=None`: one group per kind), and precompute every index tensor."""

@@ -155,6 +155,7 @@ async def start_tiny_executor(
         executor_host="127.0.0.1",
         executor_port=port,
         device="cpu",
+        dtype="fp32",
         block_size=block_size,
         registry_url=registry_url,
     )

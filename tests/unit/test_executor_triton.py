@@ -109,7 +109,7 @@ def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
     triton, reference = (make_attention(spec, "auto", torch.device(d)) for d in ("cuda", "cpu"))
     assert (triton.name, reference.name) == ("triton", "torch")
     # ragged kernels pad nothing, so only the torch backend splits batches by context
-    assert triton.group_cost is None and reference.group_cost == 128
+    assert triton.group_cost is None and reference.group_cost == 1024
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         make_attention(spec, "triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown attention backend"):
