@@ -79,7 +79,9 @@ class ExecutorSettings(CommonSettings):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present.")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="Weight/activation dtype (auto = fp32 on CPU, bf16 on GPU)."
+        "auto",
+        description="Weight/activation dtype (auto = bf16 on GPU and on CPUs with native bf16, "
+        "avx512_bf16 or amx_bf16; fp32 on other CPUs).",
     )
     kv_dtype: Literal["auto", "int8"] = Field("auto", description="KV cache dtype.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
