@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.ragged_batch import Group, StepBatch
+from services.executor.ragged_batch import StepBatch
 
 
 def block_layout(
@@ -88,15 +88,6 @@ class PagedKV:
         shape = (self.kv_heads, -1, self.head_dim)  # [Hkv, NB*bs, D]
         self.tensors["k"][layer].view(shape).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
         self.tensors["v"][layer].view(shape).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-
-    def gather(self, layer: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
-        """The group's context: K, V [Hkv, B, Lk, D] (validity in g.extra)."""
-        b, nb = g.tables.shape
-        ids = g.tables.view(-1)
-        shape = (self.kv_heads, b, nb * self.block_size, self.head_dim)
-        k = self.tensors["k"][layer].index_select(1, ids)  # [Hkv, B*NB, bs, D]
-        v = self.tensors["v"][layer].index_select(1, ids)
-        return k.view(shape), v.view(shape)
 
     # -- request lifecycle (no-ops for the full-precision pool) ---------------------------
     def open_request(self, request_id: str) -> int:
