@@ -90,8 +90,10 @@ class ExecutorSettings(CommonSettings):
     swap_compress: bool = Field(
         False, description="Store swapped-out full-precision KV blocks as INT8."
     )
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto = triton on CUDA, torch elsewhere."
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto",
+        description="auto = triton on CUDA; on CPU the compiled decode kernel (cpu) where it "
+        "builds and the head dim is 64 or 128, else torch.",
     )
     max_model_len: int = Field(0, ge=0, description="0 = the model's own maximum.")
     num_threads: int = Field(

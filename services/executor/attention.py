@@ -60,9 +60,13 @@ class TorchAttention:
             self.ws = Workspace(batch.token_ids.device)
         for g in batch.groups:
             if g.q_max == 1:
-                g.extra["bias"] = decode_bias(g.extra["key_valid"])
+                self._prepare_decodes(g)
             else:
                 g.extra["mask"] = group_mask(g, self.g)
+
+    def _prepare_decodes(self, g: Group) -> None:
+        """Per-step data of a decode group, shared by all layers: the additive key mask."""
+        g.extra["bias"] = decode_bias(g.extra["key_valid"])
 
     def forward(
         self,

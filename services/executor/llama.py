@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from services.executor import cpu_kernels
 from services.executor.config import ModelSpec
 from services.executor.lm_head import LmHead
 from services.executor.ragged_batch import StepBatch
@@ -139,8 +140,8 @@ class LlamaRunner:
         o = attn.forward(i, q, k, v, cache, batch)  # [T, H*D]
         x = x + F.linear(o, layer.o)
         h = rms_norm(x, layer.ln2, self.eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        act = cpu_kernels.silu_and_mul(F.linear(h, layer.gate_up))  # [T, 2I] -> [T, I]
+        return x + F.linear(act, layer.down)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, V]."""

@@ -58,7 +58,9 @@ class StepTimer:
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.bs = engine, engine.block_size
-        self.free = list(range(engine.num_device_blocks))
+        # popped in ascending order and returned reversed, as the scheduler's BlockManager
+        # hands blocks out: a request's blocks are consecutive, as in a fresh live pool
+        self.free = list(range(engine.num_device_blocks - 1, -1, -1))
         self.n = 0
         self._computed: dict[str, tuple[int, list[int]]] = {}
 
@@ -133,7 +135,7 @@ class StepTimer:
         if rids:
             self.engine.step(StepInput(0, free_request_ids=rids))
             for rid in rids:
-                self.free.extend(self._computed.pop(rid)[1])
+                self.free.extend(reversed(self._computed.pop(rid)[1]))
 
 
 def _grid(cfg: dict) -> list[tuple[int, int, int]]:

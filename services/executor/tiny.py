@@ -20,7 +20,7 @@ _TOKENIZER_FILES = (
 )
 
 
-def _config(arch: str, vocab: int, bos: int, eos: int):
+def _config(arch: str, vocab: int, bos: int, eos: int, head_dim: int | None = None):
     from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     common = dict(
@@ -36,6 +36,8 @@ def _config(arch: str, vocab: int, bos: int, eos: int):
     if arch == "opt":
         return OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True)
     llama_like = dict(common, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5)
+    if head_dim is not None:  # wider heads than hidden_size / heads (the CPU kernels' sizes)
+        llama_like["head_dim"] = head_dim
     if arch == "llama":
         return LlamaConfig(**llama_like, tie_word_embeddings=False, rope_theta=10000.0)
     if arch == "qwen2":
@@ -62,9 +64,14 @@ def _randomize(model, seed: int) -> None:
 
 
 def make_tiny_model(
-    path: str | Path, arch: str = "llama", seed: int = 0, data_dir: str | Path | None = None
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    data_dir: str | Path | None = None,
+    head_dim: int | None = None,
 ) -> Path:
-    """Write a tiny random-weight `arch` model (config, safetensors, tokenizer) to `path`."""
+    """Write a tiny random-weight `arch` model (config, safetensors, tokenizer) to `path`;
+    `head_dim` (Llama-like archs): heads of that size instead of hidden_size / heads = 16."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,7 +83,7 @@ def make_tiny_model(
     tok = AutoTokenizer.from_pretrained(src)
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     bos = tok.bos_token_id if tok.bos_token_id is not None else eos
-    config = _config(arch, len(tok), bos, eos)
+    config = _config(arch, len(tok), bos, eos, head_dim)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)

@@ -63,6 +63,18 @@ def test_the_running_image_can_compile_triton_kernels():
     assert env()["TRITON_CACHE_DIR"].startswith("/data/")  # a writable, persistent volume
 
 
+def test_the_running_images_can_build_the_cpu_kernels():
+    """cpu_kernels.py compiles C++ at first start and caches it on the data volume, in the
+    executor image and in the CPU image that runs CPU executors."""
+    runs = " ".join(rest for w, rest in final_stage() if w == "RUN")
+    assert "g++" in re.findall(r"apt-get install[^&]*", runs)[0].split()
+    assert env()["TORCH_EXTENSIONS_DIR"].startswith("/data/")
+    cpu = (ROOT / "docker" / "Dockerfile").read_text()
+    final = cpu[cpu.rindex("FROM ") :]
+    assert re.search(r"apt-get install[^&]*\bg\+\+", final)
+    assert "TORCH_EXTENSIONS_DIR=/data/" in final
+
+
 def test_it_runs_as_a_non_root_user_owning_its_volumes():
     stage = final_stage()
     users = [rest for w, rest in stage if w == "USER"]

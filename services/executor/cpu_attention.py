@@ -1,0 +1,56 @@
+"""Attention on CPU with the compiled paged decode kernel (cpu_kernels.py).
+
+Decode groups (one query per request) call the kernel, which reads each request's keys and
+values straight from the pool, full precision or INT8, so K is never gathered into a copy
+and nothing is padded to the group's longest context. Prefill chunks, whose many queries per
+key make them compute-bound, keep the torch path (attention.py: one SDPA call per group).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.executor import cpu_kernels
+from services.executor.attention import TorchAttention
+from services.executor.int8_kv import Int8PagedKV
+from services.executor.ragged_batch import Group
+
+if TYPE_CHECKING:
+    from services.executor.runner import KVCache
+
+HEAD_DIMS = (64, 128)  # the head sizes the kernel is built for
+
+
+def supported(head_dim: int, device: torch.device) -> bool:
+    """Whether the compiled kernels serve this model here (building them the first time)."""
+    return device.type == "cpu" and head_dim in HEAD_DIMS and cpu_kernels.load()
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu"
+
+    def _prepare_decodes(self, g: Group) -> None:
+        """The kernel reads each request's own context length: no mask to build."""
+
+    def _decode(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
+        """One query per request: [B, H*D]."""
+        b = g.size
+        qg = q[g.row_start : g.row_start + b].contiguous()  # [B, H, D]
+        if isinstance(cache, Int8PagedKV):
+            pools = {name: t[layer] for name, t in cache.tensors.items()}
+            o = cpu_kernels.paged_decode_int8(
+                qg,
+                pools,
+                cache.k_stage[layer],
+                cache.v_stage[layer],
+                g.tables,
+                g.extra["slots"],
+                g.ctx_after,
+                self.scale,
+            )
+        else:
+            k, v = cache.tensors["k"][layer], cache.tensors["v"][layer]
+            o = cpu_kernels.paged_decode(qg, k, v, g.tables, g.ctx_after, self.scale)
+        return o.view(b, self.h * self.d)

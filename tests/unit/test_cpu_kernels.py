@@ -1,0 +1,154 @@
+"""The compiled CPU decode kernel (cpu_kernels.py, csrc/paged_decode.cpp): attention read
+straight from the paged pool against plain attention over each request's own keys, and whole
+engines on the kernel against engines on the torch path, full precision and INT8 KV."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.executor import cpu_kernels
+from services.executor.config import ModelSpec
+from services.executor.runner import make_attention
+from services.executor.tiny import make_tiny_model
+
+# Built here (a C++ compiler and ninja come with `make setup`): a failed build must fail the
+# suite, not skip it. ALISE_CPU_KERNELS=off is the only way out.
+if cpu_kernels.disabled():
+    pytest.skip("compiled CPU kernels turned off (ALISE_CPU_KERNELS)", allow_module_level=True)
+
+BS = 16
+LENS = [1, 16, 17, 100, 512, 3, 64]  # one key, exactly one block, a block and one, ...
+
+
+def _reference(q, k_pool, v_pool, tables, lens, scale):
+    """Attention of q [B, H, D] over each request's first lens[b] keys, fp32."""
+    b_count, h, d = q.shape
+    hkv, bs = k_pool.shape[0], k_pool.shape[2]
+    out = torch.empty(b_count, h, d)
+    for b in range(b_count):
+        n, nb = int(lens[b]), math.ceil(int(lens[b]) / bs)
+        k = k_pool[:, tables[b, :nb]].reshape(hkv, -1, d)[:, :n].float()
+        v = v_pool[:, tables[b, :nb]].reshape(hkv, -1, d)[:, :n].float()
+        qh = q[b].view(hkv, h // hkv, d).float()
+        p = torch.softmax(qh @ k.transpose(1, 2) * scale, dim=-1)
+        out[b] = (p @ v).reshape(h, d)
+    return out
+
+
+def _case(hkv, groups, d, bs, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    nb_max = max(math.ceil(n / bs) for n in LENS)
+    num_blocks = len(LENS) * nb_max + 5
+    pools = [torch.randn(hkv, num_blocks, bs, d, generator=gen).to(dtype) for _ in range(2)]
+    # scattered blocks, some runs consecutive (the prefetch takes both branches)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = perm[: len(LENS) * nb_max].view(len(LENS), nb_max).clone()
+    tables[0] = torch.arange(nb_max)
+    q = torch.randn(len(LENS), hkv * groups, d, generator=gen).to(dtype)
+    return q, pools[0], pools[1], tables, torch.tensor(LENS)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hkv,groups", [(1, 1), (2, 3), (1, 7), (2, 8)])
+def test_kernel_matches_attention_over_each_requests_keys(d, hkv, groups):
+    assert cpu_kernels.load()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for bs in (16, 32):
+            q, k, v, tables, lens = _case(hkv, groups, d, bs, dtype)
+            out = cpu_kernels.paged_decode(q, k, v, tables, lens, d**-0.5)
+            assert out.dtype == dtype and out.shape == q.shape
+            err = (out.float() - _reference(q, k, v, tables, lens, d**-0.5)).abs().max()
+            assert err <= tol, (dtype, bs, float(err))
+
+
+def test_kernel_refuses_what_it_was_not_built_for():
+    assert cpu_kernels.load()
+    q, k, v, tables, lens = _case(1, 2, 64, BS, torch.float32)
+    with pytest.raises(RuntimeError, match="head dim 32"):
+        cpu_kernels.paged_decode(
+            q[..., :32].contiguous(),
+            k[..., :32].contiguous(),
+            v[..., :32].contiguous(),
+            tables,
+            lens,
+            1.0,
+        )
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.paged_decode(q.bfloat16(), k, v, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_kernels.paged_decode(q, k, v, tables.int(), lens, 1.0)
+
+
+def test_auto_backend_takes_the_kernel_for_its_head_sizes_only():
+    spec = dict(
+        arch="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+        max_model_len=64,
+    )
+    cpu = torch.device("cpu")
+    assert make_attention(ModelSpec(**spec, head_dim=64), "auto", cpu).name == "cpu"
+    assert make_attention(ModelSpec(**spec, head_dim=16), "auto", cpu).name == "torch"
+    with pytest.raises(ValueError, match="head dim"):
+        make_attention(ModelSpec(**spec, head_dim=16), "cpu", cpu)
+
+
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wide")
+    return {
+        (arch, d): make_tiny_model(root / f"{arch}{d}", arch, seed=3, head_dim=d)
+        for arch, d in (("llama", 64), ("qwen2", 128))
+    }
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_engine_on_the_kernel_matches_the_torch_path(wide_models, kv_dtype):
+    """Teacher-forced logits over mixed steps (prompts whole and chunked, then decodes) are
+    the same on both backends; INT8 KV reads the same codes, scales and staging blocks."""
+    from services.executor.engine import Engine
+    from services.executor.testing import teacher_forced_logits
+
+    prompts = [list(range(5, 5 + n)) for n in (37, 9, 70, 16)]
+    chunks = [8, None, 32, 1]
+    for model in wide_models.values():
+        logits = []
+        for backend in ("torch", "cpu"):
+            engine = Engine(
+                model,
+                device="cpu",
+                dtype="fp32",
+                kv_dtype=kv_dtype,
+                block_size=8,
+                num_device_blocks=48,
+                num_host_blocks=2,
+                attention_backend=backend,
+            )
+            assert engine.describe()["attention_backend"] == backend
+            logits.append(teacher_forced_logits(engine, prompts, chunks))
+            engine.close()
+        err = max(float((a - b).abs().max()) for a, b in zip(*logits, strict=True))
+        assert err < 1e-4, (model.name, kv_dtype, err)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 200])  # one row alone, a decode batch, threaded
+def test_silu_and_mul_matches_torch(rows):
+    assert cpu_kernels.load()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * 1536, generator=gen) * 4
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(cpu_kernels.silu_and_mul(x), want, rtol=1e-5, atol=1e-5)
+    got = cpu_kernels.silu_and_mul(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+    # a view that is not contiguous takes torch's path, same numbers
+    wide = torch.cat([x, x], dim=1)[:, : 2 * 1536]
+    assert torch.allclose(cpu_kernels.silu_and_mul(wide), want, rtol=1e-5, atol=1e-5)
