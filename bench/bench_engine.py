@@ -193,7 +193,7 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _engine(model_dir, args: argparse.Namespace, dtype: str):
+def _engine(model_dir, args: argparse.Namespace, dtype: str, attention_backend: str = "auto"):
     from services.executor.engine import Engine
 
     return Engine(
@@ -203,6 +203,7 @@ def _engine(model_dir, args: argparse.Namespace, dtype: str):
         kv_dtype=args.kv_dtype,
         kv_memory_gb=args.kv_memory_gb,
         num_host_blocks=1,
+        attention_backend=attention_backend,
     )
 
 
@@ -220,7 +221,7 @@ def run_ours_in(model_dir, args: argparse.Namespace, dtype: str, prompts, lens) 
         "linear_only_ms_b32": linear,
         "step_over_linear": step / linear,
     }
-    if dtype == "fp32":
+    if dtype == "fp32" and engine.attn.split_decodes:  # the torch path splits decode groups
         out["mixed_context_decode"] = mixed_context_decode_ms(engine)
     engine.close()
     return out

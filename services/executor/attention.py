@@ -49,6 +49,7 @@ class TorchAttention:
     # thread, SmolLM2 fp32 / bf16: 281-292 / 173 ms at 1024, 291-323 / 193 ms at 128,
     # 318-339 / 201 ms as one group
     group_cost: int | None = 1024
+    split_decodes = True  # decodes are padded too (False: the kernel reads each one's length)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale

@@ -306,7 +306,13 @@ class Engine:
         if self.runtime is not None and not self._reads_prompt_logits(runs):
             return self._run_device(step_id, runs, all_logits, timings, self.runtime)
         t0 = time.perf_counter()
-        batch = build_batch(runs, self.block_size, self.device, self.attention_group_cost)
+        batch = build_batch(
+            runs,
+            self.block_size,
+            self.device,
+            self.attention_group_cost,
+            self.attn.split_decodes,
+        )
         if all_logits:
             batch.logits_rows = torch.arange(batch.num_tokens, device=self.device)
         self.cache.prepare(batch)

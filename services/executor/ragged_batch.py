@@ -144,18 +144,24 @@ def split_by_context(
 
 
 def build_batch(
-    runs: list[TokenRun], block_size: int, device: torch.device, group_cost: int | None = 1024
+    runs: list[TokenRun],
+    block_size: int,
+    device: torch.device,
+    group_cost: int | None = 1024,
+    split_decodes: bool = True,
 ) -> StepBatch:
     """Order decodes first, then prefill chunks (each kind split into groups of similar
-    context; `group_cost=None`: one group per kind), and precompute every index tensor."""
+    context; `group_cost=None`: one group per kind; `split_decodes=False`: decodes in one
+    group whatever the cost), and precompute every index tensor."""
     decodes = [r for r in runs if r.q_len == 1]
     prefills = [r for r in runs if r.q_len > 1]
-    if group_cost is None:
-        parts = [g for g in (decodes, prefills) if g]
-    else:
-        parts = split_by_context(decodes, block_size, group_cost) + split_by_context(
-            prefills, block_size, group_cost
-        )
+
+    def split(kind: list[TokenRun], allowed: bool) -> list[list[TokenRun]]:
+        if group_cost is None or not allowed:
+            return [kind] if kind else []
+        return split_by_context(kind, block_size, group_cost)
+
+    parts = split(decodes, split_decodes) + split(prefills, True)
     ordered = [r for part in parts for r in part]
     tokens, positions, slots, logits_rows, sample_ids = [], [], [], [], []
     for r in ordered:

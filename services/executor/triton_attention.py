@@ -32,6 +32,7 @@ def _pow2(n: int) -> bool:
 class TritonAttention:
     name = "triton"
     group_cost: int | None = None  # ragged kernels pad nothing: one group per kind suffices
+    split_decodes = False
 
     def __init__(
         self,

@@ -152,3 +152,28 @@ def test_silu_and_mul_matches_torch(rows):
     # a view that is not contiguous takes torch's path, same numbers
     wide = torch.cat([x, x], dim=1)[:, : 2 * 1536]
     assert torch.allclose(cpu_kernels.silu_and_mul(wide), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_benchmark_runs_both_backends_side_by_side():
+    """`alise bench decode-step` on the bundled model, a tiny step: one row per backend, each
+    with a step and a linear-only time (the figures in docs/executor.md come from it)."""
+    import argparse
+
+    from bench.bench_decode_step import measure
+
+    args = argparse.Namespace(
+        threads=0,
+        dtypes="fp32",
+        kv_dtypes="auto,int8",
+        attention="torch,cpu",
+        rounds=1,
+        batch=2,
+        context=40,
+        kv_memory_gb=0.05,
+    )
+    out = measure(args)
+    got = {(r["kv_dtype"], r["attention"]) for r in out["rows"]}
+    assert got == {(kv, a) for kv in ("auto", "int8") for a in ("torch", "cpu")}
+    for r in out["rows"]:
+        assert r["step_ms"] > 0 and r["linear_only_ms"] > 0
+        assert r["step_over_linear"] == pytest.approx(r["step_ms"] / r["linear_only_ms"])

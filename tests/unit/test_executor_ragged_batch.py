@@ -82,6 +82,12 @@ def test_groups_cover_the_packed_rows_in_order():
     assert batch.sample_ids == ["b", "c", "a"]
     one = build_batch(runs, BS, torch.device("cpu"), group_cost=None)
     assert len(one.groups) == 2
+    # the compiled CPU kernel pads nothing: its decodes stay one group, chunks still split
+    split = build_batch(runs, BS, torch.device("cpu"), group_cost=0)
+    kept = build_batch(runs, BS, torch.device("cpu"), group_cost=0, split_decodes=False)
+    decode_groups = [[g for g in b.groups if g.q_max == 1] for b in (split, kept)]
+    assert len(decode_groups[0]) == 3 and len(decode_groups[1]) == 1
+    assert len(kept.groups) == 1 + len([g for g in split.groups if g.q_max > 1])
 
 
 def test_engine_split_groups_match_one_group_and_bench_restores_setting(tmp_path):
