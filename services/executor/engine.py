@@ -307,11 +307,7 @@ class Engine:
             return self._run_device(step_id, runs, all_logits, timings, self.runtime)
         t0 = time.perf_counter()
         batch = build_batch(
-            runs,
-            self.block_size,
-            self.device,
-            self.attention_group_cost,
-            self.attn.split_decodes,
+            runs, self.block_size, self.device, self.attention_group_cost, self.attn.split_decodes
         )
         if all_logits:
             batch.logits_rows = torch.arange(batch.num_tokens, device=self.device)
