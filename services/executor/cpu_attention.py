@@ -31,8 +31,8 @@ def supported(head_dim: int, device: torch.device) -> bool:
 class CpuAttention(TorchAttention):
     name = "cpu"
     # the kernel pads nothing: all decodes in one group (48 decodes of 20-600 tokens of context,
-    # fp32, 2 threads: 160 ms as one group against 168 ms split, bench/results/engine.json's
-    # mixed_context_decode); prefill chunks are still split by context (group_cost)
+    # fp32, 2 threads: 160 ms as one group against 168 ms split, mixed_context_decode in
+    # bench/results/engine_kernel_split_decodes.json); prefill chunks still split by context
     split_decodes = False
 
     def _prepare_decodes(self, g: Group) -> None:
