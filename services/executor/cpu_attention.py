@@ -8,17 +8,13 @@ key make them compute-bound, keep the torch path (attention.py: one SDPA call pe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from services.executor import cpu_kernels
 from services.executor.attention import TorchAttention
 from services.executor.int8_kv import Int8PagedKV
+from services.executor.kv_cache import PagedKV
 from services.executor.ragged_batch import Group
-
-if TYPE_CHECKING:
-    from services.executor.runner import KVCache
 
 HEAD_DIMS = (64, 128)  # the head sizes the kernel is built for
 
@@ -38,7 +34,9 @@ class CpuAttention(TorchAttention):
     def _prepare_decodes(self, g: Group) -> None:
         """The kernel reads each request's own context length: no mask to build."""
 
-    def _decode(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
+    def _decode(
+        self, layer: int, q: torch.Tensor, cache: PagedKV | Int8PagedKV, g: Group
+    ) -> torch.Tensor:
         """One query per request: [B, H*D]."""
         b = g.size
         qg = q[g.row_start : g.row_start + b].contiguous()  # [B, H, D]
