@@ -12,11 +12,13 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	# System packages some tests use (headless Chromium for the playground test, Debian's
-	# docker-compose to validate docker-compose.yml); installed when missing and we are root.
+	# docker-compose to validate docker-compose.yml, g++ for the executor's compiled CPU
+	# kernels); installed when missing and we are root.
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    { ! command -v chromium >/dev/null || ! command -v docker-compose >/dev/null; }; then \
+	    { ! command -v chromium >/dev/null || ! command -v docker-compose >/dev/null || \
+	      ! command -v g++ >/dev/null; }; then \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    chromium docker-compose >/dev/null) || echo "warning: apt-get install failed"; fi
+	    chromium docker-compose g++ >/dev/null) || echo "warning: apt-get install failed"; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) --upgrade pip setuptools wheel
 	# torch first and pinned: the CPU wheel; a loose requirement drags in CUDA packages.

@@ -181,8 +181,10 @@ void add_rows(vf* acc, int64_t groups, const T* values, int64_t n, const float* 
   }
 }
 
+// The longest context (sizes the scores scratch); a loop, not a torch op per layer.
 int64_t max_of(const at::Tensor& lens) {
-  return lens.numel() ? lens.max().item<int64_t>() : 0;
+  const int64_t* p = lens.data_ptr<int64_t>();
+  return lens.numel() ? *std::max_element(p, p + lens.numel()) : 0;
 }
 
 void check_common(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens) {
