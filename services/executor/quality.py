@@ -30,15 +30,23 @@ QUESTIONS = [
 
 def passage(tok: PreTrainedTokenizerBase, length: int = 512) -> list[int]:
     """The first ShareGPT reply with at least `length` tokens, cut to `length`."""
+    return passages(tok, 1, length)[0]
+
+
+def passages(tok: PreTrainedTokenizerBase, count: int, length: int) -> list[list[int]]:
+    """The first `count` ShareGPT replies with at least `length` tokens, each cut to `length`."""
     from services.workload.traces.sharegpt import first_exchange, iter_conversations
 
+    found: list[list[int]] = []
     for conv in iter_conversations():
         pair = first_exchange(conv)
         if pair:
             ids = tok(pair[1])["input_ids"]
             if len(ids) >= length:
-                return ids[:length]
-    raise ValueError(f"no {length}-token passage in the dataset")
+                found.append(ids[:length])
+                if len(found) == count:
+                    return found
+    raise ValueError(f"fewer than {count} {length}-token passages in the dataset")
 
 
 def chat_prompts(tok: PreTrainedTokenizerBase, n: int) -> list[list[int]]:

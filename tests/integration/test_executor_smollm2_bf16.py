@@ -1,28 +1,47 @@
 """The executor on the real SmolLM2-135M-Instruct weights in bf16 (what `auto` picks on CPUs
-with native bf16) against transformers in bf16.
+with native bf16), on every ISA level of the compiled kernels this CPU runs.
 
-bf16 rounding is large on this model: transformers' own two bf16 attentions ("sdpa", fp32
-scores in the kernel, and "eager", scores rounded to bf16) differ by 0.18-0.22 on average and
-up to 1.4-1.8 in teacher-forced logits on these sequences (and transformers-bf16 differs from
-transformers-fp32 by 0.15-0.26). Our prefill chunks run SDPA and our decodes the eager
-arithmetic, so each sequence is compared with the nearer of the two, and must be as close to
-it as the two are to each other (mean and max), with the same top-1 token at >= 95% of
-positions. Measured: 0.0-0.16 on average, at most 0.88 (the one-token-per-step sequence),
-top-1 equal at 96-100% of positions.
+Numerics checks that hold on any x86-64 CPU: bf16 rounding depends on the matrix kernels torch
+picks (AVX2, AVX-512, AMX), so no fixed tolerance and no single extreme value decides.
+- Parity: teacher-forced logits against transformers in fp32. Our error (mean, and the 99.9th
+  percentile of |ours - fp32| over every logit) must be within PARITY_SLACK of transformers'
+  own bf16 error on the same machine (the larger of its "sdpa" and "eager" attentions), with the
+  same top-1 token as fp32 at >= 95% of positions. Measured on an AVX512-BF16 CPU: ours 0.178
+  mean / 1.05 p99.9, transformers 0.178-0.180 / 0.86-1.05; with torch held to AVX2 kernels
+  0.170 / 0.81 against 0.156-0.173 / 0.79-0.82. A RoPE position off by one on odd positions
+  gives 4.2 / 34: `test_parity_check_catches_a_wrong_rope_position`.
+- INT8 KV: decoding one token per step (every position reads codes through the decode path),
+  perplexity within 1% of the same dtype's full-precision KV, over 4 passages x 192 tokens (one
+  160-token passage left ~1% of rounding noise between two bf16 runs). Measured +0.1-0.3%;
+  value scales 5% off give +3.3%: `test_int8_check_catches_a_wrong_value_scale`.
+- The ISA matrix: the INT8 check runs on each build of the kernels this CPU can run
+  (x86-64-v3, x86-64-v4, native), and the whole file runs once more in a child process with
+  torch's own kernels held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) and the v3 build:
+  what an AVX2-only machine computes, as far as this CPU can show it.
 """
 
 from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from services.common.models import weights_dir
 from services.common.settings import ExecutorSettings
+from services.executor import cpu_kernels, quant
 from services.executor.engine import Engine
-from services.executor.quality import chat_prompts, passage
-from services.executor.testing import perplexity, teacher_forced_logits
+from services.executor.quality import chat_prompts, passages
+from services.executor.testing import teacher_forced_logits
 
 TOP1 = 0.95
+PARITY_SLACK = 1.25  # ours may be this much further from fp32 than transformers' bf16 is
+INT8_BOUND = 0.01
+PASSAGES, PASSAGE_TOKENS = 4, 192
+CHILD = "ALISE_TEST_AVX2_CHILD"  # set in the AVX2 child run (no grandchildren)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,49 +65,183 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _engine(model_dir, kv_dtype: str = "auto") -> Engine:
+def _levels() -> list[str]:
+    """The kernel builds to test: every level this CPU runs (only the requested one in the
+    AVX2 child); "off" where the kernels are turned off."""
+    if cpu_kernels.disabled():
+        return ["off"]
+    if os.environ.get(CHILD):
+        return [cpu_kernels.requested_level() or "off"]
+    return cpu_kernels.runnable_levels()
+
+
+@pytest.fixture(params=_levels())
+def level(request):
+    """Runs the test on one build of the kernels, then puts the default build back."""
+    before = cpu_kernels.active_level()
+    if request.param != "off":
+        assert cpu_kernels.use(request.param), f"the {request.param} build failed"
+    yield request.param
+    if before is not None:
+        cpu_kernels.use(before)
+
+
+def _engine(model_dir, dtype: str = "bf16", kv_dtype: str = "auto") -> Engine:
     return Engine(
         model_dir,
         device="cpu",
-        dtype="bf16",
+        dtype=dtype,
         kv_dtype=kv_dtype,
-        num_device_blocks=200,
+        num_device_blocks=300,
         num_host_blocks=2,
     )
 
 
-def test_teacher_forced_bf16_parity(model_dir, tokenizer):
+# -- parity -------------------------------------------------------------------------------
+
+
+def error_stats(logits: list[torch.Tensor], refs: list[torch.Tensor]) -> tuple[float, float]:
+    """(mean, 99.9th percentile) of |logits - refs| over every position and vocabulary entry."""
+    err = torch.cat([(a - b).abs().flatten() for a, b in zip(logits, refs, strict=True)])
+    k = max(1, math.ceil(0.999 * err.numel()))
+    return float(err.mean()), float(err.kthvalue(k).values)
+
+
+def parity_failure(ours: tuple[float, float], hf_bf16: list[tuple[float, float]]) -> str:
+    """Why `ours` (error_stats against fp32) is further from fp32 than transformers' bf16
+    errors allow; empty when it is not."""
+    worst = [max(s[i] for s in hf_bf16) for i in range(2)]
+    bad = [
+        f"{name} {o:.4f} > {PARITY_SLACK} x {w:.4f}"
+        for name, o, w in zip(("mean", "p99.9"), ours, worst)
+        if o > PARITY_SLACK * w
+    ]
+    return "; ".join(bad)
+
+
+@pytest.fixture(scope="module")
+def parity_sequences(tokenizer):
+    prompts = chat_prompts(tokenizer, 4)
+    return [prompts[0][:24], prompts[1] * 2, prompts[2] * 4, prompts[3]]  # 24..150 tokens
+
+
+@pytest.fixture(scope="module")
+def references(model_dir, parity_sequences):
+    """transformers' logits: fp32 (the reference) and bf16 with its two attentions."""
     from transformers import AutoModelForCausalLM
 
-    prompts = chat_prompts(tokenizer, 4)
-    seqs = [prompts[0][:24], prompts[1] * 2, prompts[2] * 4, prompts[3]]  # 24..150 tokens
-    ours = teacher_forced_logits(_engine(model_dir), seqs, [1, 7, 64, None])
-    models = [
-        AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16, attn_implementation=impl
-        ).eval()
-        for impl in ("sdpa", "eager")
-    ]
-    agree = total = 0
-    for ids, logits in zip(seqs, ours):
-        with torch.no_grad():
-            refs = [m(torch.tensor([ids])).logits[0].float() for m in models]
-        spread = (refs[0] - refs[1]).abs()  # transformers' bf16 against itself
-        ref = min(refs, key=lambda r: (logits - r).abs().mean())
-        diff = (logits - ref).abs()
-        assert diff.mean() <= spread.mean() and diff.max() <= spread.max(), (
-            f"{len(ids)} tokens: mean {diff.mean():.4f} (spread {spread.mean():.4f}), "
-            f"max {diff.max():.3f} (spread {spread.max():.3f})"
+    def run(dtype, impl):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=impl
         )
-        agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
-        total += len(ids)
-    assert agree / total >= TOP1
+        with torch.no_grad():
+            return [model.eval()(torch.tensor([ids])).logits[0].float() for ids in parity_sequences]
+
+    fp32 = run(torch.float32, "sdpa")
+    return fp32, [error_stats(run(torch.bfloat16, impl), fp32) for impl in ("sdpa", "eager")]
 
 
-def test_int8_kv_decodes_in_bf16_within_one_percent(model_dir, tokenizer):
-    """One token per step, so every position runs the INT8 decode path (codes read directly,
-    scales folded): perplexity within 1% of bf16 KV on the fixed passage's first 160 tokens."""
-    ids = passage(tokenizer)[:160]
-    fp = perplexity(teacher_forced_logits(_engine(model_dir), [ids], [1])[0], ids)
-    q = perplexity(teacher_forced_logits(_engine(model_dir, "int8"), [ids], [1])[0], ids)
-    assert abs(q - fp) / fp <= 0.01, (fp, q)
+def _our_logits(model_dir, sequences) -> list[torch.Tensor]:
+    return teacher_forced_logits(_engine(model_dir), sequences, [1, 7, 64, None])
+
+
+def test_teacher_forced_bf16_parity(model_dir, parity_sequences, references):
+    fp32, hf_bf16 = references
+    ours = _our_logits(model_dir, parity_sequences)
+    failure = parity_failure(error_stats(ours, fp32), hf_bf16)
+    assert not failure, failure
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ours, fp32))
+    assert agree / sum(len(s) for s in parity_sequences) >= TOP1
+
+
+def test_parity_check_catches_a_wrong_rope_position(
+    model_dir, parity_sequences, references, monkeypatch
+):
+    """The same check on an engine whose odd positions are rotated one place too far (a
+    shift of every position is invisible to attention; this is not)."""
+    from services.executor.llama import LlamaRunner
+
+    rope = LlamaRunner.rope
+    monkeypatch.setattr(LlamaRunner, "rope", lambda self, p: rope(self, p + p % 2))
+    fp32, hf_bf16 = references
+    assert parity_failure(error_stats(_our_logits(model_dir, parity_sequences), fp32), hf_bf16)
+
+
+# -- INT8 KV ------------------------------------------------------------------------------
+
+
+def int8_decode_change(model_dir, tokenizer, dtype: str) -> float:
+    """Relative perplexity change of INT8 KV against the same dtype's full-precision KV,
+    decoding one token per step over PASSAGES passages in one batch."""
+    seqs = passages(tokenizer, PASSAGES, PASSAGE_TOKENS)
+
+    def ppl(kv_dtype: str) -> float:
+        logits = teacher_forced_logits(_engine(model_dir, dtype, kv_dtype), seqs, [1] * len(seqs))
+        nll = sum(
+            torch.nn.functional.cross_entropy(lg[:-1], torch.tensor(ids[1:]), reduction="sum")
+            for lg, ids in zip(logits, seqs)
+        )
+        return math.exp(float(nll) / sum(len(s) - 1 for s in seqs))
+
+    full = ppl("auto")
+    return (ppl("int8") - full) / full
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_int8_kv_decodes_within_one_percent(model_dir, tokenizer, level, dtype):
+    change = int8_decode_change(model_dir, tokenizer, dtype)
+    assert abs(change) <= INT8_BOUND, (level, dtype, change)
+
+
+def test_int8_check_catches_a_wrong_value_scale(model_dir, tokenizer, monkeypatch):
+    """Value scales stored 5% too large (dequantized values 5% off): the check fails."""
+    values = quant.quantize_values
+
+    def skewed(v):
+        codes, scale, offset = values(v)
+        return codes, scale * 1.05, offset
+
+    monkeypatch.setattr(quant, "quantize_values", skewed)
+    assert int8_decode_change(model_dir, tokenizer, "bf16") > INT8_BOUND
+
+
+# -- AVX2 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="inside the AVX2 run")
+def test_this_file_passes_with_torch_held_to_avx2():
+    """Re-runs the checks above with torch's kernels and the compiled kernels at AVX2; skips
+    where this CPU cannot run AVX2 kernels or torch ignores ATEN_CPU_CAPABILITY."""
+    if "x86-64-v3" not in cpu_kernels.runnable_levels() or cpu_kernels.disabled():
+        pytest.skip("this CPU has no AVX2 kernels to hold torch to")
+    env = dict(
+        os.environ,
+        ATEN_CPU_CAPABILITY="avx2",
+        ONEDNN_MAX_CPU_ISA="AVX2",
+        ALISE_CPU_ISA="x86-64-v3",
+        **{CHILD: "1"},
+    )
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    capability = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if capability != "AVX2":
+        pytest.skip(f"torch does not honour ATEN_CPU_CAPABILITY here ({capability})")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "parity or within_one_percent and bf16",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -1,6 +1,7 @@
 """The compiled CPU decode kernel (cpu_kernels.py, csrc/paged_decode.cpp): attention read
 straight from the paged pool against plain attention over each request's own keys, and whole
-engines on the kernel against engines on the torch path, full precision and INT8 KV."""
+engines on the kernel against engines on the torch path, full precision and INT8 KV, on every
+ISA level this CPU runs (x86-64-v3, x86-64-v4, native); the levels return the same numbers."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ if cpu_kernels.disabled():
     pytest.skip("compiled CPU kernels turned off (ALISE_CPU_KERNELS)", allow_module_level=True)
 
 BS = 16
+LEVELS = cpu_kernels.runnable_levels()
 LENS = [1, 16, 17, 100, 512, 3, 64]  # one key, exactly one block, a block and one, ...
 
 
@@ -51,10 +53,19 @@ def _case(hkv, groups, d, bs, dtype, seed=0):
     return q, pools[0], pools[1], tables, torch.tensor(LENS)
 
 
+@pytest.fixture(params=LEVELS)
+def level(request):
+    """One build of the kernels in use for the test; the default one put back after."""
+    before = cpu_kernels.active_level() if cpu_kernels.load() else None
+    assert cpu_kernels.use(request.param), f"the {request.param} build failed"
+    yield request.param
+    if before is not None:
+        cpu_kernels.use(before)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hkv,groups", [(1, 1), (2, 3), (1, 7), (2, 8)])
-def test_kernel_matches_attention_over_each_requests_keys(d, hkv, groups):
-    assert cpu_kernels.load()
+def test_kernel_matches_attention_over_each_requests_keys(level, d, hkv, groups):
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for bs in (16, 32):
             q, k, v, tables, lens = _case(hkv, groups, d, bs, dtype)
@@ -110,7 +121,7 @@ def wide_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_engine_on_the_kernel_matches_the_torch_path(wide_models, kv_dtype):
+def test_engine_on_the_kernel_matches_the_torch_path(level, wide_models, kv_dtype):
     """Teacher-forced logits over mixed steps (prompts whole and chunked, then decodes) are
     the same on both backends; INT8 KV reads the same codes, scales and staging blocks."""
     from services.executor.engine import Engine
@@ -177,3 +188,94 @@ def test_decode_step_benchmark_runs_both_backends_side_by_side():
     for r in out["rows"]:
         assert r["step_ms"] > 0 and r["linear_only_ms"] > 0
         assert r["step_over_linear"] == pytest.approx(r["step_ms"] / r["linear_only_ms"])
+
+
+def _int8_case(seed=0):
+    """A request mix over an INT8 pool (codes, fp16 scales/offsets) and bf16 staging blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, groups, d, bs, nb = 2, 3, 64, BS, 64
+    lens = torch.tensor([5, 16, 40, 100])
+    pools = {
+        "kq": torch.randint(0, 256, (hkv, nb, bs, d), dtype=torch.uint8, generator=gen),
+        "vq": torch.randint(0, 256, (hkv, nb, bs, d), dtype=torch.uint8, generator=gen),
+        "ks": (torch.rand(hkv, nb, d, generator=gen) / 50).half(),
+        "ko": torch.randn(hkv, nb, d, generator=gen).half(),
+        "vs": (torch.rand(hkv, nb, bs, generator=gen) / 50).half(),
+        "vo": torch.randn(hkv, nb, bs, generator=gen).half(),
+    }
+    stage = [torch.randn(hkv, len(lens), bs, d, generator=gen).bfloat16() for _ in range(2)]
+    tables = torch.randperm(nb, generator=gen)[: len(lens) * 8].view(len(lens), 8).clone()
+    q = torch.randn(len(lens), hkv * groups, d, generator=gen).bfloat16()
+    return q, pools, stage, tables, torch.arange(len(lens)), lens
+
+
+def test_every_isa_level_computes_the_same_numbers():
+    """Builds for x86-64-v3 and x86-64-v4 return the same bits (no -ffast-math, fixed
+    reduction order, one exp: csrc/vec.h); `native` the same within fp32 rounding."""
+    builds = {lvl: cpu_kernels.load_level(lvl) for lvl in LEVELS}
+    assert all(builds.values()), builds
+    q, k, v, tables, lens = _case(2, 4, 128, BS, torch.float32, seed=5)
+    x = torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4
+    iq, p, (ks, vs), itables, slots, ilens = _int8_case()
+    int8_args = (iq, p["kq"], p["ks"], p["ko"], p["vq"], p["vs"], p["vo"], ks, vs, itables)
+    outs = {
+        lvl: [
+            b.ops.paged_decode(q, k, v, tables, lens, 0.125),
+            b.ops.paged_decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens, 0.125),
+            b.ops.silu_and_mul(x),
+            b.ops.silu_and_mul(x.bfloat16()),
+            b.ops.paged_decode_int8(*int8_args, slots, ilens, 0.125),
+        ]
+        for lvl, b in builds.items()
+        if b is not None
+    }
+    first = outs[LEVELS[0]]
+    for lvl, out in outs.items():
+        for a, b in zip(first, out, strict=True):
+            if lvl == "native":
+                assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6), lvl
+            else:
+                assert torch.equal(a, b), lvl
+
+
+def test_int8_kernel_matches_dequantized_attention():
+    """The INT8 kernel (scales folded into the query, offsets as separate sums) against plain
+    attention over the dequantized codes followed by the staging rows."""
+    assert cpu_kernels.load()
+    q, pools, (ks, vs), tables, slots, lens = _int8_case(1)
+    out = cpu_kernels.paged_decode_int8(q, pools, ks, vs, tables, slots, lens, 0.125)
+    hkv, d, bs = ks.shape[0], q.shape[2], BS
+    for b, n in enumerate(lens.tolist()):
+        full, tail = n // bs, n % bs
+        blocks = tables[b, :full]
+        k = pools["kq"][:, blocks].float() * pools["ks"][:, blocks, None].float()
+        k = (k - pools["ko"][:, blocks, None].float()).reshape(hkv, -1, d)
+        v = pools["vq"][:, blocks].float() * pools["vs"][:, blocks, :, None].float()
+        v = (v - pools["vo"][:, blocks, :, None].float()).reshape(hkv, -1, d)
+        k = torch.cat([k, ks[:, b, :tail].float()], dim=1)
+        v = torch.cat([v, vs[:, b, :tail].float()], dim=1)
+        qh = q[b].view(hkv, -1, d).float()
+        want = (torch.softmax(qh @ k.transpose(1, 2) * 0.125, -1) @ v).reshape(-1, d)
+        assert (out[b].float() - want).abs().max() <= 2e-2, b
+
+
+def test_isa_levels_follow_the_cpu_flags(monkeypatch):
+    v3 = set(cpu_kernels.V3_FLAGS)
+    v4 = set(cpu_kernels.V4_FLAGS)
+    assert cpu_kernels.runnable_levels({"sse2"}) == ["native"]
+    assert cpu_kernels.runnable_levels(v3) == ["x86-64-v3", "native"]
+    assert cpu_kernels.runnable_levels(v4 | {"amx_tile"}) == ["x86-64-v3", "x86-64-v4", "native"]
+    monkeypatch.delenv("ALISE_CPU_ISA", raising=False)
+    assert cpu_kernels.requested_level(v4 | {"avx512_fp16"}) == "x86-64-v4"  # never native
+    assert cpu_kernels.requested_level(v3) == "x86-64-v3"
+    assert cpu_kernels.requested_level({"sse2"}) is None
+    monkeypatch.setenv("ALISE_CPU_ISA", "native")
+    assert cpu_kernels.requested_level(v3) == "native"
+    monkeypatch.setenv("ALISE_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="ALISE_CPU_ISA"):
+        cpu_kernels.requested_level(v3)
+
+
+def test_build_name_follows_the_level_and_the_sources():
+    names = {cpu_kernels.build_name(lvl) for lvl in cpu_kernels.LEVELS}
+    assert len(names) == 3 and all(n.startswith("alise_cpu_") for n in names)

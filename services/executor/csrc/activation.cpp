@@ -3,11 +3,11 @@
 // Built with paged_decode.cpp by cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
+
+#include "vec.h"
 
 namespace {
 
@@ -21,12 +21,11 @@ void silu_mul_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t inte
     const T* gate = in + r * 2 * inter;
     const T* up = gate + inter;
     T* o = out + r * inter;
-#pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
       // rounded to T after the SiLU and after the product, as torch's two ops round: bf16
       // results match transformers' bit for bit (one rounding drifted past its own spread)
       const float g = static_cast<float>(gate[i]);
-      const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+      const T silu = static_cast<T>(g / (1.f + alise_vec::exp1(-g)));
       o[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[i]));
     }
   }
@@ -56,6 +55,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(alise_cpu, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }
+ALISE_LIBRARY_FRAGMENT(ALISE_NS, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(alise_cpu, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }
+ALISE_LIBRARY_IMPL(ALISE_NS, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }

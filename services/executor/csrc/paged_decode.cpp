@@ -14,28 +14,19 @@
 // request's open block (staging, exact, model dtype) is read last.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// 16 floats: one AVX-512 register, two AVX2 ones; the compiler lowers it to what the CPU has.
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint8_t vb __attribute__((vector_size(16)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int64_t W = 16;
+using namespace alise_vec;
+
 // Prefetch distance, in blocks: a request's blocks are scattered over the pool, so while one
 // block is read the rows of the block AHEAD of it are hinted into cache, a row per row (a
 // burst of a whole block's lines at once measured slower); blocks that directly follow the
@@ -43,64 +34,23 @@ constexpr int64_t W = 16;
 // scattered blocks 65-71 -> 41-44 ms for 30 layers, consecutive ones unchanged (26-31 ms).
 constexpr int64_t AHEAD = 2;
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(uint8_t x) { return static_cast<float>(x); }
-
-// 16 consecutive values as fp32 (unaligned loads; bf16 is the high half of an fp32).
-inline vf load16(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf load16(const c10::BFloat16* p) {
-  vh h;
-  __builtin_memcpy(&h, p, sizeof h);
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  __builtin_memcpy(&v, &u, sizeof v);
-  return v;
-}
-// fp16 (INT8 scales): F16C converts 8 at a time; GCC scalarises a _Float16 vector conversion.
-inline vf load16(const c10::Half* p) {
-  vf v;
-#if defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  __builtin_memcpy(&v, &lo, sizeof lo);
-  __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-#else
-  for (int i = 0; i < W; ++i) v[i] = static_cast<float>(p[i]);
-#endif
-  return v;
-}
-// uint8 codes: widened twice by 2x (GCC scalarises one 4x conversion), then int -> float.
-inline vf load16(const uint8_t* p) {
-  vb b;
-  __builtin_memcpy(&b, p, sizeof b);
-  const vh h = __builtin_convertvector(b, vh);
-  const vi i = __builtin_convertvector(h, vi);
-  return __builtin_convertvector(i, vf);
-}
-
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
-}
-
 // Rows `scores[g * n .. g * n + n)` -> probabilities (fp32 softmax, in place; n >= 1, so
-// every number stays finite and the exponentials vectorise).
+// every number stays finite). 16 scores at a time, the sum in a fixed order (vec.h).
 void softmax_rows(float* scores, int64_t g_count, int64_t n) {
+  const int64_t body = n - n % W;
   for (int64_t g = 0; g < g_count && n > 0; ++g) {
     float* s = scores + g * n;
     float m = s[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = std::exp(std::max(s[i] - m, -80.f));  // e^-80: no underflow, no slow path
+    vf acc{};
+    for (int64_t i = 0; i < body; i += W) {
+      const vf e = exp16(load16(s + i) - m);
+      __builtin_memcpy(s + i, &e, sizeof e);
+      acc += e;
+    }
+    float sum = hsum(acc);
+    for (int64_t i = body; i < n; ++i) {
+      s[i] = exp1(s[i] - m);
       sum += s[i];
     }
     const float inv = 1.f / sum;
@@ -403,7 +353,7 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& kq, const at
 
 }  // namespace
 
-TORCH_LIBRARY(alise_cpu, m) {
+ALISE_LIBRARY(ALISE_NS, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, "
         "float scale) -> Tensor");
   m.def("paged_decode_int8(Tensor q, Tensor kq, Tensor ks, Tensor ko, Tensor vq, Tensor vs, "
@@ -411,7 +361,7 @@ TORCH_LIBRARY(alise_cpu, m) {
         "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(alise_cpu, CPU, m) {
+ALISE_LIBRARY_IMPL(ALISE_NS, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("paged_decode_int8", &paged_decode_int8);
 }
