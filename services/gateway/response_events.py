@@ -38,7 +38,12 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def _text_at(self, index: int, **fields: Any) -> dict[str, Any]:
-        return {"item_id": self.turn.message_id, "output_index": index, "content_index": 0, **fields}
+        return {
+            "item_id": self.turn.message_id,
+            "output_index": index,
+            "content_index": 0,
+            **fields,
+        }
 
     def head(self) -> list[bytes]:
         snapshot = self.turn.response(None, "in_progress")
@@ -62,7 +67,9 @@ class ResponseEvents:
     def piece(self, text: str) -> bytes:
         if not self.live_text or not text:
             return b""
-        return self._event("response.output_text.delta", **self._text_at(0, delta=text, logprobs=[]))
+        return self._event(
+            "response.output_text.delta", **self._text_at(0, delta=text, logprobs=[])
+        )
 
     def tail(self, final: dict[str, Any]) -> list[bytes]:
         """Every output item's closing events, then the response's last event."""
@@ -95,7 +102,9 @@ class ResponseEvents:
         return [
             self._event("response.output_item.added", output_index=index, item=opened),
             self._event("response.function_call_arguments.delta", delta=item["arguments"], **where),
-            self._event("response.function_call_arguments.done", arguments=item["arguments"], **where),
+            self._event(
+                "response.function_call_arguments.done", arguments=item["arguments"], **where
+            ),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 

@@ -48,13 +48,13 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], respon
 @router.post("/responses", openapi_extra=EXTENSION_HEADERS)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     gw: GatewayState = request.app.state.gateway
-    refuse_unsupported(body.model_extra or {}, set(ResponsesRequest.model_fields), REFUSED, NO_EFFECT)
+    refuse_unsupported(
+        body.model_extra or {}, set(ResponsesRequest.model_fields), REFUSED, NO_EFFECT
+    )
     gw.prompts.check_model(body.model)
     items = await conversation(gw.responses, body)
     try:
-        plan = await gw.prompts.chat(
-            to_chat(body, items), request.headers, _generation_id(request)
-        )
+        plan = await gw.prompts.chat(to_chat(body, items), request.headers, _generation_id(request))
     except APIError as exc:
         raise renamed(exc) from None
     return await _respond(request, Turn(body, items, gw.model_id), plan)

@@ -195,9 +195,9 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if choice is None or choice in ("none", "auto", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        if isinstance(choice.get("name"), str):
-            return {"type": "function", "function": {"name": choice["name"]}}
+    function = isinstance(choice, dict) and choice.get("type") == "function"
+    if function and isinstance(choice, dict) and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request(
         f"tool_choice: expected none, auto, required or {{type: function, name}}, got {choice!r}",
         param="tool_choice",

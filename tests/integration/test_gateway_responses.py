@@ -251,7 +251,11 @@ def test_an_openai_agents_agent_runs_a_tool_turn(client, stack, model):
         ({"frobnicate": 1}, 400, "frobnicate"),
         ({"truncation": "auto"}, 400, "truncation"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input.0.content.0"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            400,
+            "input.0.content.0",
+        ),
         ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
         ({"max_output_tokens": 10_000}, 400, "max_output_tokens"),
