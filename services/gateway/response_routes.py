@@ -119,7 +119,9 @@ async def _respond(request: Request, turn: Turn, plan: Plan) -> Response:
             _close(gw, gen)
 
 
-async def _stream(events: ResponseEvents, gw: GatewayState, arrival: float) -> AsyncIterator[bytes]:
+async def _stream(
+    events: ResponseEvents, gw: GatewayState, arrival: float
+) -> AsyncGenerator[bytes, None]:
     gen = events.gen
     deadline = arrival + gw.settings.request_timeout_s
     first_sent = False

@@ -61,7 +61,7 @@ InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
 class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     format: dict[str, Any] | None = Field(
         None,
         description='{"type": "text"} | {"type": "json_object"} | '

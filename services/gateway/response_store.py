@@ -51,9 +51,10 @@ class ResponseStore:
             if expires < time.monotonic():
                 self._memory.pop(response_id, None)
                 return None
-            return json.loads(data)
+            record: dict[str, Any] = json.loads(data)
+            return record
         raw = await self._call(self._redis.get(KEY_PREFIX + response_id))
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else dict(json.loads(raw))
 
     async def delete(self, response_id: str) -> bool:
         if self._redis is None:

@@ -24,12 +24,10 @@ from services.gateway import tools as tool_calls
 from services.gateway.errors import APIError, bad_request
 from services.gateway.params import ANY
 from services.gateway.render import final_extension
-from services.gateway.response_schemas import InputText, ResponsesRequest
+from services.gateway.response_schemas import InputItem, InputText, ResponsesRequest
 from services.gateway.schemas import ChatCompletionRequest
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from services.gateway.generation import Generation
     from services.gateway.response_store import ResponseStore
 
@@ -97,7 +95,7 @@ async def conversation(store: ResponseStore, body: ResponsesRequest) -> list[dic
     return items + input_items(body.input)
 
 
-def input_items(given: str | list[BaseModel | dict[str, Any]]) -> list[dict[str, Any]]:
+def input_items(given: str | list[InputItem | dict[str, Any]]) -> list[dict[str, Any]]:
     """The input as plain items; an item or content part not served is a 400 naming it."""
     if isinstance(given, str):
         return [{"type": "message", "role": "user", "content": given}]

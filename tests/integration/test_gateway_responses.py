@@ -137,12 +137,16 @@ def test_json_schema_create_and_stream_parse(client, model):
         assert isinstance(json.loads(json_mode.output_text), dict)
 
 
-def test_raw_text_stream_events_parse_as_the_sdk_types(client, model):
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["text", "tools-auto"])
+def test_raw_text_stream_events_parse_as_the_sdk_types(client, model, tools):
+    """Text streams as it comes; with tools (`auto`) it is held back and written out at the
+    end (the tiny model writes no call): the same events either way."""
     from openai.types.responses import ResponseIncompleteEvent, ResponseTextDeltaEvent
 
+    extra = {} if tools is None else {"tools": tools}
     events = list(
         client.responses.create(
-            model=model, input="Hi", max_output_tokens=5, stream=True, extra_body=EXACT
+            model=model, input="Hi", max_output_tokens=5, stream=True, extra_body=EXACT, **extra
         )
     )
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -151,10 +155,15 @@ def test_raw_text_stream_events_parse_as_the_sdk_types(client, model):
     assert isinstance(last, ResponseIncompleteEvent)
     assert last.response.usage.output_tokens == 5
     assert "".join(deltas) == last.response.output_text
-    assert [e.type for e in events if e.type.endswith(".done")] == [
+    assert [e.type for e in events if not e.type.endswith(".delta")] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
+        "response.incomplete",
     ]
 
 
@@ -250,6 +259,8 @@ def test_an_openai_agents_agent_runs_a_tool_turn(client, stack, model):
         ({"reasoning": {"effort": "low"}}, 400, "reasoning"),
         ({"frobnicate": 1}, 400, "frobnicate"),
         ({"truncation": "auto"}, 400, "truncation"),
+        ({"text": {"format": {"type": "text"}, "tone": "dry"}}, 400, "text.tone"),
+        ({"tool_choice": {"type": "file_search"}}, 400, "tool_choice"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
