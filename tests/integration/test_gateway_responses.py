@@ -7,8 +7,9 @@ and an embedded Redis holding the stored responses.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -248,9 +249,20 @@ def test_an_openai_agents_agent_runs_a_tool_turn(client, stack, model):
         model_settings=ModelSettings(tool_choice="required", max_tokens=48),
         tool_use_behavior="stop_on_first_tool",
     )
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
-    assert len(asked) == 1 and result.final_output == f"Sunny in {asked[0]}"
+
+    async def both() -> tuple[Any, Any, list[str]]:
+        """One turn over JSON, then one over the typed SSE events."""
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+        run = Runner.run_streamed(agent, "And in Oslo?", max_turns=2)
+        kinds = [event.type async for event in run.stream_events()]
+        return result, run, kinds
+
+    result, streamed, kinds = asyncio.run(both())
+    assert len(asked) == 2
+    assert result.final_output == f"Sunny in {asked[0]}"
     assert [item.type for item in result.raw_responses[0].output] == ["function_call"]
+    assert streamed.final_output == f"Sunny in {asked[1]}"
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
 
 
 @pytest.mark.parametrize(
