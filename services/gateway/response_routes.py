@@ -57,7 +57,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         plan = await gw.prompts.chat(to_chat(body, items), request.headers, _generation_id(request))
     except APIError as exc:
         raise renamed(exc) from None
-    return await _respond(request, Turn(body, items, gw.model_id), plan)
+    turn = Turn(body, items, gw.model_id, id="resp_" + plan.request_id)
+    return await _respond(request, turn, plan)
 
 
 @router.get("/responses/{response_id}")

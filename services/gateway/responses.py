@@ -286,7 +286,7 @@ class Turn:
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     created_at: int = field(default_factory=lambda: int(time.time()))
     message_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
-    _output: list[dict[str, Any]] | None = None
+    _output: list[dict[str, Any]] | None = field(default=None, init=False, repr=False)
 
     def output(self, gen: Generation) -> list[dict[str, Any]]:
         """The output items: the answer's text as a message, and its function calls (at most
