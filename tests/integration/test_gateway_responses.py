@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
-from services.gateway.testing import inprocess_stack, running_gateway
+from services.gateway.testing import inprocess_backend, inprocess_stack, running_gateway
 
 WEATHER = {
     "type": "function",
@@ -306,3 +306,29 @@ def test_slo_headers_are_read_as_on_chat(stack):
         timeout=60,
     )
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] <= 2
+
+
+def test_a_timeout_is_a_504_or_an_error_event(tmp_path, redis_server):
+    """No executor: the request waits in the queue until the gateway gives up; a stream that
+    has started ends with an `error` event the SDK parses, and nothing is stored."""
+    from openai import APIStatusError, OpenAI
+    from openai.types.responses import ResponseErrorEvent
+
+    with inprocess_backend(tmp_path, None, redis_server.url) as backend:
+        settings = GatewaySettings(
+            scheduler_address=backend["address"],
+            request_timeout_s=1.5,
+            predictor_addresses=[f"127.0.0.1:{free_port()}"],
+            redis_url=redis_server.url,
+        )
+        with running_gateway(settings) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+            with pytest.raises(APIStatusError) as info:
+                client.responses.create(input="Hi", max_output_tokens=4)
+            assert info.value.status_code == 504
+            events = list(client.responses.create(input="Hi", max_output_tokens=4, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert isinstance(events[-1], ResponseErrorEvent) and events[-1].code == "timeout"
+    import redis
+
+    assert not redis.Redis.from_url(redis_server.url).keys("alise:response:*")
