@@ -202,8 +202,19 @@ def test_function_call_round_trip_across_gateway_replicas(stack, tiny_model, cli
             extra_body=EXACT,
         )
     assert second.previous_response_id == first.id
-    # the whole conversation was the prompt: the first turn, its call and the call's result
+    # the whole conversation was the prompt: the first turn, its call and the call's result,
+    # the same prompt as when the client sends that history itself (as agent loops do)
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        result,
+    ]
+    resent = client.responses.create(
+        model=model, input=history, tools=[WEATHER], max_output_tokens=1, store=False
+    )
+    assert resent.usage.input_tokens == second.usage.input_tokens
     assert client.responses.retrieve(second.id).previous_response_id == first.id
     # parallel_tool_calls false and a named function: one call of that function
     named = client.responses.create(
