@@ -358,6 +358,15 @@ class GatewaySettings(CommonSettings):
         "accept or refuse it before the SSE response starts (a "
         "refusal after that arrives as an error event).",
     )
+    redis_url: str | None = Field(
+        None,
+        description="Redis server URL. The gateway keeps stored Responses there (`store`, "
+        "`previous_response_id`: every gateway replica sees them); unset = this gateway's "
+        "memory. The other services: unset = start the embedded redis-server.",
+    )
+    response_ttl_s: float = Field(
+        86_400.0, gt=0, description="How long a stored Response (`/v1/responses`) is kept."
+    )
 
 
 class LauncherSettings(RedisSettings):

@@ -30,6 +30,8 @@ from services.gateway.middleware import (
     UnexpectedErrorMiddleware,
 )
 from services.gateway.prompts import PromptBuilder
+from services.gateway.response_routes import router as responses_router
+from services.gateway.response_store import ResponseStore
 from services.gateway.routes import router
 from services.gateway.upstream import Upstream
 from services.gateway.utility import router as utility_router
@@ -51,6 +53,7 @@ class GatewayState:
     model_id: str
     config_max_len: int
     started: int
+    responses: ResponseStore  # stored Responses (/v1/responses)
     # Set when the server is stopping and the drain period is over: open streams end with an
     # error event (and their requests are aborted upstream) instead of being cut.
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
@@ -84,8 +87,17 @@ async def _load_state(settings: GatewaySettings, metrics: GatewayMetrics) -> Gat
     prompts = PromptBuilder(
         tokenizer, model_id, lambda: upstream.context_limit(config_len), settings.tool_parser
     )
+    responses = ResponseStore(settings.redis_url, settings.response_ttl_s)
     state = GatewayState(
-        settings, metrics, tokenizer, upstream, prompts, model_id, config_len, int(time.time())
+        settings,
+        metrics,
+        tokenizer,
+        upstream,
+        prompts,
+        model_id,
+        config_len,
+        int(time.time()),
+        responses,
     )
     await upstream.stats()
     return state
@@ -102,6 +114,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             yield
         finally:
             await app.state.gateway.upstream.close()
+            await app.state.gateway.responses.close()
 
     app = FastAPI(
         title="ALISE gateway",
@@ -111,6 +124,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
     app.include_router(utility_router)
     _add_service_routes(app, metrics)
     # The last added is the outermost: every error response (500s and the body limit's 413
@@ -121,7 +135,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["X-Request-Id", "X-ALISE-Prediction"],
         )

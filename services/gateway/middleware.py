@@ -24,6 +24,7 @@ _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ROUTES = {
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/models",
     "/tokenize",
     "/detokenize",
@@ -67,9 +68,18 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            path = scope["path"] if scope["path"] in ROUTES else "other"
+            path = _route_label(scope["path"])
             self.metrics.requests.labels(path, str(status[0] or 499)).inc()
             self.metrics.request_seconds.labels(path).observe(time.perf_counter() - start)
+
+
+def _route_label(path: str) -> str:
+    """The metrics label of a path: a known route, `/v1/responses/{id}`, or `other`."""
+    if path in ROUTES:
+        return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
+    return "other"
 
 
 class BodyLimitMiddleware:

@@ -64,14 +64,19 @@ REFUSED: dict[str, tuple[Any, str]] = {
 NO_EFFECT = {"store", "metadata", "service_tier", "user"}
 
 
-def refuse_unsupported(fields: dict[str, Any], declared: set[str]) -> None:
+def refuse_unsupported(
+    fields: dict[str, Any],
+    declared: set[str],
+    refused: dict[str, tuple[Any, str]] = REFUSED,
+    no_effect: set[str] = NO_EFFECT,
+) -> None:
     """A 400 naming the first field (of `fields`, the request's JSON keys) that is refused
     with a value that would change the answer, or that is unknown."""
     for name, value in fields.items():
-        if name in declared or name in NO_EFFECT or value is None:
+        if name in declared or name in no_effect or value is None:
             continue
-        if name not in REFUSED:
+        if name not in refused:
             raise bad_request(f"Unrecognized request argument supplied: {name}", param=name)
-        harmless, why = REFUSED[name]
+        harmless, why = refused[name]
         if harmless is ANY or value != harmless:
             raise bad_request(f"{name}: {why}", param=name, code="unsupported_parameter")

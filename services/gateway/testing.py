@@ -143,6 +143,7 @@ class ProcessStack:
                     "ALISE_GATEWAY_PORT": str(gw_port),
                     "ALISE_SCHEDULER_ADDRESS": ",".join(self.scheduler_addresses),
                     "ALISE_PREDICTOR_ADDRESSES": predictor,
+                    "ALISE_REDIS_URL": self.redis.url,
                 },
                 ("http", self.url + "/v1/models"),
                 ("scheduler-0",),
@@ -289,6 +290,7 @@ class Stack(Backend):
     """What `inprocess_stack` yields."""
 
     url: str  # the gateway's base URL
+    redis_url: str  # the embedded Redis (a second gateway on it shares stored Responses)
 
 
 # In-process executors: small pools, and fp32, exact across recomputes (see ProcessStack)
@@ -364,7 +366,7 @@ def inprocess_stack(
     **gateway_kw: object,
 ) -> Iterator[Stack]:
     """Embedded Redis + `inprocess_backend` + a gateway with no predictor reachable (requests
-    go on with the policy's prior). Yields {"url", "loop", "scheduler", "executor", "address"}."""
+    go on with the policy's prior), storing Responses in that Redis. Yields {"url", "loop", "scheduler", "executor", "address"}."""
     from services.common.redis_runner import EmbeddedRedis
 
     with (
@@ -378,8 +380,9 @@ def inprocess_stack(
                 "model": str(model_dir),
                 "scheduler_address": backend["address"],
                 "predictor_addresses": [f"127.0.0.1:{free_port()}"],
+                "redis_url": redis.url,
                 **gateway_kw,
             }
         )
         with running_gateway(settings) as url:
-            yield {"url": url, **backend}
+            yield {"url": url, "redis_url": redis.url, **backend}

@@ -82,15 +82,16 @@ def local_topology(
                 tuple(n for n, _ in executors),
             )
         )
-    specs.append(_gateway_spec(host, gateway_host, gateway_port, schedulers))
+    specs.append(_gateway_spec(host, gateway_host, gateway_port, schedulers, redis_url))
     return specs
 
 
 def _gateway_spec(
-    host: str, gateway_host: str, gateway_port: int, schedulers: list[str]
+    host: str, gateway_host: str, gateway_port: int, schedulers: list[str], redis_url: str
 ) -> ServiceSpec:
-    """The gateway: listens on gateway_host, reaches the scheduler and predictor on host; its
-    health URL uses host when it listens on all interfaces."""
+    """The gateway: listens on gateway_host, reaches the scheduler and predictor on host (and
+    Redis, for stored Responses); its health URL uses host when it listens on all
+    interfaces."""
     return ServiceSpec(
         "gateway",
         ("gateway", "serve"),
@@ -99,6 +100,7 @@ def _gateway_spec(
             "ALISE_GATEWAY_PORT": str(gateway_port),
             "ALISE_SCHEDULER_ADDRESS": ",".join(schedulers),
             "ALISE_PREDICTOR_ADDRESSES": f"{host}:{PREDICTOR_PORT}",
+            "ALISE_REDIS_URL": redis_url,
         },
         (
             "http",

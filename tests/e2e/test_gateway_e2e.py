@@ -690,3 +690,29 @@ def test_litellm_completion_with_api_base(stack, monkeypatch):
         messages=[{"role": "user", "content": "What is the capital of France?"}],
     )
     assert "Paris" in out.choices[0].message.content
+
+
+def test_responses_api_answers_as_the_chat_path(client):
+    """The real model through `/v1/responses`: the chat path's greedy answer, streamed and
+    not, with the same usage."""
+    question = "What is the capital of France?"
+    chat = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        temperature=0,
+        max_tokens=48,
+        messages=[{"role": "user", "content": question}],
+    )
+    resp = client.responses.create(
+        model="smollm2-135m-instruct", input=question, temperature=0, max_output_tokens=48
+    )
+    assert "Paris" in resp.output_text, resp.output_text
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.status == "completed"  # ended on EOS, as the chat answer did
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    with client.responses.stream(
+        model="smollm2-135m-instruct", input=question, temperature=0, max_output_tokens=48
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == resp.output_text

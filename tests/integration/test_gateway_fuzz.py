@@ -17,7 +17,7 @@ from schemathesis import GenerationMode
 
 from services.gateway.testing import inprocess_stack
 
-EXAMPLES_PER_MODE = 130  # x 2 modes x 2 POST operations, plus the GET operations
+EXAMPLES_PER_MODE = 130  # x 2 modes x 3 POST operations, plus the GET and DELETE operations
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,8 @@ def test_generated_requests_never_get_a_5xx(url):
     # The fuzzing reached generation, not only validation.
     assert statuses[("/v1/chat/completions", 200)] + statuses[("/v1/completions", 200)] > 10
     assert statuses[("/v1/chat/completions", 400)] + statuses[("/v1/completions", 400)] > 50
+    # ... and on the Responses API (built on the chat path) too
+    assert statuses[("/v1/responses", 200)] > 5 and statuses[("/v1/responses", 400)] > 20
 
 
 def run_operation(operation, mode, url, statuses, failures) -> None:
@@ -72,4 +74,4 @@ def run_operation(operation, mode, url, statuses, failures) -> None:
         check()
     except Unsatisfiable:
         # Operations without parameters or body have no invalid inputs to generate.
-        assert mode == GenerationMode.NEGATIVE and operation.method.upper() == "GET"
+        assert mode == GenerationMode.NEGATIVE and operation.method.upper() in ("GET", "DELETE")

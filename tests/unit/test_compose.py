@@ -66,6 +66,15 @@ def test_every_service_has_a_health_check_and_dependencies_are_ordered():
             assert dep in SERVICES
 
 
+def test_gateways_share_the_schedulers_redis_for_stored_responses():
+    """`previous_response_id` works on any gateway replica: they all use the one Redis."""
+    launcher = {s.name: s for s in local_topology(1, "redis://x")}
+    assert launcher["gateway"].env["ALISE_REDIS_URL"] == "redis://x"
+    for services in (SERVICES, CPU):
+        redis = services["scheduler"]["environment"]["ALISE_REDIS_URL"]
+        assert services["gateway"]["environment"]["ALISE_REDIS_URL"] == redis
+
+
 def test_predictor_replicas_and_gpu_reservation():
     assert SERVICES["predictor"]["deploy"]["replicas"] == 2
     gateway_env = SERVICES["gateway"]["environment"]

@@ -5,20 +5,22 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from services.gateway import responses
 from services.gateway.params import NO_EFFECT, REFUSED
+from services.gateway.response_schemas import ResponsesRequest
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
 ROW = re.compile(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \|")
 
 
-def table() -> dict[str, tuple[str, str]]:
-    text = DOC.read_text(encoding="utf-8").split("### Every request field", 1)[1]
+def table(heading: str = "### Every request field", row: re.Pattern = ROW) -> dict[str, tuple]:
+    text = DOC.read_text(encoding="utf-8").split(heading, 1)[1]
     text = re.split(r"\n#", text, maxsplit=1)[0]  # up to the next heading
     rows = {}
     for line in text.splitlines():
-        if (m := ROW.match(line)) is not None:
-            rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip())
+        if (m := row.match(line)) is not None:
+            rows[m.group(1)] = tuple(g.strip() for g in m.groups()[1:])
     return rows
 
 
@@ -37,3 +39,16 @@ def test_every_field_has_one_row_with_its_status():
         completion = name in CompletionRequest.model_fields
         if chat != completion:
             assert endpoint == ("chat" if chat else "completions"), name
+
+
+def test_every_responses_field_has_one_row_with_its_status():
+    rows = table("#### Every Responses field", re.compile(r"^\| `(\w+)` \| ([^|]+) \|"))
+    declared = set(ResponsesRequest.model_fields)
+    assert set(rows) == declared | set(responses.REFUSED) | responses.NO_EFFECT
+    for name, (status,) in rows.items():
+        if name in declared:
+            assert status in ("honoured", "accepted, no effect"), name
+        elif name in responses.NO_EFFECT:
+            assert status == "accepted, no effect", name
+        else:
+            assert status.startswith("400"), name
