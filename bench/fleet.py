@@ -35,8 +35,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 # -- stub executors (child process) --------------------------------------------------------
 def _stubs_main(count: int, step_s: float, redis_url: str, namespace: str, conn) -> None:
+    from lab.executor.stub import serve_stubs
     from services.common.runner import run_coroutine
-    from services.executor.stub import serve_stubs
 
     async def main() -> None:
         fleet = await serve_stubs(count, step_s, registry_url=redis_url, namespace=namespace)
@@ -61,10 +61,10 @@ def _stubs_main(count: int, step_s: float, redis_url: str, namespace: str, conn)
 # -- client (child process) ---------------------------------------------------------------
 def _client_main(shards: list[str], n: int, conn) -> None:
     """Start n streams through the gateway's shard placement, report once all stream."""
+    from lab.scheduler.testing import gen_request
     from services.common.runner import run_coroutine
     from services.common.settings import GatewaySettings
     from services.gateway.upstream import Upstream
-    from services.scheduler.testing import gen_request
 
     async def main() -> None:
         upstream = Upstream(GatewaySettings(scheduler_shards=shards))

@@ -50,8 +50,8 @@ from services.executor.swap import SwapManager
 if TYPE_CHECKING:
     from services.common.guided import GuideCompiler
     from services.common.settings import ExecutorSettings
+    from services.common.step import SchedulerOutput
     from services.executor.runner import KVCache
-    from services.scheduler.core.output import SchedulerOutput
 
 GIB = 1 << 30
 

@@ -22,8 +22,8 @@ from services.common.arith import ceil_div
 from services.executor.messages import RequestState
 
 if TYPE_CHECKING:
+    from services.common.step import NewRequestData, SchedulerOutput
     from services.executor.messages import NewRequest, StepInput
-    from services.scheduler.core.output import NewRequestData, SchedulerOutput
 
 
 class BlockOwners:

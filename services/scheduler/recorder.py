@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from services.common.pb.executor_pb2 import StepResult
+    from services.common.step import RequestUpdate, SchedulerOutput
     from services.scheduler.admission import Admission
-    from services.scheduler.core.output import RequestUpdate, SchedulerOutput
     from services.scheduler.entry import Entries, Entry
     from services.scheduler.loop import ExecutorLoop
     from services.scheduler.metrics import SchedulerMetrics

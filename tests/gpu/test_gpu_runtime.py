@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
+from lab.executor.driver import Driver
 from services.executor.cuda_runtime import RuntimeOptions
-from services.executor.driver import Driver
 from services.executor.engine import Engine
 from services.executor.memory import GIB
 from services.executor.messages import NewRequest, StepInput

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.executor.quality import chat_prompts, passage
+from lab.executor.testing import perplexity, teacher_forced_logits
 from services.common.models import weights_dir
 from services.common.settings import ExecutorSettings
 from services.executor.engine import Engine
-from services.executor.quality import chat_prompts, passage
-from services.executor.testing import perplexity, teacher_forced_logits
 
 TOP1 = 0.95
 

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
+from lab.executor.testing import teacher_forced_logits
+from lab.executor.tiny import ARCHS, make_tiny_model
 from services.executor.engine import Engine
 from services.executor.messages import NewRequest, StepInput
-from services.executor.testing import teacher_forced_logits
-from services.executor.tiny import ARCHS, make_tiny_model
 
 PROMPTS = [
     list(range(200, 290)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.executor.tiny import make_tiny_model
 from services.common.settings import ExecutorSettings
 from services.executor.config import ModelSpec
 from services.executor.engine import Engine, runtime_options
@@ -21,7 +22,6 @@ from services.executor.memory import (
     size_kv_pool,
     staging_reserve,
 )
-from services.executor.tiny import make_tiny_model
 
 MIB = 1 << 20
 SPEC = ModelSpec("llama", 4, 256, 8, 2, 32, 512, 1000, 4096)

@@ -94,9 +94,9 @@ def test_engine_split_groups_match_one_group_and_bench_restores_setting(tmp_path
     """Greedy tokens of decodes with very different contexts are the same whether attention
     runs per context group or as one padded group; the benchmark's figure restores the knob."""
     from bench.bench_engine import mixed_context_decode_ms
+    from lab.executor.tiny import make_tiny_model
     from services.executor.engine import Engine
     from services.executor.messages import NewRequest, StepInput
-    from services.executor.tiny import make_tiny_model
 
     engine = Engine(
         make_tiny_model(tmp_path / "tiny", "llama", seed=2),

@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lab.executor.tiny import make_tiny_model
 from services.executor.engine import Engine
 from services.executor.messages import NewRequest, StepInput
-from services.executor.tiny import make_tiny_model
 
 PROMPT = list(range(400, 437))  # 37 tokens: 3 blocks of 16, the last one partly filled
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.scheduler.core.output import NewRequestData, SchedulerOutput
+from services.common.step import NewRequestData, SchedulerOutput
 from services.scheduler.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:

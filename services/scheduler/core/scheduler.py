@@ -18,10 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.common.step import RequestUpdate, SchedulerOutput, StepOutcome
 from services.scheduler.core.batch import Batch
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.output import RequestUpdate, SchedulerOutput, StepOutcome
 from services.scheduler.core.request import FINISH_REASON_STATUS, Request, RequestStatus
 
 if TYPE_CHECKING:

@@ -63,9 +63,9 @@ from services.scheduler.core.policies.slack import SlackQueue
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.cost_model import CostModel
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
     from services.scheduler.core.scheduler import AppliedStep, Scheduler
 

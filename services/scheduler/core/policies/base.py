@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 if TYPE_CHECKING:
-    from services.scheduler.core.output import SchedulerOutput
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.request import Request, RequestStatus
     from services.scheduler.core.scheduler import AppliedStep, Scheduler
 

@@ -25,8 +25,8 @@ from services.scheduler.core.policies.common import (
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
     from services.scheduler.core.scheduler import Scheduler
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from services.scheduler.core.policies.base import KnobError, Knobs, Policy, register_policy
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
     from services.scheduler.core.scheduler import Scheduler
 

@@ -22,8 +22,8 @@ from services.scheduler.core.policies.victims import Victims, smallest_first
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
     from services.scheduler.core.scheduler import AppliedStep, Scheduler
 

@@ -38,9 +38,9 @@ from services.scheduler.core.policies.base import (
 from services.scheduler.core.policies.common import RUNNING, newest_first, schedule_or_preempt
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.cost_model import CostModel
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
     from services.scheduler.core.scheduler import Scheduler
 
