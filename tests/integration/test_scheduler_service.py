@@ -96,9 +96,9 @@ async def test_streams_equal_in_process_reference(redis_server, executor):
             break
         await asyncio.sleep(0.05)
     if engine.requests:
-        from services.executor.messages import StepInput
+        from services.common.step import SchedulerOutput
 
-        engine.step(StepInput(10**9, free_request_ids=sorted(engine.requests)))
+        engine.step(SchedulerOutput(10**9, free_request_ids=sorted(engine.requests)))
     eos = engine.spec.eos_token_ids
     ref = reference_run(
         engine,

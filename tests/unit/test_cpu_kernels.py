@@ -11,8 +11,8 @@ import torch
 
 from lab.executor.tiny import make_tiny_model
 from services.executor import cpu_kernels
+from services.executor.attention_backends import make_attention
 from services.executor.config import ModelSpec
-from services.executor.runner import make_attention
 
 # Built here (a C++ compiler and ninja come with `make setup`): a failed build must fail the
 # suite, not skip it. ALISE_CPU_KERNELS=off is the only way out.

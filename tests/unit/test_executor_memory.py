@@ -14,9 +14,9 @@ from services.executor.config import ModelSpec
 from services.executor.engine import Engine, runtime_options
 from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import allocate
+from services.executor.kv_pool import make_pool
 from services.executor.memory import (
     GIB,
-    make_pool,
     plan_kv_memory,
     profile_runs,
     size_kv_pool,

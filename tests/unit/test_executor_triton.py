@@ -92,8 +92,8 @@ def test_padding_and_engine_on_gpu(tiny_llama):
 def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
     """`attention_backend=auto` picks the Triton kernels for a CUDA device and the torch
     reference on CPU (the choice is made without touching the device)."""
+    from services.executor.attention_backends import make_attention
     from services.executor.config import ModelSpec
-    from services.executor.runner import make_attention
 
     spec = ModelSpec(
         arch="llama",
