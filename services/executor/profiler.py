@@ -30,7 +30,7 @@ from services.common.arith import ceil_div
 from services.common.step import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
-    from services.executor.engine import Engine
+    from services.executor.engine_protocol import SteppingEngine
 
 # decode counts 2 and 3 are measured on purpose: on CPU they cost far more than a line through
 # 1 and 4 suggests (small-row matrix products), and the simulator's measured clock
@@ -56,7 +56,7 @@ class StepTimer:
     """Builds and times batches on an idle engine, reusing blocks from a private free list
     (the profiler's grid, and the engine benchmark's single steps)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: SteppingEngine) -> None:
         self.engine, self.bs = engine, engine.block_size
         # popped in ascending order and returned reversed, as the scheduler's BlockManager
         # hands blocks out: a request's blocks are consecutive, as in a fresh live pool
@@ -109,7 +109,7 @@ class StepTimer:
         }
 
     def time_decodes(
-        self, contexts: list[int], variants: dict[str, Callable[[Engine], Any]], reps: int
+        self, contexts: list[int], variants: dict[str, Callable[[SteppingEngine], Any]], reps: int
     ) -> dict[str, float]:
         """Median decode-step time of one decode per context in `contexts`, for each variant
         {name: callable(engine)} applied before its runs; variants are interleaved so machine
@@ -179,7 +179,7 @@ def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def profile_engine(
-    engine: Engine, quick: bool = False, max_prefill: int | None = None
+    engine: SteppingEngine, quick: bool = False, max_prefill: int | None = None
 ) -> dict[str, Any]:
     """Run the grid (QUICK or FULL) on an idle engine and return the profile JSON dict.
     `max_prefill` drops batches with more prefill tokens (fit the regime you serve: on CPU

@@ -18,7 +18,7 @@ from services.executor.messages import StepOutput
 
 if TYPE_CHECKING:
     from services.executor.engine import Engine
-    from services.executor.server import ExecutorMetrics
+    from services.executor.metrics import ExecutorMetrics
     from services.executor.warmup import Startup
 
 

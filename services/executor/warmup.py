@@ -25,7 +25,7 @@ from services.common.step import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from services.executor.cuda_graphs import Capture
-    from services.executor.engine import Engine
+    from services.executor.engine_protocol import WarmableEngine
 
 
 class Phase(enum.Enum):
@@ -135,12 +135,12 @@ def triton_variants() -> int:
     return sum(len(c[0]) for k in kernels for c in getattr(k, "device_caches", {}).values())
 
 
-def needs_warmup(engine: Engine) -> bool:
+def needs_warmup(engine: WarmableEngine) -> bool:
     """Whether anything is compiled or captured: CUDA, or the Triton backend."""
     return engine.device.type == "cuda" or engine.attn.name == "triton"
 
 
-def warm_up_engine(engine: Engine, capture: Capture | None = None) -> dict:
+def warm_up_engine(engine: WarmableEngine, capture: Capture | None = None) -> dict:
     """Run the warm-up steps and capture the CUDA graphs; returns what was done."""
     start = time.perf_counter()
     steps = []

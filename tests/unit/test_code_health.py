@@ -463,7 +463,7 @@ def test_ceiling_division_has_one_definition():
 def test_no_metric_name_is_exported_by_two_services():
     """Each service's registry holds its own names: the scheduler's vLLM names (with
     `model_name`), `alise:gateway_*` for what the HTTP client saw, and so on."""
-    from services.executor.server import ExecutorMetrics
+    from services.executor.metrics import ExecutorMetrics
     from services.gateway.metrics import GatewayMetrics
     from services.predictor.servicer import PredictorMetrics
     from services.scheduler.metrics import SchedulerMetrics
@@ -485,7 +485,7 @@ def test_grafana_dashboard_reads_metrics_the_services_export():
     import json
     import re
 
-    from services.executor.server import ExecutorMetrics
+    from services.executor.metrics import ExecutorMetrics
     from services.gateway.metrics import GatewayMetrics
     from services.predictor.servicer import PredictorMetrics
     from services.scheduler.metrics import SchedulerMetrics

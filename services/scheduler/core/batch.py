@@ -9,20 +9,39 @@ Rules it enforces (they follow from the executor's order swap_out, swap_in, free
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.common.step import NewRequestData, SchedulerOutput
 from services.scheduler.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from services.scheduler.core.scheduler import Scheduler
+    from collections.abc import Iterable
+
+    from services.scheduler.core.block_manager import BlockManager
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 UNLIMITED = 1 << 62
 
 
+class BatchHost(Protocol):
+    """What a Batch changes of the scheduler it builds a step for (`Scheduler` is one): its
+    queues, only through `move`, and what the executor holds, through `mark_sent` / `forget`."""
+
+    @property
+    def block_manager(self) -> BlockManager: ...
+
+    @property
+    def requests(self) -> dict[str, Request]: ...
+
+    def move(self, req: Request, status: RequestStatus) -> None: ...
+
+    def mark_sent(self, request_ids: Iterable[str]) -> set[str]: ...
+
+    def forget(self, request_id: str) -> bool: ...
+
+
 class Batch:
-    def __init__(self, sched: Scheduler, now: float, token_budget: int | None = None) -> None:
+    def __init__(self, sched: BatchHost, now: float, token_budget: int | None = None) -> None:
         self.sched = sched
         self.bm = sched.block_manager
         self.now = now

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+    from services.scheduler.core.view import AppliedStep, SchedulerView
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 
@@ -116,11 +116,11 @@ class HybridPolicy(SrtfPolicy):
     _pairs: float  # attention pairs of the step in flight
     _last_decode_step: float  # cost-model time of the last step's decodes alone
 
-    def step_budget(self, sched: Scheduler) -> int:
+    def step_budget(self, sched: SchedulerView) -> int:
         k = self.knobs
         return sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, sched.cost_model)
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         self.tbt = {}
         self.ttft_heap = []

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.cost_model import CostModel
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import Scheduler
+    from services.scheduler.core.view import SchedulerView
 
 DEFAULT_TOKEN_BUDGET = 512  # Sarathi-Serve's 'strict' setting
 
@@ -97,7 +97,7 @@ class SarathiPolicy(Policy):
     seqs: int  # requests per step
     last_was_prefill: bool  # kind of the previous step (hybrid_batching=False)
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         k = self.knobs
         self.budget = sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, sched.cost_model)
