@@ -65,6 +65,26 @@ class Batch:
     def num_seqs(self) -> int:
         return len(self.scheduled)
 
+    def set_budget(self, tokens: int) -> None:
+        """Size the step (once its decodes are in): `tokens`, never below what it holds."""
+        self.token_budget = max(self.num_tokens, tokens)
+
+    def close(self) -> None:
+        """Nothing more joins this step: its budget is what it holds."""
+        self.token_budget = self.num_tokens
+
+    def cover(self) -> None:
+        """A whole prompt past the budget raises it to what the step holds, so the output
+        reports the budget it was really packed against (and nothing else joins)."""
+        if self.token_budget is not None and self.num_tokens > self.token_budget:
+            self.token_budget = self.num_tokens
+
+    def charge(self, tokens: int, keep: int) -> None:
+        """Lower the budget by `tokens` of work beyond the scheduled tokens (a chunk's context
+        reads and attention), keeping room for the `keep` tokens just granted."""
+        if self.token_budget is not None:
+            self.token_budget = max(self.num_tokens + keep, self.token_budget - tokens)
+
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self, req: Request, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Grant `num_new_tokens` to a resident or waiting request (admitting it); False when

@@ -409,8 +409,7 @@ class AccelGenPolicy(Policy):
             reserve = 0 if req.status is RUNNING else self.watermark_blocks
             if b.schedule(req, req.num_uncomputed_tokens, reserve):
                 self._started(req, b)
-                if b.token_budget is not None and b.num_tokens > b.token_budget:
-                    b.token_budget = b.num_tokens
+                b.cover()
                 back.pop(j)
                 return
 
