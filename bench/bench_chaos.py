@@ -249,7 +249,7 @@ def leftovers(stack, timeout_s: float = 120.0) -> dict[str, int]:
 
 
 def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
-    from services.gateway.testing import ProcessStack
+    from lab.gateway.testing import ProcessStack
 
     env = {"ALISE_RESUME_TIMEOUT_S": "60", "ALISE_HEALTH_POLL_S": "0.2"}
     with ProcessStack(

@@ -3,7 +3,7 @@
 Workload: the first N ShareGPT test-split prompts (filtered as docs/workloads.md says) with
 prompts of at most 512 tokens; each request generates its reference output length capped at 256, EOS
 ignored; only requested tokens count. Systems, same weights and thread count:
-  ours      - Engine + the minimal continuous-batching driver (services/executor/driver.py),
+  ours      - Engine + the minimal continuous-batching driver (lab/executor/driver.py),
               once per dtype in --dtypes (fp32, bf16); `ours_tok_s` and the ratios are fp32,
               as the baselines; `best_dtype` / `ours_best_dtype_tok_s` name the fastest
   hf_static - transformers `generate` in fp32, static batches of 32 (left padding, greedy)
@@ -36,7 +36,7 @@ def _workload(n: int, max_prompt: int, max_output: int):
 
 
 def run_ours(engine, prompts, lens, budget: int, max_batch: int) -> float:
-    from services.executor.driver import Driver
+    from lab.executor.driver import Driver
 
     start = time.perf_counter()
     seqs = Driver(engine, token_budget=budget, max_batch=max_batch).generate(prompts, lens)
@@ -50,8 +50,8 @@ def structured_cost(engine, prompts, lens, schema: str, budget: int, max_batch: 
     honoured: a finished guide allows only EOS), then the same prompts unguided, each run to
     exactly the length its guided answer had (EOS ignored), so both runs decode the same
     tokens in the same batches; twice, alternating, to even out a noisy machine."""
+    from lab.executor.driver import Driver
     from services.common.sampling import SamplingParams
-    from services.executor.driver import Driver
 
     guided_params = SamplingParams(guide_kind="json_schema", guide_spec=schema)
     eos = engine.spec.eos_token_ids

@@ -70,7 +70,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[Any, dict]:
 
 
 def run_ours(engine: Any, prompts: list, lens: list, budget: int, max_batch: int) -> float:
-    from services.executor.driver import Driver
+    from lab.executor.driver import Driver
 
     start = time.perf_counter()
     seqs = Driver(engine, token_budget=budget, max_batch=max_batch).generate(prompts, lens)

@@ -241,7 +241,7 @@ async def measure_idle(url: str, model: str, pid: int, n: int, timeout_s: float)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from services.gateway.testing import ProcessStack
+    from lab.gateway.testing import ProcessStack
 
     with tempfile.TemporaryDirectory(prefix="alise-bench-gw-") as tmp:
         out: dict = {}

@@ -31,9 +31,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _client(address: str, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
     """Runs in a child process: n concurrent Generate streams, each read to the end."""
+    from lab.scheduler.testing import gen_request, generate
     from services.common.grpc_client import aio_channel
     from services.common.pb import scheduler_pb2_grpc
-    from services.scheduler.testing import gen_request, generate
 
     async def main() -> None:
         async with aio_channel(address) as channel:
@@ -86,7 +86,7 @@ async def _measure(
     """One run of one policy: (overhead ms, loop-code ms) per iteration with all requests."""
     import multiprocessing
 
-    from services.scheduler.testing import running_scheduler
+    from lab.scheduler.testing import running_scheduler
 
     async with running_scheduler(
         redis_url,
@@ -146,8 +146,8 @@ async def _rpc_floor_ms(address: str, n: int = 200) -> float:
 
 
 async def _run_all(args) -> dict:
+    from lab.scheduler.testing import cached_tiny_model
     from services.common.redis_runner import EmbeddedRedis, free_port
-    from services.scheduler.testing import cached_tiny_model
 
     model = cached_tiny_model("llama")
     work = Path(tempfile.mkdtemp(prefix="alise-bench-overhead-"))

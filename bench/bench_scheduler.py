@@ -61,7 +61,7 @@ class _Workload:
 
 def _step(sched, cost, now: float) -> tuple[float, float, float]:
     """One schedule + fake result; returns (schedule seconds, update seconds, new clock)."""
-    from services.scheduler.core.output import StepOutcome
+    from services.common.step import StepOutcome
 
     t0, c0 = time.perf_counter(), time.thread_time()
     out = sched.schedule(now)

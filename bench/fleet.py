@@ -35,8 +35,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 # -- stub executors (child process) --------------------------------------------------------
 def _stubs_main(count: int, step_s: float, redis_url: str, namespace: str, conn) -> None:
+    from lab.executor.stub import serve_stubs
     from services.common.runner import run_coroutine
-    from services.executor.stub import serve_stubs
 
     async def main() -> None:
         fleet = await serve_stubs(count, step_s, registry_url=redis_url, namespace=namespace)
@@ -61,10 +61,10 @@ def _stubs_main(count: int, step_s: float, redis_url: str, namespace: str, conn)
 # -- client (child process) ---------------------------------------------------------------
 def _client_main(shards: list[str], n: int, conn) -> None:
     """Start n streams through the gateway's shard placement, report once all stream."""
+    from lab.scheduler.testing import gen_request
     from services.common.runner import run_coroutine
     from services.common.settings import GatewaySettings
     from services.gateway.upstream import Upstream
-    from services.scheduler.testing import gen_request
 
     async def main() -> None:
         upstream = Upstream(GatewaySettings(scheduler_shards=shards))
@@ -182,6 +182,18 @@ def _figures(marks: list[list[tuple[float, float]]], since: float, until: float)
     }
 
 
+def _window(stub_end, pids: dict[str, list[int]], window_s: float) -> tuple[dict, dict, dict]:
+    """The stubs' step figures over one window, and each role's CPU seconds before and after."""
+    cpu = {role: [_cpu_s(pid) for pid in ps] for role, ps in pids.items()}
+    stub_end.send("mark")
+    since = stub_end.recv()
+    time.sleep(window_s)
+    stub_end.send("report")
+    marks = stub_end.recv()
+    cpu_after = {role: [_cpu_s(pid) for pid in ps] for role, ps in pids.items()}
+    return _figures(marks, since, since + window_s), cpu, cpu_after
+
+
 def _point(redis, shards: int, n: int, args, work: Path, run: int) -> dict:
     from services.common.redis_runner import free_port
 
@@ -217,15 +229,7 @@ def _point(redis, shards: int, n: int, args, work: Path, run: int) -> dict:
             "client": [client.pid],
             "redis": [redis.process.pid],
         }
-        cpu = {role: [_cpu_s(pid) for pid in ps] for role, ps in pids.items()}
-        stub_end.send("mark")
-        since = stub_end.recv()
-        time.sleep(args.window_s)
-        stub_end.send("report")
-        marks = stub_end.recv()
-        cpu_after = {role: [_cpu_s(pid) for pid in ps] for role, ps in pids.items()}
-        until = since + args.window_s
-        figures = _figures(marks, since, until)
+        figures, cpu, cpu_after = _window(stub_end, pids, args.window_s)
         iterations = figures["iterations_per_s"] * args.window_s
         return {
             "shards": shards,

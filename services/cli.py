@@ -3,7 +3,9 @@
 Each command group lives beside the code it drives, in a module with a
 `register(subparsers)` function that adds its parser and sets `func` (a callable taking the
 parsed args). Heavy imports (torch, transformers) stay inside those functions so that
-`alise --help` is instant. A group whose module does not exist yet is simply not listed.
+`alise --help` is instant. A group whose module is not installed (an image without lab/ or
+bench/) is simply not listed; the modules are named here, not imported, so serving code does
+not depend on them.
 """
 
 from __future__ import annotations
@@ -21,9 +23,15 @@ COMMAND_MODULES = (
     "services.scheduler.cli",  # alise scheduler ...
     "services.executor.cli",  # alise executor ...
     "services.predictor.cli",  # alise predictor ...
-    "services.scheduler.sim_cli",  # alise sim ...
+    "lab.scheduler.sim_cli",  # alise sim ...
     "bench.cli",  # alise bench ...
-    "services.common.cli",  # alise proto, alise config
+    "services.launcher.admin_cli",  # alise health, proto, config
+)
+# Lab commands that join a service's group above (`extend(subparsers)`): evaluation,
+# calibration and benchmark stubs live in lab/, which serving code never imports.
+EXTENDING_MODULES = (
+    "lab.predictor.cli",  # alise predictor train --proxy | calibrate | eval | bench-store
+    "lab.executor.cli",  # alise executor stub
 )
 
 
@@ -44,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         if _available(name):
             importlib.import_module(name).register(subparsers)
+    for name in EXTENDING_MODULES:
+        if _available(name):
+            importlib.import_module(name).extend(subparsers)
     return parser
 
 

@@ -28,7 +28,7 @@ from services.executor.paged_read import Workspace, gather_blocks
 from services.executor.ragged_batch import Group, StepBatch
 
 if TYPE_CHECKING:
-    from services.executor.runner import KVCache
+    from services.executor.kv_pool import KVCache
 
 
 def group_mask(g: Group, groups_per_kv: int) -> torch.Tensor:

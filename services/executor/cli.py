@@ -1,4 +1,4 @@
-"""`alise executor serve | profile | stub`."""
+"""`alise executor serve | profile` (lab/executor/cli.py adds `stub`)."""
 
 from __future__ import annotations
 
@@ -30,27 +30,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def _stub(args: argparse.Namespace) -> int:
-    from services.common.logs import setup_logging
-    from services.common.runner import run_until_signal
-    from services.executor.stub import serve_stubs
-
-    settings = _settings()
-    setup_logging("executor", settings.log_level, settings.log_format)
-    return run_until_signal(
-        lambda: serve_stubs(
-            args.count,
-            args.step_ms / 1000,
-            settings.executor_host,
-            settings.registry_url,
-            settings.redis_namespace,
-        ),
-        lambda fleet: (
-            "stub executors listening on " + ",".join(fleet.addresses(settings.executor_host))
-        ),
-    )
-
-
 def _profile(args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
     from services.executor.engine import Engine
@@ -69,8 +48,8 @@ def _profile(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser("executor", help="model executor service")
-    group.set_defaults(_parser=group)
     inner = group.add_subparsers(dest="executor_command", metavar="COMMAND")
+    group.set_defaults(_parser=group, _commands=inner)  # lab/executor/cli.py adds `stub`
     serve = inner.add_parser("serve", help="serve the Executor gRPC API (ALISE_* settings)")
     serve.set_defaults(func=_serve)
     profile = inner.add_parser(
@@ -85,11 +64,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="leave out batches with more prefill tokens than this",
     )
     profile.set_defaults(func=_profile)
-    stub = inner.add_parser(
-        "stub",
-        help="benchmark stubs: N executors with the real Step contract, no model, a fixed "
-        "step time (registered in Redis with ALISE_REGISTRY_URL)",
-    )
-    stub.add_argument("--count", type=int, default=8, help="stub executors to serve")
-    stub.add_argument("--step-ms", type=float, default=25.0, help="time of every Step")
-    stub.set_defaults(func=_stub)

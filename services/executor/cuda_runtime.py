@@ -37,7 +37,9 @@ from services.executor.step_buffers import (
 )
 
 if TYPE_CHECKING:
-    from services.executor.runner import Attention, KVCache, ModelRunner
+    from services.executor.attention_backends import Attention
+    from services.executor.kv_pool import KVCache
+    from services.executor.runner import ModelRunner
     from services.executor.triton_attention import TritonAttention
 
 STEP_RUNTIMES = ("auto", "packed", "classic")

@@ -1,7 +1,7 @@
 """The in-process executor: applies one Step delta, runs one forward pass, samples.
 
     engine = Engine(weights_dir("smollm2-135m-instruct", data_dir), num_device_blocks=256)
-    out = engine.step(StepInput(new_requests=[NewRequest("a", ids)],
+    out = engine.step(SchedulerOutput(new_requests=[NewRequestData("a", ids)],
                                 block_tables={"a": ([0, 1], False)},
                                 num_scheduled_tokens={"a": len(ids)}))
     out.sampled["a"]  # (token id, logprob)
@@ -27,31 +27,32 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.arith import ceil_div
+from services.common.step import SchedulerOutput
+from services.executor.attention_backends import make_attention
 from services.executor.config import resolve_device, resolve_dtype
 from services.executor.cuda_graphs import Capture
 from services.executor.cuda_runtime import DeviceRuntime, RuntimeOptions, uses_graphs, uses_packed
+from services.executor.kv_pool import bytes_per_block, make_pool
 from services.executor.memory import (
     MemoryPlan,
-    make_pool,
     profile_activation_peak,
     profile_runs,
     release_unused_memory,
     size_kv_pool,
     staging_reserve,
 )
-from services.executor.messages import RequestState, StepInput, StepOutput, StepTimings
+from services.executor.messages import RequestState, StepOutput, StepTimings
 from services.executor.prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
-from services.executor.runner import bytes_per_block, load_runner, make_attention, make_cache
+from services.executor.runner import load_runner
 from services.executor.sampler import sample, sample_batch, top_alternatives, unpack_samples
-from services.executor.step_plan import BlockOwners, StepChecker, StepPlan, apply_plan
+from services.executor.step_plan import StepBook, StepPlan
 from services.executor.swap import SwapManager
 
 if TYPE_CHECKING:
     from services.common.guided import GuideCompiler
     from services.common.settings import ExecutorSettings
-    from services.executor.runner import KVCache
-    from services.scheduler.core.output import SchedulerOutput
+    from services.executor.kv_pool import KVCache
 
 GIB = 1 << 30
 
@@ -111,17 +112,11 @@ class Engine:
         self.runtime = self._make_runtime(packed, graphs)  # None: the CPU path
         self.profile_path = Path(profile_path) if profile_path else None
         self.instance_id = uuid.uuid4().hex
-        self.requests: dict[str, RequestState] = {}
-        self.owners = BlockOwners()  # device block -> the requests holding it
-        self.checker = StepChecker(
-            self.requests,
-            self.owners,
-            num_device_blocks,
-            num_host_blocks,
-            block_size,
-            self.max_model_len,
-            self.spec.vocab_size,
+        self.book = StepBook(
+            num_device_blocks, num_host_blocks, block_size, self.max_model_len, self.spec.vocab_size
         )
+        self.requests: dict[str, RequestState] = self.book.requests
+        self.owners = self.book.owners
         self._lock = threading.RLock()
 
     def _make_runtime(self, packed: bool, graphs: bool) -> DeviceRuntime | None:
@@ -168,7 +163,7 @@ class Engine:
 
     def _make_pool(self, num_blocks: int) -> KVCache:
         if self.device.type != "cuda":
-            return make_cache(
+            return make_pool(
                 self.spec, self.kv_dtype, num_blocks, self.block_size, self.dtype, self.device
             )
         return make_pool(  # INT8 staging for max_num_seqs requests allocated up front
@@ -257,18 +252,18 @@ class Engine:
         return GuideCompiler.from_dir(self.model_dir, vocab_size=self.spec.vocab_size)
 
     # -- one step -------------------------------------------------------------------------
-    def step(self, step: StepInput | SchedulerOutput, all_logits: bool = False) -> StepOutput:
+    def step(self, step: SchedulerOutput, all_logits: bool = False) -> StepOutput:
         """Apply the delta, run the forward pass, sample. all_logits: also return the fp32
         logits of every computed position per request (tests, perplexity)."""
         start = time.perf_counter()
         with self._lock:
-            plan = self.checker.plan(step)
+            plan = self.book.plan(step)
             self._apply(step, plan)
             out = self._run(step.step_id, plan, all_logits)
         out.timings.total_s = time.perf_counter() - start
         return out
 
-    def _apply(self, step: StepInput | SchedulerOutput, plan: StepPlan) -> None:
+    def _apply(self, step: SchedulerOutput, plan: StepPlan) -> None:
         self.swap.swap(list(step.swap_out), list(step.swap_in))
 
         def open_request(state: RequestState) -> None:
@@ -278,7 +273,7 @@ class Engine:
                 sp = state.sampling
                 state.matcher = self.guides.matcher(sp.guide_kind, sp.guide_spec, output)
 
-        apply_plan(plan, self.requests, self.owners, self.cache.close_request, open_request)
+        self.book.apply(plan, self.cache.close_request, open_request)
 
     def _runs(self, plan: StepPlan) -> list[TokenRun]:
         runs = []

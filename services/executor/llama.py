@@ -19,7 +19,8 @@ from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
 
 if TYPE_CHECKING:
-    from services.executor.runner import Attention, KVCache
+    from services.executor.attention_backends import Attention
+    from services.executor.kv_pool import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

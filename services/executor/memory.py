@@ -26,14 +26,14 @@ import torch
 
 from services.common.arith import ceil_div
 from services.common.sampling import SamplingParams
-from services.executor.int8_kv import Int8PagedKV
 from services.executor.ragged_batch import TokenRun, build_batch
-from services.executor.runner import make_cache
 from services.executor.sampler import sample_batch
 
 if TYPE_CHECKING:
+    from services.executor.attention_backends import Attention
     from services.executor.config import ModelSpec
-    from services.executor.runner import Attention, KVCache, ModelRunner
+    from services.executor.kv_pool import KVCache
+    from services.executor.runner import ModelRunner
 
 GIB = 1 << 30
 MemGetInfo = Callable[[], tuple[int, int]]  # (free, total) bytes, as torch.cuda.mem_get_info
@@ -112,31 +112,6 @@ def size_kv_pool(
     free, total = mem_get_info()
     reserve = reserve_bytes + (peak if graphs else 0)
     return plan_kv_memory(free, total, peak, reserve, utilization, bytes_per_block)
-
-
-def make_pool(
-    spec: ModelSpec,
-    kv_dtype: str,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    staging_slots: int,
-) -> KVCache:
-    """The device pool, an INT8 one with staging buffers for `staging_slots` requests
-    allocated now (counted in the plan's reserve) rather than grown while serving."""
-    if kv_dtype == "int8":
-        return Int8PagedKV(
-            spec.num_layers,
-            num_blocks,
-            block_size,
-            spec.num_kv_heads,
-            spec.head_dim,
-            dtype,
-            device,
-            staging_slots,
-        )
-    return make_cache(spec, kv_dtype, num_blocks, block_size, dtype, device)
 
 
 def profile_runs(num_tokens: int, num_seqs: int, max_model_len: int) -> list[int]:

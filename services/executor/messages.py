@@ -1,7 +1,6 @@
-"""Plain typed messages of the executor, mirroring proto StepRequest / StepResult.
-
-`Engine.step` also accepts the scheduler core's `SchedulerOutput` (same field names), so the
-in-process driver, the gRPC servicer and tests share one path.
+"""The executor's own typed records: a step's result (mirroring proto StepResult) and what it
+remembers about a request between steps. A step's input is the scheduler's `SchedulerOutput`
+(services/common/step.py), whether it came over gRPC or from an in-process driver.
 """
 
 from __future__ import annotations
@@ -10,26 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.sampling import SamplingParams
-
-
-@dataclass
-class NewRequest:
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix cache hit: prefill starts here (whole blocks)
-
-
-@dataclass
-class StepInput:
-    step_id: int = 0
-    new_requests: list[NewRequest] = field(default_factory=list)
-    block_tables: dict[str, tuple[list[int], bool]] = field(default_factory=dict)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device
-    free_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

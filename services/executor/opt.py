@@ -15,7 +15,8 @@ from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
 
 if TYPE_CHECKING:
-    from services.executor.runner import Attention, KVCache
+    from services.executor.attention_backends import Attention
+    from services.executor.kv_pool import KVCache
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 

@@ -27,10 +27,10 @@ import numpy as np
 from scipy.optimize import nnls
 
 from services.common.arith import ceil_div
-from services.executor.messages import NewRequest, StepInput
+from services.common.step import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
-    from services.executor.engine import Engine
+    from services.executor.engine_protocol import SteppingEngine
 
 # decode counts 2 and 3 are measured on purpose: on CPU they cost far more than a line through
 # 1 and 4 suggests (small-row matrix products), and the simulator's measured clock
@@ -56,7 +56,7 @@ class StepTimer:
     """Builds and times batches on an idle engine, reusing blocks from a private free list
     (the profiler's grid, and the engine benchmark's single steps)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: SteppingEngine) -> None:
         self.engine, self.bs = engine, engine.block_size
         # popped in ascending order and returned reversed, as the scheduler's BlockManager
         # hands blocks out: a request's blocks are consecutive, as in a fresh live pool
@@ -64,11 +64,11 @@ class StepTimer:
         self.n = 0
         self._computed: dict[str, tuple[int, list[int]]] = {}
 
-    def _new(self, step: StepInput, length: int, computed: int) -> str:
+    def _new(self, step: SchedulerOutput, length: int, computed: int) -> str:
         rid = f"profile-{self.n}"
         self.n += 1
         blocks = [self.free.pop() for _ in range(ceil_div(length + 8, self.bs))]
-        step.new_requests.append(NewRequest(rid, [1] * length))
+        step.new_requests.append(NewRequestData(rid, [1] * length))
         step.block_tables[rid] = (blocks, False)
         self._computed[rid] = (computed, blocks)
         return rid
@@ -85,14 +85,14 @@ class StepTimer:
         """Median time of a batch: one fresh prefill of `prefill` tokens + `decodes` decodes
         at `context` tokens of KV each."""
         self._computed = {}
-        setup = StepInput(0)
+        setup = SchedulerOutput(0)
         dec = [self._new(setup, context, context - 1) for _ in range(decodes)]
         self.engine.step(setup)  # admit, nothing scheduled
         for rid in dec:
             self.engine.requests[rid].num_computed = context - 1
         times = []
         for rep in range(reps + 1):  # first run is warm-up
-            step = StepInput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1))
+            step = SchedulerOutput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1))
             if prefill:
                 step.num_scheduled_tokens[self._new(step, prefill, 0)] = prefill
             start = time.perf_counter()
@@ -109,13 +109,13 @@ class StepTimer:
         }
 
     def time_decodes(
-        self, contexts: list[int], variants: dict[str, Callable[[Engine], Any]], reps: int
+        self, contexts: list[int], variants: dict[str, Callable[[SteppingEngine], Any]], reps: int
     ) -> dict[str, float]:
         """Median decode-step time of one decode per context in `contexts`, for each variant
         {name: callable(engine)} applied before its runs; variants are interleaved so machine
         drift hits them alike."""
         self._computed = {}
-        setup = StepInput(0)
+        setup = SchedulerOutput(0)
         dec = [self._new(setup, c, c - 1) for c in contexts]
         self.engine.step(setup)
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -125,7 +125,9 @@ class StepTimer:
                     self.engine.requests[rid].num_computed = c - 1
                 apply(self.engine)
                 start = time.perf_counter()
-                self.engine.step(StepInput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1)))
+                self.engine.step(
+                    SchedulerOutput(rep + 1, num_scheduled_tokens=dict.fromkeys(dec, 1))
+                )
                 if rep:
                     times[name].append(time.perf_counter() - start)
         self._release(dec)
@@ -133,7 +135,7 @@ class StepTimer:
 
     def _release(self, rids: list[str]) -> None:
         if rids:
-            self.engine.step(StepInput(0, free_request_ids=rids))
+            self.engine.step(SchedulerOutput(0, free_request_ids=rids))
             for rid in rids:
                 self.free.extend(reversed(self._computed.pop(rid)[1]))
 
@@ -177,7 +179,7 @@ def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def profile_engine(
-    engine: Engine, quick: bool = False, max_prefill: int | None = None
+    engine: SteppingEngine, quick: bool = False, max_prefill: int | None = None
 ) -> dict[str, Any]:
     """Run the grid (QUICK or FULL) on an idle engine and return the profile JSON dict.
     `max_prefill` drops batches with more prefill tokens (fit the regime you serve: on CPU

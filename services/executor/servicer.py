@@ -13,11 +13,12 @@ import grpc
 from services.common import sampling_pb
 from services.common.grpc_server import ServiceError
 from services.common.pb import executor_pb2, executor_pb2_grpc
-from services.executor.messages import NewRequest, StepInput, StepOutput
+from services.common.step import NewRequestData, SchedulerOutput
+from services.executor.messages import StepOutput
 
 if TYPE_CHECKING:
     from services.executor.engine import Engine
-    from services.executor.server import ExecutorMetrics
+    from services.executor.metrics import ExecutorMetrics
     from services.executor.warmup import Startup
 
 
@@ -26,13 +27,13 @@ def _unique(ids: list[str], what: str) -> None:
         raise ValueError(f"{what} lists a request twice")
 
 
-def step_from_pb(req: executor_pb2.StepRequest) -> StepInput:
+def step_from_pb(req: executor_pb2.StepRequest) -> SchedulerOutput:
     _unique([t.request_id for t in req.block_tables], "block_tables")
     _unique([s.request_id for s in req.scheduled], "scheduled")
-    return StepInput(
+    return SchedulerOutput(
         step_id=req.step_id,
         new_requests=[
-            NewRequest(
+            NewRequestData(
                 r.request_id,
                 list(r.token_ids),
                 sampling_pb.from_pb(r.sampling),
@@ -138,7 +139,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self.metrics.observe(out)
         return pb
 
-    def _fence(self, epoch: int, step: StepInput) -> None:
+    def _fence(self, epoch: int, step: SchedulerOutput) -> None:
         """Refuse a deposed scheduler's Step; on a new leader's first, drop every request."""
         if epoch == 0:
             return

@@ -22,8 +22,7 @@ from services.common.arith import ceil_div
 from services.executor.messages import RequestState
 
 if TYPE_CHECKING:
-    from services.executor.messages import NewRequest, StepInput
-    from services.scheduler.core.output import NewRequestData, SchedulerOutput
+    from services.common.step import NewRequestData, SchedulerOutput
 
 
 class BlockOwners:
@@ -112,7 +111,7 @@ class StepChecker:
         self.nd, self.nh, self.bs = num_device_blocks, num_host_blocks, block_size
         self.max_len, self.vocab = max_model_len, vocab_size
 
-    def plan(self, step: StepInput | SchedulerOutput) -> StepPlan:
+    def plan(self, step: SchedulerOutput) -> StepPlan:
         p = StepPlan()
         self._swaps(step.swap_out, self.nd, self.nh, "swap_out")
         self._swaps(step.swap_in, self.nh, self.nd, "swap_in")
@@ -143,7 +142,7 @@ class StepChecker:
                 raise ValueError(f"{what} names a {name} block twice")
 
     def _new_requests(
-        self, new_requests: Iterable[NewRequest | NewRequestData], live: set[str], p: StepPlan
+        self, new_requests: Iterable[NewRequestData], live: set[str], p: StepPlan
     ) -> None:
         for nr in new_requests:
             rid = nr.request_id
@@ -251,3 +250,41 @@ class StepChecker:
                     f"{end} tokens but its table has {len(table)}"
                 )
             p.scheduled.append((rid, n))
+
+
+class StepBook:
+    """The executor's bookkeeping under the step contract: the requests it knows, which of them
+    hold each device block, and the checker of each step against both. The engine keeps one;
+    the benchmark stub executor (lab/executor/stub.py) keeps the very same."""
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.requests: dict[str, RequestState] = {}
+        self.owners = BlockOwners()  # device block -> the requests holding it
+        self.checker = StepChecker(
+            self.requests,
+            self.owners,
+            num_device_blocks,
+            num_host_blocks,
+            block_size,
+            max_model_len,
+            vocab_size,
+        )
+
+    def plan(self, step: SchedulerOutput) -> StepPlan:
+        """Check `step` (ValueError if malformed; nothing changes) and compute its effects."""
+        return self.checker.plan(step)
+
+    def apply(
+        self,
+        plan: StepPlan,
+        on_free: Callable[[str], None] | None = None,
+        on_new: Callable[[RequestState], None] | None = None,
+    ) -> None:
+        apply_plan(plan, self.requests, self.owners, on_free, on_new)

@@ -32,7 +32,7 @@ from services.executor.int8_kv import int8_layout
 from services.executor.kv_cache import allocate, layout_bytes
 
 if TYPE_CHECKING:
-    from services.executor.runner import KVCache
+    from services.executor.kv_pool import KVCache
 
 Blocks = dict[str, torch.Tensor]  # tensor name -> blocks [L, Hkv, n, ...]
 

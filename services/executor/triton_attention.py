@@ -19,7 +19,7 @@ from services.executor.kv_cache import PagedKV
 from services.executor.ragged_batch import StepBatch, TokenRun
 
 if TYPE_CHECKING:
-    from services.executor.runner import KVCache
+    from services.executor.kv_pool import KVCache
 
 
 LOG2E = 1.4426950408889634  # the kernels exponentiate in base 2

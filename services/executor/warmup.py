@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 from services.common.arith import ceil_div
 from services.common.sampling import SamplingParams
-from services.executor.messages import NewRequest, StepInput
+from services.common.step import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from services.executor.cuda_graphs import Capture
-    from services.executor.engine import Engine
+    from services.executor.engine_protocol import WarmableEngine
 
 
 class Phase(enum.Enum):
@@ -93,7 +93,7 @@ def warmup_lengths(block_size: int, max_model_len: int, num_blocks: int) -> dict
 
 def warmup_steps(
     block_size: int, max_model_len: int, num_blocks: int, vocab: int
-) -> list[StepInput]:
+) -> list[SchedulerOutput]:
     """The warm-up schedule: each prompt alone, then all decoding, then two of them decoding
     (the long one freed), then everything freed. Blocks are taken from 0 upwards."""
     lens = warmup_lengths(block_size, max_model_len, num_blocks)
@@ -104,24 +104,24 @@ def warmup_steps(
         ids = [(i * 131 + j * 17 + 7) % vocab for j in range(n)]
         params = SAMPLED if rid == "warmup-b" else SamplingParams()
         steps.append(
-            StepInput(
+            SchedulerOutput(
                 len(steps),
-                new_requests=[NewRequest(rid, ids, params)],
+                new_requests=[NewRequestData(rid, ids, params)],
                 block_tables={rid: (blocks, False)},
                 num_scheduled_tokens={rid: n},
             )
         )
     rids = list(lens)
-    steps.append(StepInput(len(steps), num_scheduled_tokens=dict.fromkeys(rids, 1)))
+    steps.append(SchedulerOutput(len(steps), num_scheduled_tokens=dict.fromkeys(rids, 1)))
     rest = [r for r in rids if r != "warmup-b"]
     steps.append(
-        StepInput(
+        SchedulerOutput(
             len(steps),
             free_request_ids=[r for r in rids if r == "warmup-b"],
             num_scheduled_tokens=dict.fromkeys(rest, 1),
         )
     )
-    steps.append(StepInput(len(steps), free_request_ids=rest))
+    steps.append(SchedulerOutput(len(steps), free_request_ids=rest))
     return steps
 
 
@@ -135,12 +135,12 @@ def triton_variants() -> int:
     return sum(len(c[0]) for k in kernels for c in getattr(k, "device_caches", {}).values())
 
 
-def needs_warmup(engine: Engine) -> bool:
+def needs_warmup(engine: WarmableEngine) -> bool:
     """Whether anything is compiled or captured: CUDA, or the Triton backend."""
     return engine.device.type == "cuda" or engine.attn.name == "triton"
 
 
-def warm_up_engine(engine: Engine, capture: Capture | None = None) -> dict:
+def warm_up_engine(engine: WarmableEngine, capture: Capture | None = None) -> dict:
     """Run the warm-up steps and capture the CUDA graphs; returns what was done."""
     start = time.perf_counter()
     steps = []

@@ -12,7 +12,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ from services.gateway.prompts import PromptBuilder
 from services.gateway.response_routes import router as responses_router
 from services.gateway.response_store import ResponseStore
 from services.gateway.routes import router
+from services.gateway.state import GatewayState
 from services.gateway.upstream import Upstream
 from services.gateway.utility import router as utility_router
 from services.gateway.version import VERSION
@@ -41,27 +41,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
-
-
-@dataclass
-class GatewayState:
-    settings: GatewaySettings
-    metrics: GatewayMetrics
-    tokenizer: PreTrainedTokenizerBase
-    upstream: Upstream
-    prompts: PromptBuilder
-    model_id: str
-    config_max_len: int
-    started: int
-    responses: ResponseStore  # stored Responses (/v1/responses)
-    # Set when the server is stopping and the drain period is over: open streams end with an
-    # error event (and their requests are aborted upstream) instead of being cut.
-    shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def max_model_len(self) -> int:
-        """The context a request may use: the model's length, and no more than the largest
-        executor KV pool holds (both as the scheduler reports them, once it has)."""
-        return self.upstream.context_limit(self.config_max_len)
 
 
 def model_max_length(settings: GatewaySettings, tokenizer: PreTrainedTokenizerBase) -> int:

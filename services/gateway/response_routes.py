@@ -39,8 +39,8 @@ from services.gateway.routes import (
 )
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
     from services.gateway.generation import Plan
+    from services.gateway.state import GatewayState
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
 

@@ -33,7 +33,7 @@ from services.gateway.schemas import (
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from services.gateway.app import GatewayState
+    from services.gateway.state import GatewayState
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from services.gateway.schemas import ChatMessage
 from services.gateway.version import VERSION
 
 if TYPE_CHECKING:
-    from services.gateway.app import GatewayState
+    from services.gateway.state import GatewayState
 
 
 class TokenizeRequest(BaseModel):

@@ -73,7 +73,7 @@ def seed_space(settings: PredictorSettings, embedder: Embedder) -> str:
     """The embedder's space tagged with the seed's source, so a store or MLP seeded from
     ShareGPT's reference lengths is not reused once the served model has a calibration file
     (its collection and checkpoint get another name and are seeded afresh)."""
-    from services.predictor.calibrate import DEFAULT_CAP, calibration_file
+    from services.predictor.calibration_files import DEFAULT_CAP, calibration_file
 
     path = calibration_file(served_models(settings)[0], Path(settings.data_dir))
     return embedder.space if path is None else f"{embedder.space}-cal{DEFAULT_CAP}"
@@ -114,7 +114,11 @@ def seed_samples(
 ) -> tuple[list[Sample], np.ndarray | None]:
     """(samples, censored flags) to seed from: the served model's calibrated lengths when a
     calibration file exists, else ShareGPT's reference lengths (flags None)."""
-    from services.predictor.calibrate import calibrated_samples, calibration_file, read_calibration
+    from services.predictor.calibration_files import (
+        calibrated_samples,
+        calibration_file,
+        read_calibration,
+    )
 
     model = served_models(settings)[0]
     path = calibration_file(model, Path(settings.data_dir))

@@ -1,4 +1,5 @@
-"""`alise predictor serve | seed | train [--proxy] | calibrate | eval [--target served] | bench-store`."""
+"""`alise predictor serve | seed | train`: the serving commands (lab/predictor/cli.py adds
+`train --proxy`, `calibrate`, `eval` and `bench-store` to the group)."""
 
 from __future__ import annotations
 
@@ -58,122 +59,17 @@ def _train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO)
     settings = _settings()
     model = served_models(settings)[0]
-    if args.proxy:
-        from services.predictor.proxy import train_proxy
-
-        report = train_proxy(settings, limit=args.limit or 2000, epochs=args.epochs or 1)
-    else:
-        mlp, path = train_mlp(
-            settings, make_embedder(settings), model, limit=args.limit, epochs=args.epochs or 60
-        )
-        report = {"path": str(path), "prior": mlp.cfg.prior}
-    print(json.dumps(report))
+    mlp, path = train_mlp(
+        settings, make_embedder(settings), model, limit=args.limit, epochs=args.epochs or 60
+    )
+    print(json.dumps({"path": str(path), "prior": mlp.cfg.prior}))
     return 0
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    import logging
-    from pathlib import Path
-
-    from services.predictor.calibrate import calibrate
-
-    logging.basicConfig(level=logging.INFO)
-    report = calibrate(
-        _settings(),
-        args.n,
-        args.max_tokens,
-        Path(args.out) if args.out else None,
-        batch=args.batch,
-        temperature=args.temperature,
-        threads=args.threads,
-        split=args.split,
-        seed=args.seed,
-    )
-    print(json.dumps(report))
-    return 0
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from services.predictor.evaluate import main
-
-    return main(args)
-
-
-def _bench_store(args: argparse.Namespace) -> int:
-    from services.predictor.bench_store import main
-
-    return main(args)
-
-
-def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    cal = sub.add_parser(
-        "calibrate",
-        help="the served model's own lengths for N train-split prompts (resumable JSONL)",
-    )
-    cal.add_argument("--n", type=int, default=2000, help="prompts the file should hold")
-    cal.add_argument("--max-tokens", type=int, default=256, help="the cap (as a client sends)")
-    cal.add_argument(
-        "--out", help="JSONL file (default: DATA_DIR/calibration/MODEL-capN.jsonl); appended"
-    )
-    cal.add_argument("--batch", type=int, default=32, help="prompts decoded together")
-    cal.add_argument("--temperature", type=float, default=1.0, help="the API's default: 1.0")
-    cal.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    cal.add_argument(
-        "--seed", type=int, default=0, help="sampling seed (another seed: another answer)"
-    )
-    cal.add_argument(
-        "--split",
-        default="train",
-        choices=("train", "test"),
-        help="train seeds the predictor; test is held out to score it",
-    )
-    cal.set_defaults(func=_calibrate)
-
-
-def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from services.predictor.served_eval import add_arguments as served_eval_arguments
-
-    ev = sub.add_parser("eval", help="prior / mlp / retrieval / ours / proxy on the test split")
-    ev.add_argument("--json", dest="json_path", default=None, help="write the results here")
-    ev.add_argument(
-        "--target",
-        choices=("reference", "served"),
-        default="reference",
-        help="score against ShareGPT's reference lengths, or the served model's own "
-        "(held-out calibrated prompts; the options below)",
-    )
-    served_eval_arguments(ev)
-    ev.add_argument(
-        "--text",
-        choices=("norm", "chat"),
-        default="norm",
-        help="embed the user text (norm) or the whole chat-formatted prompt",
-    )
-    ev.add_argument("--limit-test", type=int, default=None, help="first N test samples")
-    ev.add_argument("--limit-train", type=int, default=None, help="first N train samples")
-    ev.add_argument(
-        "--latency-samples", type=int, default=200, help="prompts timed one by one per method"
-    )
-    ev.add_argument("--batches", type=int, default=10, help="batches of 32 timed per method")
-    ev.add_argument("--no-proxy", action="store_true", help="leave the proxy out")
-    ev.add_argument(
-        "--write-predictions",
-        metavar="PATH",
-        help="also write ours' prediction per test prompt ({id: length}) for `alise sim "
-        "--prediction file:PATH`",
-    )
-    ev.add_argument(
-        "--tune",
-        action="store_true",
-        help="also sweep k and s0 on a validation part of the train split",
-    )
-    ev.set_defaults(func=_eval)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = subparsers.add_parser("predictor", help="output-length predictor service")
     sub = group.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND")
-    group.set_defaults(_parser=group)
+    group.set_defaults(_parser=group, _commands=sub)  # lab/predictor/cli.py adds its own
 
     serve = sub.add_parser("serve", help="run the gRPC predictor service")
     serve.set_defaults(func=_serve)
@@ -185,22 +81,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     train = sub.add_parser("train", help="train the MLP fallback (or --proxy, eval only)")
     train.add_argument(
-        "--proxy",
-        action="store_true",
-        help="fine-tune the embedder end-to-end with a regression head",
-    )
-    train.add_argument(
         "--limit", type=int, default=None, help="train samples used (proxy default 2000)"
     )
     train.add_argument("--epochs", type=int, default=None, help="MLP 60 (early stop), proxy 1")
     train.set_defaults(func=_train)
-
-    _add_calibrate(sub)
-    _add_eval(sub)
-
-    bench = sub.add_parser("bench-store", help="qdrant-client local mode vs Qdrant Edge")
-    bench.add_argument("--points", type=int, default=16_000)
-    bench.add_argument("--queries", type=int, default=300)
-    bench.add_argument("-k", type=int, default=8)
-    bench.add_argument("--vectors", default=None, help=".npz with a `vectors` array")
-    bench.set_defaults(func=_bench_store)

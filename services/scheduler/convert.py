@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from services.common import sampling_pb
 from services.common.pb import common_pb2, executor_pb2, scheduler_pb2
-from services.scheduler.core.output import SchedulerOutput, StepOutcome
+from services.common.step import SchedulerOutput, StepOutcome
 from services.scheduler.core.request import Slo
 
 

@@ -23,12 +23,25 @@ from services.common.pb import executor_pb2
 from services.common.tasks import cancel_and_wait
 from services.scheduler.convert import step_outcome, step_request
 from services.scheduler.executor_client import ExecutorClient
-from services.scheduler.recorder import CompletedStep
 
 if TYPE_CHECKING:
+    from services.common.pb.executor_pb2 import StepResult
+    from services.common.step import RequestUpdate, SchedulerOutput
     from services.scheduler.core.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompletedStep:
+    """One Step as the loop saw it: what was sent, what came back, what the core made of it."""
+
+    out: SchedulerOutput
+    updates: list[RequestUpdate]
+    result: StepResult
+    sent_at: float  # wall-clock time the Step went out
+    estimate_s: float  # the cost model's estimate of its time
+    round_trip_s: float  # send to result
 
 
 class LoopHost(Protocol):

@@ -8,7 +8,6 @@ committed them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -21,26 +20,13 @@ from services.scheduler.streams import final_event
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from services.common.pb.executor_pb2 import StepResult
+    from services.common.step import RequestUpdate, SchedulerOutput
     from services.scheduler.admission import Admission
-    from services.scheduler.core.output import RequestUpdate, SchedulerOutput
     from services.scheduler.entry import Entries, Entry
-    from services.scheduler.loop import ExecutorLoop
+    from services.scheduler.loop import CompletedStep, ExecutorLoop
     from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.step_trace import StepTrace
     from services.scheduler.store import StoreWriter
-
-
-@dataclass
-class CompletedStep:
-    """One Step as the loop saw it: what was sent, what came back, what the core made of it."""
-
-    out: SchedulerOutput
-    updates: list[RequestUpdate]
-    result: StepResult
-    sent_at: float  # wall-clock time the Step went out
-    estimate_s: float  # the cost model's estimate of its time
-    round_trip_s: float  # send to result
 
 
 def executor_fields(loop: ExecutorLoop) -> dict[str, str | int | float]:

@@ -32,9 +32,9 @@ from services.scheduler.entry import Entries, Entry
 from services.scheduler.executors import make_scheduler
 from services.scheduler.iteration_write import IterationWrite
 from services.scheduler.lease import NOT_LEADER
-from services.scheduler.loop import ExecutorLoop, LoopTiming
+from services.scheduler.loop import CompletedStep, ExecutorLoop, LoopTiming
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.recorder import CompletedStep, StepRecorder, executor_fields, write_status
+from services.scheduler.recorder import StepRecorder, executor_fields, write_status
 from services.scheduler.records import new_record, recompute_copy, request_from_record
 from services.scheduler.resync import full_state
 from services.scheduler.shards import fenced_epoch

@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
+from lab.gateway.testing import inprocess_backend, running_gateway
 from services.common.redis_runner import EmbeddedRedis
 from services.common.settings import GatewaySettings, PredictorSettings
-from services.gateway.testing import inprocess_backend, running_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")

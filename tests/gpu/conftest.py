@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.executor.tiny import ARCHS, make_tiny_model
+from lab.executor.tiny import ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="session")

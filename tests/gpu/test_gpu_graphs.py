@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
+from lab.executor.driver import Driver
 from services.executor.cuda_runtime import RuntimeOptions
-from services.executor.driver import Driver
 from services.executor.engine import Engine
 from tests.gpu import GPU_ONLY
 

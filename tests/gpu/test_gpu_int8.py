@@ -3,10 +3,10 @@ within 1% of bf16 KV, greedy agreement, and a third of the bytes."""
 
 from __future__ import annotations
 
+from lab.executor.quality import measure
 from services.common.models import load_tokenizer
 from services.common.settings import ExecutorSettings
 from services.executor.engine import Engine
-from services.executor.quality import measure
 from tests.gpu import GPU_ONLY
 
 pytestmark = GPU_ONLY

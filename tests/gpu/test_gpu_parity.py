@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.executor.testing import teacher_forced_logits
 from services.executor.cuda_runtime import RuntimeOptions
 from services.executor.engine import Engine
-from services.executor.testing import teacher_forced_logits
 from tests.gpu import GPU_ONLY
 
 pytestmark = GPU_ONLY

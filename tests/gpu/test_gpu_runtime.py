@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
+from lab.executor.driver import Driver
+from services.common.step import NewRequestData, SchedulerOutput
 from services.executor.cuda_runtime import RuntimeOptions
-from services.executor.driver import Driver
 from services.executor.engine import Engine
 from services.executor.memory import GIB
-from services.executor.messages import NewRequest, StepInput
 from services.executor.warmup import triton_variants
 from tests.gpu import GPU_ONLY
 
@@ -97,7 +97,7 @@ def test_steps_never_synchronise_the_device(warm_engine, monkeypatch):
     _workload(warm_engine)
 
 
-def _copies(engine: Engine, step: StepInput) -> dict[str, int]:
+def _copies(engine: Engine, step: SchedulerOutput) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -114,9 +114,9 @@ def test_a_decode_step_copies_one_tensor_each_way(warm_engine):
     tokens and logprobs come back in one."""
     rids = [f"d{i}" for i in range(5)]
     tables = {rid: (list(range(4 * i, 4 * i + 4)), False) for i, rid in enumerate(rids)}
-    new = [NewRequest(rid, list(range(100 + i, 140 + i))) for i, rid in enumerate(rids)]
-    warm_engine.step(StepInput(0, new, tables, dict.fromkeys(rids, 40)))
-    decode = StepInput(1, num_scheduled_tokens=dict.fromkeys(rids, 1))
+    new = [NewRequestData(rid, list(range(100 + i, 140 + i))) for i, rid in enumerate(rids)]
+    warm_engine.step(SchedulerOutput(0, new, tables, dict.fromkeys(rids, 40)))
+    decode = SchedulerOutput(1, num_scheduled_tokens=dict.fromkeys(rids, 1))
     replays_before = warm_engine.runtime.graphs.replayed.get(8, 0)
     copies = _copies(warm_engine, decode)
     assert warm_engine.runtime.graphs.replayed.get(8, 0) == replays_before + 1  # bucket 8

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.step import NewRequestData, SchedulerOutput
 from services.executor.engine import Engine
-from services.executor.messages import NewRequest, StepInput
 from tests.gpu import GPU_ONLY
 
 pytestmark = GPU_ONLY
@@ -20,27 +20,30 @@ NEW_BLOCKS = [7, 9, 11, 13, 15]
 
 def _decode(engine, rid: str, n: int) -> list[int]:
     return [
-        engine.step(StepInput(0, num_scheduled_tokens={rid: 1})).sampled[rid][0] for _ in range(n)
+        engine.step(SchedulerOutput(0, num_scheduled_tokens={rid: 1})).sampled[rid][0]
+        for _ in range(n)
     ]
 
 
 def _run(engine, swap: bool) -> tuple[list[int], bool]:
     first = engine.step(
-        StepInput(0, [NewRequest("a", PROMPT)], {"a": (BLOCKS, False)}, {"a": len(PROMPT)})
+        SchedulerOutput(
+            0, [NewRequestData("a", PROMPT)], {"a": (BLOCKS, False)}, {"a": len(PROMPT)}
+        )
     )
     tokens = [first.sampled["a"][0]] + _decode(engine, "a", 5)
     exact = True
     if swap:
         before = {n: t[:, :, BLOCKS].clone() for n, t in engine.cache.tensors.items()}
-        engine.step(StepInput(1, swap_out=[(b, 10 + b) for b in BLOCKS]))
+        engine.step(SchedulerOutput(1, swap_out=[(b, 10 + b) for b in BLOCKS]))
         engine.step(  # another request overwrites the device blocks meanwhile
-            StepInput(
-                2, [NewRequest("x", list(range(900, 970)))], {"x": (BLOCKS, False)}, {"x": 70}
+            SchedulerOutput(
+                2, [NewRequestData("x", list(range(900, 970)))], {"x": (BLOCKS, False)}, {"x": 70}
             )
         )
-        engine.step(StepInput(3, free_request_ids=["x"]))
+        engine.step(SchedulerOutput(3, free_request_ids=["x"]))
         engine.step(
-            StepInput(
+            SchedulerOutput(
                 4,
                 swap_in=[(10 + b, nb) for b, nb in zip(BLOCKS, NEW_BLOCKS)],
                 block_tables={"a": (NEW_BLOCKS, True)},

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture
 def stack_factory(tmp_path):
     """`make(**kw)` starts a `ProcessStack` with the tiny model (stopped after the test)."""
-    from services.gateway.testing import ProcessStack
+    from lab.gateway.testing import ProcessStack
 
     stacks = []
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.bench_serve import run_point
 from bench.live import run_trace, served_model
-from services.gateway.testing import inprocess_stack
+from lab.gateway.testing import inprocess_stack
 from services.workload.metrics import summarize
 from services.workload.traces.trace import SloSpec, TraceItem
 
@@ -23,7 +23,7 @@ def trace_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway_url(tmp_path_factory, trace_path):
-    from services.scheduler.testing import cached_tiny_model
+    from lab.scheduler.testing import cached_tiny_model
 
     model = cached_tiny_model()
     with inprocess_stack(

@@ -7,9 +7,7 @@ import time
 
 import pytest
 
-from services.common.grpc_client import aio_channel
-from services.common.pb import scheduler_pb2_grpc
-from services.scheduler.testing import (
+from lab.scheduler.testing import (
     cached_tiny_model,
     gen_request,
     generate,
@@ -17,6 +15,8 @@ from services.scheduler.testing import (
     start_tiny_executor,
     tokens_of,
 )
+from services.common.grpc_client import aio_channel
+from services.common.pb import scheduler_pb2_grpc
 
 
 @pytest.fixture(scope="module")

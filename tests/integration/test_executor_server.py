@@ -7,10 +7,10 @@ import json
 import grpc
 import pytest
 
+from lab.executor.tiny import make_tiny_model
 from services.common.pb import common_pb2, executor_pb2, executor_pb2_grpc
 from services.common.settings import ExecutorSettings
 from services.executor.server import start_executor
-from services.executor.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.executor.driver import Driver
+from lab.executor.quality import chat_prompts, passage
+from lab.executor.testing import perplexity, teacher_forced_logits
 from services.common.models import weights_dir
 from services.common.settings import ExecutorSettings
-from services.executor.driver import Driver
 from services.executor.engine import Engine
-from services.executor.quality import chat_prompts, passage
-from services.executor.testing import perplexity, teacher_forced_logits
 
 NEW_TOKENS = 64
 NEAR_TIE = 0.05  # logit gap under which fp32 rounding may flip the argmax

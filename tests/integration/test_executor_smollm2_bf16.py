@@ -30,12 +30,12 @@ import sys
 import pytest
 import torch
 
+from lab.executor.quality import chat_prompts, passages
+from lab.executor.testing import teacher_forced_logits
 from services.common.models import weights_dir
 from services.common.settings import ExecutorSettings
 from services.executor import cpu_kernels, quant
 from services.executor.engine import Engine
-from services.executor.quality import chat_prompts, passages
-from services.executor.testing import teacher_forced_logits
 
 TOP1 = 0.95
 PARITY_SLACK = 1.25  # ours may be this much further from fp32 than transformers' bf16 is

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from lab.gateway.testing import running_gateway
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
-from services.gateway.testing import running_gateway
 
 KEY = "sk-test-key"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from services.gateway.testing import inprocess_stack
+from lab.gateway.testing import inprocess_stack
 
 EXAMPLES_PER_MODE = 130  # x 2 modes x 3 POST operations, plus the GET and DELETE operations
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    from services.executor.tiny import make_tiny_model
+    from lab.executor.tiny import make_tiny_model
 
     run_dir = tmp_path_factory.mktemp("gw-fuzz")
     model = make_tiny_model(run_dir / "tiny")

@@ -9,17 +9,17 @@ import grpc
 import httpx
 import pytest
 
+from lab.gateway.testing import inprocess_stack
+from lab.scheduler.testing import gen_request
 from services.common.grpc_client import sync_channel
 from services.common.pb import scheduler_pb2_grpc
-from services.gateway.testing import inprocess_stack
-from services.scheduler.testing import gen_request
 
 KV_GB = 0.0005  # a pool far smaller than the model's context
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from services.executor.tiny import make_tiny_model
+    from lab.executor.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
     with inprocess_stack(

@@ -8,11 +8,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from lab.gateway.testing import running_gateway
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
 from services.gateway.params import ANY, NO_EFFECT, REFUSED
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services.gateway.testing import running_gateway
 
 # The field names of vLLM's protocol (vllm/entrypoints/openai/protocol.py, 2025): the
 # sampling and extra fields both requests share, then each one's own.

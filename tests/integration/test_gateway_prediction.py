@@ -16,9 +16,9 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from lab.gateway.testing import inprocess_backend, running_gateway
 from services.common.redis_runner import EmbeddedRedis, free_port
 from services.common.settings import GatewaySettings
-from services.gateway.testing import inprocess_backend, running_gateway
 
 PREDICTOR_TIMEOUT_MS = 300.0
 BODY = {"prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
@@ -26,7 +26,7 @@ BODY = {"prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from services.executor.tiny import make_tiny_model
+    from lab.executor.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 

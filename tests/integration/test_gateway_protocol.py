@@ -12,16 +12,16 @@ import uuid
 import httpx
 import pytest
 
+from lab.gateway.testing import inprocess_backend, inprocess_stack, running_gateway
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
-from services.gateway.testing import inprocess_backend, inprocess_stack, running_gateway
 
 CHAT = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from services.executor.tiny import make_tiny_model
+    from lab.executor.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 

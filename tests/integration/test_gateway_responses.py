@@ -15,9 +15,9 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
+from lab.gateway.testing import inprocess_backend, inprocess_stack, running_gateway
 from services.common.redis_runner import free_port
 from services.common.settings import GatewaySettings
-from services.gateway.testing import inprocess_backend, inprocess_stack, running_gateway
 
 WEATHER = {
     "type": "function",
@@ -42,7 +42,7 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from services.executor.tiny import make_tiny_model
+    from lab.executor.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 

@@ -12,8 +12,8 @@ import time
 
 import httpx
 
+from lab.gateway.testing import inprocess_backend
 from services.common.redis_runner import free_port
-from services.gateway.testing import inprocess_backend
 from tests.integration.test_gateway_protocol import sse_events, stats, wait_for
 
 

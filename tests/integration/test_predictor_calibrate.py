@@ -3,9 +3,9 @@ the chat template, EOS honoured and one cap; resumable (appends, skips what is d
 
 import json
 
+from lab.predictor.calibrate import calibrate
 from services.common.settings import PredictorSettings
-from services.predictor.calibrate import (
-    calibrate,
+from services.predictor.calibration_files import (
     calibrated_samples,
     calibration_file,
     read_calibration,
@@ -48,7 +48,7 @@ def test_calibration_file_lookup(tmp_path):
 
 
 def test_served_eval_holds_out_every_fifth_prompt():
-    from services.predictor.served_eval import split_calibrated
+    from lab.predictor.served_eval import split_calibrated
     from services.workload.traces.sharegpt import Sample
 
     train = [Sample(f"s{i}", f"p{i}", "o", 5, 100 + i) for i in range(20)]

@@ -54,7 +54,7 @@ def test_seed_prefers_the_served_models_calibration(tmp_path, caplog):
     """With the bundled SmolLM2 calibration the seed is its own lengths with censored flags;
     a model without one falls back to ShareGPT's reference lengths with a warning."""
     from services.predictor.build import seed_samples
-    from services.predictor.calibrate import BUNDLED, read_calibration
+    from services.predictor.calibration_files import BUNDLED, read_calibration
 
     settings = PredictorSettings(data_dir=tmp_path, predictor_seed=False)
     samples, cut = seed_samples(settings)

@@ -6,9 +6,7 @@ import asyncio
 
 import pytest
 
-from services.common.grpc_client import aio_channel
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.testing import (
+from lab.scheduler.testing import (
     cached_tiny_model,
     core_request,
     gen_request,
@@ -18,6 +16,8 @@ from services.scheduler.testing import (
     start_tiny_executor,
     tokens_of,
 )
+from services.common.grpc_client import aio_channel
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 
 POLICY = "hybrid"
 

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from lab.scheduler.testing import (
+    cached_tiny_model,
+    gen_request,
+    running_scheduler,
+    start_tiny_executor,
+)
 from services.common.grpc_client import aio_channel
 from services.common.pb import common_pb2, scheduler_pb2_grpc
 from services.common.settings import SchedulerSettings
@@ -22,12 +28,6 @@ from services.scheduler.core.policies import make_policy
 from services.scheduler.executors import make_scheduler
 from services.scheduler.records import recompute_copy
 from services.scheduler.server import start_scheduler
-from services.scheduler.testing import (
-    cached_tiny_model,
-    gen_request,
-    running_scheduler,
-    start_tiny_executor,
-)
 
 PREDICTED = 2
 MAX_TOKENS = 1000

@@ -11,11 +11,7 @@ import sys
 import grpc
 import pytest
 
-from services.common.grpc_client import aio_channel, check_health
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.common.redis_runner import free_port
-from services.scheduler.iteration_write import QUEUES
-from services.scheduler.testing import (
+from lab.scheduler.testing import (
     cached_tiny_model,
     core_request,
     gen_request,
@@ -24,6 +20,10 @@ from services.scheduler.testing import (
     start_tiny_executor,
     tokens_of,
 )
+from services.common.grpc_client import aio_channel, check_health
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.common.redis_runner import free_port
+from services.scheduler.iteration_write import QUEUES
 
 POLICY = "hybrid"
 MAX_TOKENS = 48

@@ -8,13 +8,7 @@ import grpc
 import httpx
 import pytest
 
-from services.common.grpc_client import aio_channel
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.common.redis_runner import free_port
-from services.common.settings import SchedulerSettings
-from services.scheduler.core.policies import available_policies
-from services.scheduler.server import start_scheduler
-from services.scheduler.testing import (
+from lab.scheduler.testing import (
     cached_tiny_model,
     core_request,
     gen_request,
@@ -25,6 +19,12 @@ from services.scheduler.testing import (
     status_of,
     tokens_of,
 )
+from services.common.grpc_client import aio_channel
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.common.redis_runner import free_port
+from services.common.settings import SchedulerSettings
+from services.scheduler.core.policies import available_policies
+from services.scheduler.server import start_scheduler
 
 POLICY = "hybrid" if "hybrid" in available_policies() else "fcfs"
 
@@ -96,9 +96,9 @@ async def test_streams_equal_in_process_reference(redis_server, executor):
             break
         await asyncio.sleep(0.05)
     if engine.requests:
-        from services.executor.messages import StepInput
+        from services.common.step import SchedulerOutput
 
-        engine.step(StepInput(10**9, free_request_ids=sorted(engine.requests)))
+        engine.step(SchedulerOutput(10**9, free_request_ids=sorted(engine.requests)))
     eos = engine.spec.eos_token_ids
     ref = reference_run(
         engine,

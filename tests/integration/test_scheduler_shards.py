@@ -8,18 +8,18 @@ import time
 
 import pytest
 
-from services.common.grpc_client import aio_channel
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.common.settings import GatewaySettings
-from services.gateway.upstream import Upstream
-from services.scheduler.shards import GENERATION_SHIFT, assign, fenced_epoch
-from services.scheduler.testing import (
+from lab.scheduler.testing import (
     cached_tiny_model,
     gen_request,
     running_scheduler,
     start_tiny_executor,
     tokens_of,
 )
+from services.common.grpc_client import aio_channel
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.common.settings import GatewaySettings
+from services.gateway.upstream import Upstream
+from services.scheduler.shards import GENERATION_SHIFT, assign, fenced_epoch
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,15 @@ import random
 import grpc
 import pytest
 
-from services.common.grpc_client import aio_channel
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.iteration_write import QUEUES
-from services.scheduler.testing import (
+from lab.scheduler.testing import (
     cached_tiny_model,
     gen_request,
     running_scheduler,
     start_tiny_executor,
 )
+from services.common.grpc_client import aio_channel
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.iteration_write import QUEUES
 
 FINAL = {"finished_stopped", "finished_length", "finished_aborted", "finished_error"}
 

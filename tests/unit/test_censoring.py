@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lab.predictor.served_eval import auc, score
 from services.common.censoring import expected_length, merge_censored
 from services.predictor.core import combine
 from services.predictor.mlp import train
-from services.predictor.served_eval import auc, score
 from services.predictor.store_base import Neighbor
 
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
         "services.predictor",
         "services.scheduler",
         "services.executor",
+        "lab",
         "bench",
     ],
 )
@@ -29,6 +30,27 @@ def test_alise_help_lists_existing_commands():
     out = subprocess.run([str(alise), "--help"], capture_output=True, text=True, check=True).stdout
     for command in ("serve", "proto", "config"):
         assert command in out
+
+
+def test_lab_commands_join_the_service_groups():
+    """`alise predictor calibrate | eval | bench-store | train --proxy` and `alise executor
+    stub` live in lab/ (serving never imports it) yet keep their names."""
+    from services.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["predictor", "train", "--proxy", "--limit", "5"])
+    assert args.proxy and args.limit == 5 and callable(args.func)
+    assert not parser.parse_args(["predictor", "train"]).proxy
+    for argv in (
+        ["predictor", "calibrate", "--n", "3"],
+        ["predictor", "eval", "--no-proxy"],
+        ["predictor", "bench-store"],
+        ["executor", "stub", "--count", "2"],
+        ["sim", "run", "--policy", "fcfs"],
+    ):
+        assert callable(parser.parse_args(argv).func), argv
+    assert parser.parse_args(["predictor", "calibrate"]).func.__module__ == "lab.predictor.cli"
+    assert parser.parse_args(["executor", "stub"]).func.__module__ == "lab.executor.cli"
 
 
 def test_config_markdown_lists_settings():

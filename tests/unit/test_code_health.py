@@ -1,5 +1,6 @@
 """Code health, read from the source alone (AST and text; nothing here imports the project):
-layers that point one way, no private names across packages, short annotated functions.
+layers that point one way (the order declared in docs/architecture.md), no import cycles of any
+kind, no private names across packages, short annotated functions.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERED = ("services", "bench")  # the packages whose import graph is checked
+LAYERED = ("services", "lab", "bench")  # the packages whose import graph is checked
 CORE = "services.scheduler.core"
 GENERATED = "services.common.pb"  # protoc output: not ours to shape
 MAX_FUNCTION_LINES = 60
@@ -119,7 +120,43 @@ def imported_modules(name: str, type_checking: bool = False) -> set[str]:
 
 @cache
 def graph() -> dict[str, set[str]]:
-    return {name: imported_modules(name) for name in modules()}
+    """Every import edge: module level, inside functions and under `if TYPE_CHECKING:` (a
+    circle closed by a type-only or deferred import is still a circle)."""
+    return {name: imported_modules(name, type_checking=True) for name in modules()}
+
+
+# -- the declared layers -----------------------------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+@cache
+def declared_layers() -> list[str]:
+    """The packages of docs/architecture.md's "How the code is organised" block, top first, as
+    dotted names (`services/scheduler/core/` -> services.scheduler.core)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    section = text.split("## How the code is organised", 1)[1]
+    block = section.split("```", 2)[1]
+    paths = [line.split()[0] for line in block.splitlines() if line.strip()]
+    return [p.strip("/").removesuffix(".py").replace("/", ".") for p in paths]
+
+
+def layer_of(name: str, layers: list[str]) -> int | None:
+    """Index of the most specific declared layer holding module `name` (None: none does)."""
+    best = [(len(p), i) for i, p in enumerate(layers) if in_package(name, p)]
+    return max(best)[1] if best else None
+
+
+def upward_imports(edges: dict[str, set[str]], layers: list[str]) -> list[str]:
+    """Each import from a module to one in a layer above its own."""
+    found = []
+    for name, targets in sorted(edges.items()):
+        here = layer_of(name, layers)
+        for target in sorted(targets):
+            there = layer_of(target, layers)
+            if here is not None and there is not None and there < here:
+                found.append(f"{name} ({layers[here]}) imports {target} ({layers[there]})")
+    return found
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -242,8 +279,9 @@ def missing_annotations(fn: Function, is_method: bool) -> list[str]:
 def test_the_import_graph_has_no_cycle():
     assert len(graph()) > 50 and any(graph().values())  # the walk found the code
     found = cycles(graph())
-    assert not found, "import cycles (excluding `if TYPE_CHECKING:` imports):\n" + "\n".join(
-        "  " + " -> ".join(c) for c in found
+    assert not found, (
+        "import cycles (`if TYPE_CHECKING:` and function-level imports count):\n"
+        + "\n".join("  " + " -> ".join(c) for c in found)
     )
 
 
@@ -253,7 +291,40 @@ def test_the_cycle_finder_reports_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_services_never_import_bench():
+def test_type_checking_and_function_level_imports_are_edges():
+    module = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from services.common import step\n"
+        "def f():\n    import services.common.sampling\n"
+    )
+    found = {
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in import_nodes(module, type_checking=True)
+        for alias in node.names
+    }
+    assert {"services.common", "services.common.sampling"} <= found
+    assert "services.common" not in {
+        n.module for n in import_nodes(module) if isinstance(n, ast.ImportFrom)
+    }
+
+
+def test_no_import_runs_up_the_declared_layers():
+    layers = declared_layers()
+    assert layers[0] == "bench" and layers[-1] == "services.common", layers
+    assert {"lab", "services.scheduler.core", "services.executor"} <= set(layers)
+    unplaced = [n for n in modules() if n not in LAYERED and layer_of(n, layers) is None]
+    assert not unplaced, f"modules in no layer of {ARCHITECTURE.name}: {unplaced}"
+    found = upward_imports(graph(), layers)
+    assert not found, "imports up the layers of docs/architecture.md:\n  " + "\n  ".join(found)
+
+
+def test_the_layer_check_reports_an_upward_import():
+    layers = ["top", "top.mid", "low"]
+    edges = {"low.a": {"top.mid.b"}, "top.mid.b": {"low.a"}, "top.c": {"top.mid.b"}}
+    assert upward_imports(edges, layers) == ["low.a (low) imports top.mid.b (top.mid)"]
+
+
+def test_services_never_import_bench_or_lab():
     offenders = []
     for name in modules():
         if not in_package(name, "services"):
@@ -265,9 +336,13 @@ def test_services_never_import_bench():
                 else [source_of(name, node)]
             )
             offenders += [
-                f"{name}:{node.lineno} imports {s}" for s in sources if in_package(s, "bench")
+                f"{name}:{node.lineno} imports {s}"
+                for s in sources
+                if in_package(s, "bench") or in_package(s, "lab")
             ]
-    assert not offenders, "services/ must not depend on bench/:\n  " + "\n  ".join(offenders)
+    assert not offenders, "services/ must not depend on bench/ or lab/:\n  " + "\n  ".join(
+        offenders
+    )
 
 
 def test_no_private_name_is_imported_from_another_package():
@@ -367,8 +442,8 @@ def test_nothing_outside_the_core_uses_its_private_names():
 
 def test_functions_are_short():
     lengths = {}
-    for name in modules():
-        if not in_package(name, "services") or in_package(name, GENERATED):
+    for name in modules():  # services/, lab/ and bench/
+        if in_package(name, GENERATED):
             continue
         for fn in functions(tree(name)):
             lengths[f"{name}:{fn.lineno} {fn.name}"] = fn.end_lineno - fn.lineno + 1
@@ -463,7 +538,7 @@ def test_ceiling_division_has_one_definition():
 def test_no_metric_name_is_exported_by_two_services():
     """Each service's registry holds its own names: the scheduler's vLLM names (with
     `model_name`), `alise:gateway_*` for what the HTTP client saw, and so on."""
-    from services.executor.server import ExecutorMetrics
+    from services.executor.metrics import ExecutorMetrics
     from services.gateway.metrics import GatewayMetrics
     from services.predictor.servicer import PredictorMetrics
     from services.scheduler.metrics import SchedulerMetrics
@@ -485,7 +560,7 @@ def test_grafana_dashboard_reads_metrics_the_services_export():
     import json
     import re
 
-    from services.executor.server import ExecutorMetrics
+    from services.executor.metrics import ExecutorMetrics
     from services.gateway.metrics import GatewayMetrics
     from services.predictor.servicer import PredictorMetrics
     from services.scheduler.metrics import SchedulerMetrics

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.scheduler.core.output import StepOutcome
+from services.common.step import StepOutcome
 from services.scheduler.core.request import Slo
 from tests.unit.test_core_util import SIMPLE, drive, make_sched, req
 
@@ -148,7 +148,7 @@ def test_ewt_swap_offloads_the_highest_ewt_job_first():
     a, b, c = (req(n, 12, 30, t=0.0, predicted_len=p) for n, p in (("a", 3), ("b", 30), ("c", 12)))
     for r in (a, b, c):
         s.admit(r)
-    from services.scheduler.core.output import StepOutcome
+    from services.common.step import StepOutcome
 
     out = s.schedule(0.0)
     assert set(out.num_scheduled_tokens) == {"a", "b", "c"}
@@ -177,7 +177,7 @@ def test_alise_strawmen(mode, expect):
         memory_mode=mode,
         queue_base_s=0.002,
     )
-    from services.scheduler.core.output import StepOutcome
+    from services.common.step import StepOutcome
 
     for n, p in (("a", 3), ("b", 30), ("c", 12)):
         s.admit(req(n, 12, 30, t=0.0, predicted_len=p))

@@ -1,8 +1,8 @@
 """The live service caps a request's prediction at its max_tokens (no answer is longer); the
 core itself keeps predictions as given (the simulator's max_tokens is the true length)."""
 
+from lab.scheduler.testing import core_request, gen_request
 from services.common.pb import common_pb2
-from services.scheduler.testing import core_request, gen_request
 from tests.unit.test_core_util import make_sched, req
 
 

@@ -4,8 +4,8 @@ uncached tokens."""
 
 import pytest
 
+from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
-from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.prefix_cache import chain_hashes
 from services.scheduler.core.request import Request, RequestStatus
 from tests.unit.test_core_util import SIMPLE, check_step, drive, make_sched

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.core.output import StepOutcome
+from services.common.step import StepOutcome
 from services.scheduler.core.policies import available_policies
 from services.scheduler.core.request import Request, Slo
 from tests.unit.test_core_util import EOS, check_step, drive, make_sched

@@ -1,6 +1,6 @@
 import pytest
 
-from services.scheduler.core.output import StepOutcome
+from services.common.step import StepOutcome
 from services.scheduler.core.placement import choose_executor
 from services.scheduler.core.policies import available_policies, make_policy, policy_knobs
 from services.scheduler.core.request import Request, RequestStatus, Slo

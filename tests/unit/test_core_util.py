@@ -4,9 +4,9 @@ every step."""
 
 from __future__ import annotations
 
+from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
 

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
+from lab.executor.tiny import make_tiny_model
 from services.executor import cpu_kernels
+from services.executor.attention_backends import make_attention
 from services.executor.config import ModelSpec
-from services.executor.runner import make_attention
-from services.executor.tiny import make_tiny_model
 
 # Built here (a C++ compiler and ninja come with `make setup`): a failed build must fail the
 # suite, not skip it. ALISE_CPU_KERNELS=off is the only way out.
@@ -124,8 +124,8 @@ def wide_models(tmp_path_factory):
 def test_engine_on_the_kernel_matches_the_torch_path(level, wide_models, kv_dtype):
     """Teacher-forced logits over mixed steps (prompts whole and chunked, then decodes) are
     the same on both backends; INT8 KV reads the same codes, scales and staging blocks."""
+    from lab.executor.testing import teacher_forced_logits
     from services.executor.engine import Engine
-    from services.executor.testing import teacher_forced_logits
 
     prompts = [list(range(5, 5 + n)) for n in (37, 9, 70, 16)]
     chunks = [8, None, 32, 1]

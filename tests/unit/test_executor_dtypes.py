@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.executor.testing import teacher_forced_logits
+from lab.executor.tiny import ARCHS, make_tiny_model
 from services.executor.engine import Engine
-from services.executor.testing import teacher_forced_logits
-from services.executor.tiny import ARCHS, make_tiny_model
 
 PROMPTS = [list(range(200, 290)), list(range(1000, 1013)), list(range(5000, 5070))]
 # Logits here are O(3); one bf16 ulp at 2..4 is 1/64. transformers has two bf16 attentions

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
+from lab.executor.testing import teacher_forced_logits
+from lab.executor.tiny import ARCHS, make_tiny_model
+from services.common.step import NewRequestData, SchedulerOutput
 from services.executor.engine import Engine
-from services.executor.messages import NewRequest, StepInput
-from services.executor.testing import teacher_forced_logits
-from services.executor.tiny import ARCHS, make_tiny_model
 
 PROMPTS = [
     list(range(200, 290)),
@@ -57,8 +57,11 @@ def _engine(tiny_dirs, **kw):
 
 def _admit(engine, rid="a", n=20, blocks=(0, 1)):
     return engine.step(
-        StepInput(
-            0, [NewRequest(rid, list(range(100, 100 + n)))], {rid: (list(blocks), False)}, {rid: n}
+        SchedulerOutput(
+            0,
+            [NewRequestData(rid, list(range(100, 100 + n)))],
+            {rid: (list(blocks), False)},
+            {rid: n},
         )
     )
 
@@ -71,36 +74,38 @@ def _state(engine):
 
 
 BAD_STEPS = {
-    "unknown request": StepInput(1, num_scheduled_tokens={"nope": 1}),
-    "block out of range": StepInput(1, block_tables={"a": ([99], False)}),
-    "negative block": StepInput(1, block_tables={"a": ([-1], False)}),
-    "block given twice": StepInput(1, [NewRequest("b", [5, 6])], {"b": ([1], False)}, {"b": 2}),
-    "block twice in one table": StepInput(1, block_tables={"a": ([3, 3], False)}),
-    "chunk past tokens": StepInput(1, num_scheduled_tokens={"a": 2}),
-    "table too short": StepInput(
-        1, [NewRequest("b", list(range(40)))], {"b": ([2], False)}, {"b": 40}
+    "unknown request": SchedulerOutput(1, num_scheduled_tokens={"nope": 1}),
+    "block out of range": SchedulerOutput(1, block_tables={"a": ([99], False)}),
+    "negative block": SchedulerOutput(1, block_tables={"a": ([-1], False)}),
+    "block given twice": SchedulerOutput(
+        1, [NewRequestData("b", [5, 6])], {"b": ([1], False)}, {"b": 2}
     ),
-    "duplicate new": StepInput(1, [NewRequest("a", [1, 2])]),
-    "empty prompt": StepInput(1, [NewRequest("b", [])]),
-    "token out of vocab": StepInput(1, [NewRequest("b", [10**7])]),
-    "swap out of range": StepInput(1, swap_out=[(0, 99)]),
-    "swap into owned block": StepInput(1, swap_in=[(0, 1)]),
-    "zero tokens": StepInput(1, num_scheduled_tokens={"a": 0}),
+    "block twice in one table": SchedulerOutput(1, block_tables={"a": ([3, 3], False)}),
+    "chunk past tokens": SchedulerOutput(1, num_scheduled_tokens={"a": 2}),
+    "table too short": SchedulerOutput(
+        1, [NewRequestData("b", list(range(40)))], {"b": ([2], False)}, {"b": 40}
+    ),
+    "duplicate new": SchedulerOutput(1, [NewRequestData("a", [1, 2])]),
+    "empty prompt": SchedulerOutput(1, [NewRequestData("b", [])]),
+    "token out of vocab": SchedulerOutput(1, [NewRequestData("b", [10**7])]),
+    "swap out of range": SchedulerOutput(1, swap_out=[(0, 99)]),
+    "swap into owned block": SchedulerOutput(1, swap_in=[(0, 1)]),
+    "zero tokens": SchedulerOutput(1, num_scheduled_tokens={"a": 0}),
     # prefix sharing: only whole cached blocks below the cached tokens may be shared
-    "cached tokens not whole blocks": StepInput(
-        1, [NewRequest("b", list(range(100, 120)), num_cached_tokens=5)], {"b": ([0, 5], False)}
+    "cached tokens not whole blocks": SchedulerOutput(
+        1, [NewRequestData("b", list(range(100, 120)), num_cached_tokens=5)], {"b": ([0, 5], False)}
     ),
-    "cached tokens cover every token": StepInput(
-        1, [NewRequest("b", list(range(100, 116)), num_cached_tokens=16)], {"b": ([0], False)}
+    "cached tokens cover every token": SchedulerOutput(
+        1, [NewRequestData("b", list(range(100, 116)), num_cached_tokens=16)], {"b": ([0], False)}
     ),
-    "shared block past the cached tokens": StepInput(
+    "shared block past the cached tokens": SchedulerOutput(
         1,
-        [NewRequest("b", list(range(100, 140)), num_cached_tokens=16)],
+        [NewRequestData("b", list(range(100, 140)), num_cached_tokens=16)],
         {"b": ([0, 1, 5], False)},
         {"b": 24},
     ),
-    "swap out of a shared block": StepInput(1, swap_out=[(1, 0)]),
-    "table for unknown": StepInput(1, block_tables={"zz": ([5], False)}),
+    "swap out of a shared block": SchedulerOutput(1, swap_out=[(1, 0)]),
+    "table for unknown": SchedulerOutput(1, block_tables={"zz": ([5], False)}),
 }
 
 
@@ -112,7 +117,7 @@ def test_malformed_step_rejected_without_change(tiny_dirs, name):
     kv_before = {k: t.clone() for k, t in engine.cache.tensors.items()}
     # the bad step also carries a valid decode and a new request that must not be applied
     bad = copy.deepcopy(BAD_STEPS[name])
-    bad.new_requests.append(NewRequest("c", [1, 2, 3]))
+    bad.new_requests.append(NewRequestData("c", [1, 2, 3]))
     bad.block_tables.setdefault("c", ([7], False))
     bad.num_scheduled_tokens.setdefault("c", 3)
     bad.num_scheduled_tokens.setdefault("a", 1)
@@ -120,21 +125,21 @@ def test_malformed_step_rejected_without_change(tiny_dirs, name):
         engine.step(bad)
     assert _state(engine) == before
     assert all(torch.equal(kv_before[k], t) for k, t in engine.cache.tensors.items())
-    out = engine.step(StepInput(2, num_scheduled_tokens={"a": 1}))  # still serves
+    out = engine.step(SchedulerOutput(2, num_scheduled_tokens={"a": 1}))  # still serves
     assert "a" in out.sampled
 
 
 def test_swapped_request_needs_replacing_table(tiny_dirs):
     engine = _engine(tiny_dirs)
     _admit(engine)
-    engine.step(StepInput(1, swap_out=[(0, 0), (1, 1)]))
+    engine.step(SchedulerOutput(1, swap_out=[(0, 0), (1, 1)]))
     assert engine.requests["a"].block_table is None
     with pytest.raises(ValueError, match="swapped out"):
-        engine.step(StepInput(2, num_scheduled_tokens={"a": 1}))
+        engine.step(SchedulerOutput(2, num_scheduled_tokens={"a": 1}))
     # its old blocks are free for another request now
     _admit(engine, "b", 5, blocks=(0,))
     out = engine.step(
-        StepInput(
+        SchedulerOutput(
             3,
             swap_in=[(0, 5), (1, 6)],
             block_tables={"a": ([5, 6], True)},
@@ -147,7 +152,7 @@ def test_swapped_request_needs_replacing_table(tiny_dirs):
 def test_free_is_idempotent_and_releases_blocks(tiny_dirs):
     engine = _engine(tiny_dirs)
     _admit(engine)
-    engine.step(StepInput(1, free_request_ids=["a", "never-seen"]))
+    engine.step(SchedulerOutput(1, free_request_ids=["a", "never-seen"]))
     assert engine.requests == {} and engine.owners.snapshot() == {}
     _admit(engine, "b", blocks=(0, 1))  # same blocks, no conflict
     assert engine.owners.snapshot() == {0: {"b"}, 1: {"b"}}
@@ -163,8 +168,8 @@ def test_cached_prefix_blocks_are_shared_read_only(tiny_dirs, kv_dtype):
     shared = engine.cache.tensors
     before = {k: t.clone() for k, t in shared.items()}
     out = engine.step(
-        StepInput(
-            1, [NewRequest("b", prompt, num_cached_tokens=16)], {"b": ([0, 5], False)}, {"b": 5}
+        SchedulerOutput(
+            1, [NewRequestData("b", prompt, num_cached_tokens=16)], {"b": ([0, 5], False)}, {"b": 5}
         ),
         all_logits=True,
     )
@@ -174,12 +179,13 @@ def test_cached_prefix_blocks_are_shared_read_only(tiny_dirs, kv_dtype):
         assert torch.equal(t[:, :, 0], before[k][:, :, 0])
     fresh = _engine(tiny_dirs, kv_dtype=kv_dtype)
     ref = fresh.step(
-        StepInput(0, [NewRequest("b", prompt)], {"b": ([3, 4], False)}, {"b": 21}), all_logits=True
+        SchedulerOutput(0, [NewRequestData("b", prompt)], {"b": ([3, 4], False)}, {"b": 21}),
+        all_logits=True,
     )
     assert (out.logits["b"][-1] - ref.logits["b"][-1]).abs().max() < 1e-4
     assert out.sampled["b"][0] == ref.sampled["b"][0]
     # a and b go on decoding; freeing a keeps the block with b
-    engine.step(StepInput(2, free_request_ids=["a"], num_scheduled_tokens={"b": 1}))
+    engine.step(SchedulerOutput(2, free_request_ids=["a"], num_scheduled_tokens={"b": 1}))
     assert engine.owners.snapshot()[0] == {"b"}
 
 
@@ -187,7 +193,7 @@ def test_counts_and_describe(tiny_dirs):
     engine = _engine(tiny_dirs, kv_dtype="int8")
     out = _admit(engine, n=20)
     assert out.num_prefill_tokens == 20 and out.num_decode_tokens == 0
-    out = engine.step(StepInput(1, num_scheduled_tokens={"a": 1}))
+    out = engine.step(SchedulerOutput(1, num_scheduled_tokens={"a": 1}))
     assert out.num_decode_tokens == 1 and out.timings.forward_s > 0
     info = engine.describe()
     assert info["architecture"] == "llama" and info["kv_dtype"] == "int8"
@@ -236,7 +242,7 @@ def _decode(engine, rid: str, step: int, n: int, eos: set[int]) -> list[int]:
     """Up to n decode steps of `rid` (its table already set), stopping after an EOS."""
     out = []
     for i in range(n):
-        got = engine.step(StepInput(step + i, [], {}, {rid: 1})).sampled[rid][0]
+        got = engine.step(SchedulerOutput(step + i, [], {}, {rid: 1})).sampled[rid][0]
         out.append(got)
         if got in eos:
             break
@@ -261,24 +267,24 @@ def test_guided_decoding_masks_every_row_and_survives_recompute(tiny_dirs):
     eos = set(engine.spec.eos_token_ids)
     prompt = list(range(100, 120))
     first = engine.step(
-        StepInput(0, [NewRequest("g", prompt, guide)], {"g": ([0, 1], False)}, {"g": 20})
+        SchedulerOutput(0, [NewRequestData("g", prompt, guide)], {"g": ([0, 1], False)}, {"g": 20})
     )
     output = [first.sampled["g"][0], *_decode(engine, "g", 1, 2, eos)]
     sentences = [" ".join(words) for words in itertools.product(("cat", "dog"), repeat=5)]
     assert any(s.startswith(tok.decode(output)) for s in sentences), tok.decode(output)
     # preempted by recompute: freed, then re-sent with its output so far
-    engine.step(StepInput(3, [], {}, {}, free_request_ids=["g"]))
-    again = NewRequest("g", prompt + output, guide, num_output_tokens=len(output))
+    engine.step(SchedulerOutput(3, [], {}, {}, free_request_ids=["g"]))
+    again = NewRequestData("g", prompt + output, guide, num_output_tokens=len(output))
     resumed = engine.step(
-        StepInput(4, [again], {"g": ([2, 3], False)}, {"g": len(prompt) + len(output)})
+        SchedulerOutput(4, [again], {"g": ([2, 3], False)}, {"g": len(prompt) + len(output)})
     )
     output += [resumed.sampled["g"][0], *_decode(engine, "g", 5, 16, eos)]
     assert output[-1] in eos
     assert re.fullmatch(pattern, tok.decode(output[:-1])), tok.decode(output)
     unguided = engine.step(
-        StepInput(
+        SchedulerOutput(
             30,
-            [NewRequest("u", prompt, SamplingParams(temperature=1.0, seed=5))],
+            [NewRequestData("u", prompt, SamplingParams(temperature=1.0, seed=5))],
             {"u": ([4, 5], False)},
             {"u": 20},
         )
@@ -300,11 +306,13 @@ def test_prompt_logprobs_match_transformers_across_chunks(tiny_dirs):
     prompt = list(range(3000, 3040))
     ask = SamplingParams(prompt_logprobs=3)
     got: dict[int, tuple] = {}
-    step = StepInput(1, [NewRequest("p", prompt, ask)], {"p": ([2, 3, 4], False)}, {"p": 7})
+    step = SchedulerOutput(
+        1, [NewRequestData("p", prompt, ask)], {"p": ([2, 3, 4], False)}, {"p": 7}
+    )
     step.num_scheduled_tokens["other"] = 1
     for i, n in enumerate([7, 20, 13]):
         if i:
-            step = StepInput(2 + i, num_scheduled_tokens={"p": n, "other": 1})
+            step = SchedulerOutput(2 + i, num_scheduled_tokens={"p": n, "other": 1})
         out = engine.step(step)
         assert "other" not in out.prompt
         start, entries = out.prompt["p"]

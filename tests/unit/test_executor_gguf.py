@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from lab.executor.testing import teacher_forced_logits
+from lab.executor.tiny import make_tiny_model
 from services.common.models import _cache_dir, resolve, weights_dir
 from services.executor.engine import Engine
-from services.executor.testing import teacher_forced_logits
-from services.executor.tiny import make_tiny_model
 
 PROMPTS = [list(range(200, 260)), list(range(1000, 1013))]
 

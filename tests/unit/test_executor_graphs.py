@@ -291,9 +291,9 @@ def test_top_alternatives_ride_in_the_same_tensor():
 def interpreted_check(model_dir: str) -> dict:
     """Run in a subprocess with TRITON_INTERPRET=1: the packed runtime (one metadata buffer,
     decode steps replayed as padded buckets through `eager_capture`) against the CPU engine."""
-    from services.executor.driver import Driver
+    from lab.executor.driver import Driver
+    from lab.executor.testing import teacher_forced_logits
     from services.executor.engine import Engine
-    from services.executor.testing import teacher_forced_logits
 
     common = {"device": "cpu", "dtype": "fp32", "block_size": 8, "num_host_blocks": 2}
     ref = Engine(model_dir, num_device_blocks=96, **common)
@@ -330,7 +330,7 @@ def interpreted_check(model_dir: str) -> dict:
 
 
 def test_packed_path_and_padded_replays_match_the_cpu_engine(tmp_path):
-    from services.executor.tiny import make_tiny_model
+    from lab.executor.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "llama", "llama", seed=2)
     code = (

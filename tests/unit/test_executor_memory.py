@@ -8,20 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.executor.tiny import make_tiny_model
 from services.common.settings import ExecutorSettings
 from services.executor.config import ModelSpec
 from services.executor.engine import Engine, runtime_options
 from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import allocate
+from services.executor.kv_pool import make_pool
 from services.executor.memory import (
     GIB,
-    make_pool,
     plan_kv_memory,
     profile_runs,
     size_kv_pool,
     staging_reserve,
 )
-from services.executor.tiny import make_tiny_model
 
 MIB = 1 << 20
 SPEC = ModelSpec("llama", 4, 256, 8, 2, 32, 512, 1000, 4096)

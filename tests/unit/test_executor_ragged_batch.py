@@ -94,9 +94,9 @@ def test_engine_split_groups_match_one_group_and_bench_restores_setting(tmp_path
     """Greedy tokens of decodes with very different contexts are the same whether attention
     runs per context group or as one padded group; the benchmark's figure restores the knob."""
     from bench.bench_engine import mixed_context_decode_ms
+    from lab.executor.tiny import make_tiny_model
+    from services.common.step import NewRequestData, SchedulerOutput
     from services.executor.engine import Engine
-    from services.executor.messages import NewRequest, StepInput
-    from services.executor.tiny import make_tiny_model
 
     engine = Engine(
         make_tiny_model(tmp_path / "tiny", "llama", seed=2),
@@ -110,18 +110,18 @@ def test_engine_split_groups_match_one_group_and_bench_restores_setting(tmp_path
         nonlocal base
         engine.attention_group_cost = cost
         rids = [f"{tag}{i}" for i in range(len(lens))]
-        step = StepInput(0)
+        step = SchedulerOutput(0)
         for rid, n in zip(rids, lens):
             nb = -(-(n + 4) // 16)
-            step.new_requests.append(NewRequest(rid, [(7 * n + k) % 50 + 3 for k in range(n)]))
+            step.new_requests.append(NewRequestData(rid, [(7 * n + k) % 50 + 3 for k in range(n)]))
             step.block_tables[rid] = (list(range(base, base + nb)), False)
             step.num_scheduled_tokens[rid] = n
             base += nb
         out = [engine.step(step).sampled]
         for i in range(3):
-            step = StepInput(i + 1, num_scheduled_tokens=dict.fromkeys(rids, 1))
+            step = SchedulerOutput(i + 1, num_scheduled_tokens=dict.fromkeys(rids, 1))
             out.append(engine.step(step).sampled)
-        engine.step(StepInput(9, free_request_ids=rids))
+        engine.step(SchedulerOutput(9, free_request_ids=rids))
         return [[o[rid][0] for rid in rids] for o in out]
 
     assert run(128, "a") == run(None, "b")

@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lab.executor.tiny import make_tiny_model
+from services.common.step import NewRequestData, SchedulerOutput
 from services.executor.engine import Engine
-from services.executor.messages import NewRequest, StepInput
-from services.executor.tiny import make_tiny_model
 
 PROMPT = list(range(400, 437))  # 37 tokens: 3 blocks of 16, the last one partly filled
 
@@ -34,7 +34,8 @@ def hf_model(tiny_dir):
 
 def _decode(engine, rid: str, n: int) -> list[int]:
     return [
-        engine.step(StepInput(0, num_scheduled_tokens={rid: 1})).sampled[rid][0] for _ in range(n)
+        engine.step(SchedulerOutput(0, num_scheduled_tokens={rid: 1})).sampled[rid][0]
+        for _ in range(n)
     ]
 
 
@@ -42,22 +43,24 @@ def _run(engine, swap: bool) -> list[int]:
     blocks = [0, 1, 2, 3, 4]
     tokens = [
         engine.step(
-            StepInput(0, [NewRequest("a", PROMPT)], {"a": (blocks, False)}, {"a": len(PROMPT)})
+            SchedulerOutput(
+                0, [NewRequestData("a", PROMPT)], {"a": (blocks, False)}, {"a": len(PROMPT)}
+            )
         ).sampled["a"][0]
     ]
     tokens += _decode(engine, "a", 5)
     if swap:
-        engine.step(StepInput(1, swap_out=[(b, 10 + b) for b in blocks]))
+        engine.step(SchedulerOutput(1, swap_out=[(b, 10 + b) for b in blocks]))
         # another request overwrites the freed device blocks meanwhile
         engine.step(
-            StepInput(
-                2, [NewRequest("x", list(range(900, 970)))], {"x": (blocks, False)}, {"x": 70}
+            SchedulerOutput(
+                2, [NewRequestData("x", list(range(900, 970)))], {"x": (blocks, False)}, {"x": 70}
             )
         )
-        engine.step(StepInput(3, free_request_ids=["x"]))
+        engine.step(SchedulerOutput(3, free_request_ids=["x"]))
         new_blocks = [7, 9, 11, 13, 15]
         engine.step(
-            StepInput(
+            SchedulerOutput(
                 4,
                 swap_in=[(10 + b, nb) for b, nb in zip(blocks, new_blocks)],
                 block_tables={"a": (new_blocks, True)},
@@ -83,10 +86,12 @@ def test_compressed_swap_stores_int8_and_stays_close(tiny_dir):
     assert engine.swap.compress and engine.swap.host["kq"].dtype == torch.uint8
     assert engine.swap.host_bytes_per_block < 0.35 * engine.cache.bytes_per_block  # head_dim 16
     before = engine.cache.tensors["k"].clone()
-    engine.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
+    engine.step(
+        SchedulerOutput(0, [NewRequestData("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37})
+    )
     written = engine.cache.tensors["k"][:, :, :2].clone()  # the two full blocks
-    engine.step(StepInput(1, swap_out=[(0, 0), (1, 1)]))
-    engine.step(StepInput(2, swap_in=[(0, 5), (1, 6)]))
+    engine.step(SchedulerOutput(1, swap_out=[(0, 0), (1, 1)]))
+    engine.step(SchedulerOutput(2, swap_in=[(0, 5), (1, 6)]))
     engine.swap.synchronize()
     restored = engine.cache.tensors["k"][:, :, 5:7]
     assert not torch.equal(written, before[:, :, :2])
@@ -113,7 +118,7 @@ class MiniScheduler:
         return [pool.pop() for _ in range(n)]
 
     def step(self) -> None:
-        step = StepInput(self.n)
+        step = SchedulerOutput(self.n)
         self.n += 1
         self._maybe_admit(step)
         for rid, r in list(self.reqs.items()):
@@ -140,7 +145,7 @@ class MiniScheduler:
             if blocks is not None:
                 rid = f"q{self.n}"
                 ids = self.rng.choices(range(50, 5000), k=length)
-                step.new_requests.append(NewRequest(rid, ids))
+                step.new_requests.append(NewRequestData(rid, ids))
                 step.block_tables[rid] = (blocks, False)
                 self.reqs[rid] = {"len": length, "done": 0, "dev": blocks, "host": None}
                 self.logits[rid] = []
@@ -202,37 +207,39 @@ def test_one_step_swaps_in_from_and_out_to_the_same_host_blocks(tiny_dir):
     b_prompt = list(range(700, 728))  # 28 tokens + 3 decodes fit 2 blocks
     ref = Engine(tiny_dir, **kw)
     ref.step(
-        StepInput(
+        SchedulerOutput(
             0,
-            [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
+            [NewRequestData("a", PROMPT), NewRequestData("b", b_prompt)],
             {"a": ([0, 1, 2], False), "b": ([3, 4], False)},
             {"a": 37, "b": 28},
         )
     )
     expected = [
-        ref.step(StepInput(1, num_scheduled_tokens={"a": 1, "b": 1})).sampled for _ in range(3)
+        ref.step(SchedulerOutput(1, num_scheduled_tokens={"a": 1, "b": 1})).sampled
+        for _ in range(3)
     ]
     engine = Engine(tiny_dir, **kw)
     engine.step(
-        StepInput(
+        SchedulerOutput(
             0,
-            [NewRequest("a", PROMPT), NewRequest("b", b_prompt)],
+            [NewRequestData("a", PROMPT), NewRequestData("b", b_prompt)],
             {"a": ([0, 1, 2], False), "b": ([3, 4], False)},
             {"a": 37, "b": 28},
         )
     )
-    engine.step(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))  # a -> host 0..2
+    engine.step(SchedulerOutput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))  # a -> host 0..2
     engine.step(
-        StepInput(
+        SchedulerOutput(
             2,
             swap_out=[(3, 0), (4, 1)],
             swap_in=[(0, 3), (1, 4), (2, 0)],
             block_tables={"a": ([3, 4, 0], True)},
         )
     )  # b -> host 0, 1
-    engine.step(StepInput(3, swap_in=[(0, 5), (1, 6)], block_tables={"b": ([5, 6], True)}))
+    engine.step(SchedulerOutput(3, swap_in=[(0, 5), (1, 6)], block_tables={"b": ([5, 6], True)}))
     got = [
-        engine.step(StepInput(4, num_scheduled_tokens={"a": 1, "b": 1})).sampled for _ in range(3)
+        engine.step(SchedulerOutput(4, num_scheduled_tokens={"a": 1, "b": 1})).sampled
+        for _ in range(3)
     ]
     assert got == expected
 
@@ -253,9 +260,9 @@ def _hold_swap_worker(engine) -> threading.Event:
 
 def _prefill_a_b(engine) -> None:
     engine.step(
-        StepInput(
+        SchedulerOutput(
             0,
-            [NewRequest("a", PROMPT), NewRequest("b", B_PROMPT)],
+            [NewRequestData("a", PROMPT), NewRequestData("b", B_PROMPT)],
             {"a": ([0, 1, 2], False), "b": ([3, 4], False)},
             {"a": 37, "b": 28},
         )
@@ -264,9 +271,9 @@ def _prefill_a_b(engine) -> None:
 
 def test_pending_swap_does_not_block_other_requests_steps(tiny_dir):
     kw = {"num_device_blocks": 16, "num_host_blocks": 8, "dtype": "fp32"}
-    b_alone = StepInput(0, num_scheduled_tokens={"b": 1})
-    a_alone = StepInput(0, num_scheduled_tokens={"a": 1})
-    both = StepInput(0, num_scheduled_tokens={"a": 1, "b": 1})
+    b_alone = SchedulerOutput(0, num_scheduled_tokens={"b": 1})
+    a_alone = SchedulerOutput(0, num_scheduled_tokens={"a": 1})
+    both = SchedulerOutput(0, num_scheduled_tokens={"a": 1, "b": 1})
     ref = Engine(tiny_dir, **kw)  # the same batches, nothing swapped
     _prefill_a_b(ref)
     expected = [ref.step(s).sampled for s in (b_alone, b_alone, a_alone, both, both)]
@@ -281,13 +288,13 @@ def test_pending_swap_does_not_block_other_requests_steps(tiny_dir):
             def run(step):
                 return caller.submit(engine.step, step)
 
-            run(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)])).result(timeout=30)
+            run(SchedulerOutput(1, swap_out=[(0, 0), (1, 1), (2, 2)])).result(timeout=30)
             swap_out_job = engine.swap.pending[0]
             out = run(b_alone).result(timeout=30)  # b's blocks are not being copied
             assert not swap_out_job.done() and out.timings.swap_wait_s < 0.05
             got.append(out.sampled)
             run(
-                StepInput(
+                SchedulerOutput(
                     2, swap_in=[(0, 5), (1, 6), (2, 7)], block_tables={"a": ([5, 6, 7], True)}
                 )
             ).result(timeout=30)
@@ -316,21 +323,27 @@ def test_step_reusing_swapped_out_blocks_waits_for_the_copy(tiny_dir):
     kw = {"num_device_blocks": 16, "num_host_blocks": 8, "dtype": "fp32"}
     x_prompt = list(range(900, 940))  # 40 tokens: fills blocks 0..2
     ref = Engine(tiny_dir, **kw)
-    ref.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
+    ref.step(
+        SchedulerOutput(0, [NewRequestData("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37})
+    )
     expected = _decode(ref, "a", 6)
     x_ref = Engine(tiny_dir, **kw).step(
-        StepInput(0, [NewRequest("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40})
+        SchedulerOutput(0, [NewRequestData("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40})
     )
 
     engine = Engine(tiny_dir, **kw)
-    engine.step(StepInput(0, [NewRequest("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37}))
+    engine.step(
+        SchedulerOutput(0, [NewRequestData("a", PROMPT)], {"a": ([0, 1, 2], False)}, {"a": 37})
+    )
     release = _hold_swap_worker(engine)
     try:
-        engine.step(StepInput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))
+        engine.step(SchedulerOutput(1, swap_out=[(0, 0), (1, 1), (2, 2)]))
         with ThreadPoolExecutor(1) as caller:
             admit_x = caller.submit(
                 engine.step,
-                StepInput(2, [NewRequest("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40}),
+                SchedulerOutput(
+                    2, [NewRequestData("x", x_prompt)], {"x": ([0, 1, 2], False)}, {"x": 40}
+                ),
             )
             with pytest.raises(FutureTimeout):
                 admit_x.result(timeout=0.5)
@@ -338,7 +351,7 @@ def test_step_reusing_swapped_out_blocks_waits_for_the_copy(tiny_dir):
             out = admit_x.result(timeout=30)
         assert out.timings.swap_wait_s >= 0.4 and out.sampled == x_ref.sampled
         engine.step(
-            StepInput(
+            SchedulerOutput(
                 3,
                 free_request_ids=["x"],
                 swap_in=[(0, 5), (1, 6), (2, 7)],

@@ -1,7 +1,7 @@
 """Triton kernels (unified paged attention with split-KV and fused INT8 dequantization, KV
 write, block quantize) equal the torch reference: on CPU under TRITON_INTERPRET=1 (in one
 subprocess, because the interpreter must be chosen before Triton is first imported), natively
-on a GPU when present. The case matrix is services/executor/triton_check.py's CASES: D 64/128,
+on a GPU when present. The case matrix is lab/executor/triton_check.py's CASES: D 64/128,
 G 1/4/7/8, blocks 16/32, fp32 / bf16 / fp16 / INT8 KV, split-KV off and on, contexts up to
 2,048 tokens, decodes and prefill chunks in one batch."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.executor.tiny import make_tiny_model
-from services.executor.triton_check import CASES, Case
+from lab.executor.tiny import make_tiny_model
+from lab.executor.triton_check import CASES, Case
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_TOL = 1e-4  # fp32 logits of the tiny model, torch backend against Triton
@@ -42,7 +42,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 def interpreted(tiny_llama) -> dict:
     """Every case, the padding write and the engine comparison in one interpreter process."""
     proc = subprocess.run(
-        [sys.executable, "-m", "services.executor.triton_check", "--engine", str(tiny_llama)],
+        [sys.executable, "-m", "lab.executor.triton_check", "--engine", str(tiny_llama)],
         env=dict(os.environ, TRITON_INTERPRET="1"),
         cwd=ROOT,
         capture_output=True,
@@ -74,7 +74,7 @@ def test_engine_on_triton_matches_torch_under_interpreter(interpreted):
 @needs_cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_attention_matches_torch_on_gpu(case):
-    from services.executor.triton_check import compare_case
+    from lab.executor.triton_check import compare_case
 
     _check(case, compare_case(case, "cuda"))
 
@@ -82,7 +82,7 @@ def test_attention_matches_torch_on_gpu(case):
 @pytest.mark.gpu
 @needs_cuda
 def test_padding_and_engine_on_gpu(tiny_llama):
-    from services.executor.triton_check import engine_parity, padding_write
+    from lab.executor.triton_check import engine_parity, padding_write
 
     assert padding_write("cuda") == 0.0
     for kv, bs in (("auto", 16), ("int8", 8)):
@@ -92,8 +92,8 @@ def test_padding_and_engine_on_gpu(tiny_llama):
 def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
     """`attention_backend=auto` picks the Triton kernels for a CUDA device and the torch
     reference on CPU (the choice is made without touching the device)."""
+    from services.executor.attention_backends import make_attention
     from services.executor.config import ModelSpec
-    from services.executor.runner import make_attention
 
     spec = ModelSpec(
         arch="llama",

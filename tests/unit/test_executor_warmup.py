@@ -13,12 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lab.executor.tiny import make_tiny_model
 from services.common.arith import ceil_div
 from services.common.pb import executor_pb2, executor_pb2_grpc
 from services.common.settings import ExecutorSettings
 from services.executor.engine import Engine
 from services.executor.server import StartupFailed, bring_up, open_executor
-from services.executor.tiny import make_tiny_model
 from services.executor.warmup import (
     Phase,
     Startup,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.predictor.metrics_eval import accuracy, buckets
-from services.predictor.tune import exact_topk
+from lab.predictor.metrics_eval import accuracy, buckets
+from lab.predictor.tune import exact_topk
 
 
 def test_buckets_are_128_tokens_with_an_open_last_one():

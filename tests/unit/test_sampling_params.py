@@ -12,8 +12,8 @@ from services.common import sampling_pb
 from services.common.grpc_server import ServiceError
 from services.common.pb import common_pb2, scheduler_pb2
 from services.common.sampling import SamplingParams
+from services.common.step import NewRequestData, SchedulerOutput
 from services.scheduler.convert import step_request
-from services.scheduler.core.output import NewRequestData, SchedulerOutput
 from services.scheduler.core.request import Request
 from services.scheduler.records import new_record, request_from_record
 from services.scheduler.validation import ModelLimits, request_from_pb

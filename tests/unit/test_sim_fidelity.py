@@ -12,8 +12,8 @@ from services.workload.traces.trace import TraceItem
 def engine_and_profile(tmp_path_factory):
     import json
 
+    from lab.scheduler.testing import cached_tiny_model
     from services.executor.engine import Engine
-    from services.scheduler.testing import cached_tiny_model
 
     engine = Engine(cached_tiny_model(), device="cpu", num_device_blocks=128, num_host_blocks=32)
     # a fixed profile (measuring one takes long on a shared machine; `alise sim fidelity`

@@ -4,8 +4,8 @@ TTFT objective only a step of its own can meet, and missed TTFT objectives losin
 
 import pytest
 
+from services.common.step import StepOutcome
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.policies.steptime import (
     AttentionFit,
     chunk_time,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.executor.triton_compile import variants
+from lab.executor.triton_compile import variants
 
 ROOT = Path(__file__).resolve().parents[2]
 H100_SHARED_BYTES = 227 * 1024  # the most shared memory one H100 block may use
@@ -29,7 +29,7 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}  # really compile
     proc = subprocess.run(
-        [sys.executable, "-m", "services.executor.triton_compile", "--arch", "90"],
+        [sys.executable, "-m", "lab.executor.triton_compile", "--arch", "90"],
         env=env,
         cwd=ROOT,
         capture_output=True,

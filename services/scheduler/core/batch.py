@@ -9,20 +9,39 @@ Rules it enforces (they follow from the executor's order swap_out, swap_in, free
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from services.scheduler.core.output import NewRequestData, SchedulerOutput
+from services.common.step import NewRequestData, SchedulerOutput
 from services.scheduler.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from services.scheduler.core.scheduler import Scheduler
+    from collections.abc import Iterable
+
+    from services.scheduler.core.block_manager import BlockManager
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 UNLIMITED = 1 << 62
 
 
+class BatchHost(Protocol):
+    """What a Batch changes of the scheduler it builds a step for (`Scheduler` is one): its
+    queues, only through `move`, and what the executor holds, through `mark_sent` / `forget`."""
+
+    @property
+    def block_manager(self) -> BlockManager: ...
+
+    @property
+    def requests(self) -> dict[str, Request]: ...
+
+    def move(self, req: Request, status: RequestStatus) -> None: ...
+
+    def mark_sent(self, request_ids: Iterable[str]) -> set[str]: ...
+
+    def forget(self, request_id: str) -> bool: ...
+
+
 class Batch:
-    def __init__(self, sched: Scheduler, now: float, token_budget: int | None = None) -> None:
+    def __init__(self, sched: BatchHost, now: float, token_budget: int | None = None) -> None:
         self.sched = sched
         self.bm = sched.block_manager
         self.now = now
@@ -45,6 +64,26 @@ class Batch:
     @property
     def num_seqs(self) -> int:
         return len(self.scheduled)
+
+    def set_budget(self, tokens: int) -> None:
+        """Size the step (once its decodes are in): `tokens`, never below what it holds."""
+        self.token_budget = max(self.num_tokens, tokens)
+
+    def close(self) -> None:
+        """Nothing more joins this step: its budget is what it holds."""
+        self.token_budget = self.num_tokens
+
+    def cover(self) -> None:
+        """A whole prompt past the budget raises it to what the step holds, so the output
+        reports the budget it was really packed against (and nothing else joins)."""
+        if self.token_budget is not None and self.num_tokens > self.token_budget:
+            self.token_budget = self.num_tokens
+
+    def charge(self, tokens: int, keep: int) -> None:
+        """Lower the budget by `tokens` of work beyond the scheduled tokens (a chunk's context
+        reads and attention), keeping room for the `keep` tokens just granted."""
+        if self.token_budget is not None:
+            self.token_budget = max(self.num_tokens + keep, self.token_budget - tokens)
 
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self, req: Request, num_new_tokens: int, reserve_blocks: int = 0) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.scheduler.core.output import SchedulerOutput
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.request import Request
     from services.scheduler.core.residual import Residuals
 

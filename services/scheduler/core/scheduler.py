@@ -15,28 +15,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.common.step import RequestUpdate, SchedulerOutput, StepOutcome
 from services.scheduler.core.batch import Batch
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.output import RequestUpdate, SchedulerOutput, StepOutcome
 from services.scheduler.core.request import FINISH_REASON_STATUS, Request, RequestStatus
+from services.scheduler.core.view import AppliedStep
 
 if TYPE_CHECKING:
     from services.scheduler.core.policies.base import Policy
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
-
-
-@dataclass
-class AppliedStep:
-    """What `Policy.update` receives after a step's result was applied."""
-
-    output: SchedulerOutput
-    outcome: StepOutcome
-    updates: list[RequestUpdate]
 
 
 class Scheduler:

@@ -24,9 +24,9 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
+from services.common.step import SchedulerOutput, StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.output import SchedulerOutput, StepOutcome
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, Slo
 from services.scheduler.core.scheduler import Scheduler

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler

@@ -63,11 +63,11 @@ from services.scheduler.core.policies.slack import SlackQueue
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.cost_model import CostModel
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+    from services.scheduler.core.view import AppliedStep, SchedulerView
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 MAX_URGENT = 64  # urgent requests taken from the queue before the budget
@@ -149,7 +149,7 @@ class AccelGenPolicy(Policy):
     _default_chunk: int  # L_c
     _t_max_guess: float  # T_max before any step ran
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         k = self.knobs
         self.cost = sched.cost_model
@@ -409,8 +409,7 @@ class AccelGenPolicy(Policy):
             reserve = 0 if req.status is RUNNING else self.watermark_blocks
             if b.schedule(req, req.num_uncomputed_tokens, reserve):
                 self._started(req, b)
-                if b.token_budget is not None and b.num_tokens > b.token_budget:
-                    b.token_budget = b.num_tokens
+                b.cover()
                 back.pop(j)
                 return
 

@@ -29,7 +29,7 @@ from services.scheduler.core.policies.preemptive import PreemptiveKnobs, Preempt
 
 if TYPE_CHECKING:
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+    from services.scheduler.core.view import AppliedStep, SchedulerView
 
 Rank = Literal["remaining", "normalized"]
 RANKS = ("remaining", "normalized")
@@ -68,7 +68,7 @@ class SrtfPolicy(PreemptivePolicy):
     pred: dict[str, int]  # current predicted output length per request
     demotions: dict[str, int]  # times each request outgrew its prediction
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         self.base = self.knobs.queue_base_s or 16 * sched.cost_model.beta
         self.pred = {}
@@ -124,5 +124,5 @@ class AlisePolicy(SrtfPolicy):
     knobs_type = AliseKnobs
     knobs: AliseKnobs
 
-    def step_budget(self, sched: Scheduler) -> int:
+    def step_budget(self, sched: SchedulerView) -> int:
         return whole_prompt_budget(self.name, self.knobs.max_num_batched_tokens, sched)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 if TYPE_CHECKING:
-    from services.scheduler.core.output import SchedulerOutput
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.request import Request, RequestStatus
-    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+    from services.scheduler.core.view import AppliedStep, SchedulerView
 
 KnobValue = bool | int | float | str | None
 PreemptionMode = Literal["recompute", "swap"]
@@ -69,7 +69,7 @@ class Policy:
     knobs_type: ClassVar[type[Knobs]] = Knobs
     knobs: Knobs
     watermark_blocks: int = 0  # device blocks kept free at admission (set by `bind`)
-    _sched: Scheduler | None = None
+    _sched: SchedulerView | None = None
 
     def __init__(self, **knobs: object) -> None:
         valid = self.knobs_type.names()
@@ -84,13 +84,13 @@ class Policy:
             raise KnobError(f"{self.name}: {exc}") from None
 
     @property
-    def sched(self) -> Scheduler:
+    def sched(self) -> SchedulerView:
         """The Scheduler this policy was bound to."""
         if self._sched is None:
             raise RuntimeError(f"policy {self.name!r} is not bound to a scheduler")
         return self._sched
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         """Called once by the Scheduler; derive budgets that depend on the executor here."""
         self._sched = sched
         wm = self.knobs.watermark_fraction()

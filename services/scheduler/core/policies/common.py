@@ -11,13 +11,15 @@ from services.scheduler.core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.policies.base import PreemptionMode
-    from services.scheduler.core.scheduler import Scheduler
+    from services.scheduler.core.view import SchedulerView
 
 RUNNING, SWAPPED = RequestStatus.RUNNING, RequestStatus.SWAPPED
 Queue = OrderedDict[str, Request]
 
 
-def whole_prompt_budget(policy: str, max_num_batched_tokens: int | None, sched: Scheduler) -> int:
+def whole_prompt_budget(
+    policy: str, max_num_batched_tokens: int | None, sched: SchedulerView
+) -> int:
     """Token limit of a step that takes whole prompts: the knob, else max(2048, model length);
     it must hold the longest prompt."""
     budget = max_num_batched_tokens or max(2048, sched.max_model_len)
@@ -63,7 +65,7 @@ def newest_first(running: Queue) -> Iterator[Request]:
 
 def admit_fcfs(
     b: Batch,
-    sched: Scheduler,
+    sched: SchedulerView,
     max_seqs: int,
     reserve_blocks: int,
     order: list[Request] | None = None,

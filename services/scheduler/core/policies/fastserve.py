@@ -18,7 +18,7 @@ from services.scheduler.core.policies.preemptive import PreemptiveKnobs, Preempt
 
 if TYPE_CHECKING:
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+    from services.scheduler.core.view import AppliedStep, SchedulerView
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,10 @@ class FastServePolicy(PreemptivePolicy):
     base: float  # quantum of level 0, seconds (set by `bind`)
     used: dict[str, float]  # execution time attained in the current level
 
-    def step_budget(self, sched: Scheduler) -> int:
+    def step_budget(self, sched: SchedulerView) -> int:
         return whole_prompt_budget(self.name, self.knobs.max_num_batched_tokens, sched)
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         self.base = self.knobs.base_quantum_s or sched.cost_model.iteration_time(0, 1, 0)
         self.used = {}

@@ -25,10 +25,10 @@ from services.scheduler.core.policies.common import (
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import Scheduler
+    from services.scheduler.core.view import SchedulerView
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class FcfsPolicy(Policy):
     budget: int  # tokens per step (set by `bind`)
     seqs: int  # requests per step
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         self.budget = whole_prompt_budget("fcfs", self.knobs.max_num_batched_tokens, sched)
         self.seqs = min(self.knobs.max_num_seqs, self.budget)

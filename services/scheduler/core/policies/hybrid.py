@@ -56,10 +56,10 @@ from services.scheduler.core.policies.steptime import (
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+    from services.scheduler.core.view import AppliedStep, SchedulerView
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 
@@ -116,11 +116,11 @@ class HybridPolicy(SrtfPolicy):
     _pairs: float  # attention pairs of the step in flight
     _last_decode_step: float  # cost-model time of the last step's decodes alone
 
-    def step_budget(self, sched: Scheduler) -> int:
+    def step_budget(self, sched: SchedulerView) -> int:
         k = self.knobs
         return sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, sched.cost_model)
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         self.tbt = {}
         self.ttft_heap = []
@@ -159,19 +159,16 @@ class HybridPolicy(SrtfPolicy):
 
     # -- step -------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        """One step in four phases, each adding to the Batch `b` (the only thing that changes
+        the scheduler's state): the running decodes, which fix the step's budget (or a
+        prefill lane, which closes the step); the urgent prompts; ranked prefill chunks;
+        eviction (ALISE Algorithm 2)."""
         self._age(now)
         b = self.sched.new_batch(now, self.budget)
         self._chosen, self._victims = [], None
-        if not self._decodes(b):
-            if self._room(b):  # requests whose TTFT objective is due go before started chunks
-                urgent = self._urgent(now)
-                self._admit(b, urgent[: self.knobs.max_window])
-                for req in urgent:
-                    if req.request_id not in b.scheduled and req.status is not RUNNING:
-                        self._push_ttft(req)
-            self._ongoing_prefills(b)
-            if self._room(b):
-                self._admit(b, None)
+        if not self._phase_decodes(b):
+            self._phase_urgent(b, now)
+            self._phase_prefills(b)
         self._rebalance(b)
         self._track_waits(b, now)
         self._pairs = AttentionFit.pairs(b.scheduled, self.sched.requests)
@@ -180,10 +177,12 @@ class HybridPolicy(SrtfPolicy):
     def _room(self, b: Batch) -> bool:
         return not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs
 
-    def _decodes(self, b: Batch) -> bool:
+    # -- phase 1: running decodes and the step's budget -------------------------------------
+    def _phase_decodes(self, b: Batch) -> bool:
         """Every running decode (Sarathi: never skipped for priority), evicting by EWT when
-        KV runs out; then the step's budget (`_slo_budget`). With a prefill lane, only the
-        decodes that cannot sit it out, then the lane's prompt: returns True (step closed)."""
+        KV runs out; then the step's budget, computed once (`_slo_budget`). With a prefill
+        lane, only the decodes that cannot sit it out, then the lane's prompt: returns True
+        (step closed)."""
         lane = self._lane(b)
         context = self._schedule_decodes(b, None if lane is None else lane[1])
         if lane is None:  # the lane's estimate of the step after it, for the next step
@@ -193,7 +192,7 @@ class HybridPolicy(SrtfPolicy):
         if lane is not None:
             req = lane[0]
             if b.schedule(req, req.num_uncomputed_tokens, self.watermark_blocks):
-                b.token_budget = b.num_tokens
+                b.close()
                 return True
             context += self._schedule_decodes(b, None)  # no room after all: a normal step
         self._slo_budget(b, context)
@@ -262,7 +261,7 @@ class HybridPolicy(SrtfPolicy):
             n = b.num_tokens + chunk_tokens(cm, self.attention.coef, room * u, 0, room)
         if n >= k.tile_size:
             n -= n % k.tile_size
-        b.token_budget = max(b.num_tokens, n)
+        b.set_budget(n)
         self._timed = True
 
     def _lane(self, b: Batch) -> tuple[Request, set[str]] | None:
@@ -358,50 +357,17 @@ class HybridPolicy(SrtfPolicy):
             return None
         return keep
 
-    def _ongoing_prefills(self, b: Batch) -> None:
-        level = self.q.level_of
-        ongoing = [
-            r
-            for r in self.sched.running.values()
-            if r.num_uncomputed_tokens > 1 and r.request_id not in b.scheduled
-        ]
-        ongoing.sort(key=lambda r: level.get(r.request_id, 0))
-        for req in ongoing:
-            n = min(req.num_uncomputed_tokens, b.tokens_left)
-            if self._timed:
-                n = self._timed_chunk(b, req, n)
-            if n < 1 or b.num_seqs >= self.seqs:
-                break
-            while req.status is RUNNING and not b.schedule(req, n):
-                if not self._evict_one(b, req):
-                    break
-
-    def _timed_chunk(self, b: Batch, req: Request, n: int) -> int:
-        """In a step sized in time: the chunk of `req` whose context reads and attention fit
-        what is left, the budget lowered by what they cost beyond its tokens."""
-        cm, coef, c = self.sched.cost_model, self.attention.coef, req.num_computed_tokens
-        u = cm.c_prefill + cm.c_context
-        m = chunk_tokens(cm, coef, b.tokens_left * u, c, n)
-        if m >= 1 and b.token_budget is not None:
-            extra = int(chunk_time(cm, coef, c, m) / u + 0.999)
-            b.token_budget = max(b.num_tokens + m, b.token_budget - extra)
-        return m
-
-    def _evict_one(self, b: Batch, req: Request) -> bool:
-        """Swap out the resident, unscheduled request with the highest EWT (maybe `req`)."""
-        if self._victims is None:
-            self._victims = self._victims_by_ewt(b)
-        for _, victim in self._victims:
-            if victim.status is RUNNING and (victim is req or victim.request_id not in b.scheduled):
-                self._evict(b, victim)
-                return victim is not req
-        if req.status is RUNNING:
-            self._evict(b, req)
-        return False
-
-    def _evict(self, b: Batch, req: Request) -> None:
-        self.long_inflight.discard(req.request_id)
-        b.preempt(req, self.knobs.evict_mode)
+    # -- phase 2: urgent prompts ------------------------------------------------------------
+    def _phase_urgent(self, b: Batch, now: float) -> None:
+        """Requests whose TTFT objective is due go before the chunks of started prompts (one
+        window of them); the ones left out keep their deadline for the next step."""
+        if not self._room(b):
+            return
+        urgent = self._urgent(now)
+        self._admit(b, urgent[: self.knobs.max_window])
+        for req in urgent:
+            if req.request_id not in b.scheduled and req.status is not RUNNING:
+                self._push_ttft(req)
 
     def _drop_missed(self, now: float) -> None:
         """Forget TTFT objectives already missed: such a request no longer jumps the queue
@@ -433,6 +399,42 @@ class HybridPolicy(SrtfPolicy):
         if req is None:
             return 0.0
         return self.sched.cost_model.prefill_time(req.num_uncomputed_tokens)
+
+    # -- phase 3: ranked prefill chunks -----------------------------------------------------
+    def _phase_prefills(self, b: Batch) -> None:
+        """The started prompts' next chunks (by level), then new and swapped work, level by
+        level, nearest in (compute, KV) first within a window."""
+        self._ongoing_prefills(b)
+        if self._room(b):
+            self._admit(b, None)
+
+    def _ongoing_prefills(self, b: Batch) -> None:
+        level = self.q.level_of
+        ongoing = [
+            r
+            for r in self.sched.running.values()
+            if r.num_uncomputed_tokens > 1 and r.request_id not in b.scheduled
+        ]
+        ongoing.sort(key=lambda r: level.get(r.request_id, 0))
+        for req in ongoing:
+            n = min(req.num_uncomputed_tokens, b.tokens_left)
+            if self._timed:
+                n = self._timed_chunk(b, req, n)
+            if n < 1 or b.num_seqs >= self.seqs:
+                break
+            while req.status is RUNNING and not b.schedule(req, n):
+                if not self._evict_one(b, req):
+                    break
+
+    def _timed_chunk(self, b: Batch, req: Request, n: int) -> int:
+        """In a step sized in time: the chunk of `req` whose context reads and attention fit
+        what is left, the budget lowered by what they cost beyond its tokens."""
+        cm, coef, c = self.sched.cost_model, self.attention.coef, req.num_computed_tokens
+        u = cm.c_prefill + cm.c_context
+        m = chunk_tokens(cm, coef, b.tokens_left * u, c, n)
+        if m >= 1:
+            b.charge(int(chunk_time(cm, coef, c, m) / u + 0.999), m)
+        return m
 
     def _admit(self, b: Batch, urgent: list[Request] | None) -> None:
         """New and swapped work by priority, one level window at a time (`urgent`: that one
@@ -482,6 +484,23 @@ class HybridPolicy(SrtfPolicy):
     def _started(self, req: Request, b: Batch) -> None:
         if req.num_computed_tokens < req.num_prompt_tokens and self._is_long(req, b):
             self.long_inflight.add(req.request_id)
+
+    # -- phase 4 and within phases 1-3: eviction (to host, by EWT) --------------------------
+    def _evict_one(self, b: Batch, req: Request) -> bool:
+        """Swap out the resident, unscheduled request with the highest EWT (maybe `req`)."""
+        if self._victims is None:
+            self._victims = self._victims_by_ewt(b)
+        for _, victim in self._victims:
+            if victim.status is RUNNING and (victim is req or victim.request_id not in b.scheduled):
+                self._evict(b, victim)
+                return victim is not req
+        if req.status is RUNNING:
+            self._evict(b, req)
+        return False
+
+    def _evict(self, b: Batch, req: Request) -> None:
+        self.long_inflight.discard(req.request_id)
+        b.preempt(req, self.knobs.evict_mode)
 
     def _room_for(self, b: Batch, req: Request) -> None:
         """ALISE preemption: evict jobs `preempt_level_gap` levels below `req` (highest EWT

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from services.scheduler.core.policies.base import KnobError, Knobs, Policy, register_policy
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import Scheduler
+    from services.scheduler.core.view import SchedulerView
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class OrcaPolicy(Policy):
     reserved: int  # blocks promised to admitted requests (their max length)
     promise: dict[str, int]  # those blocks per request
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         self.budget = self.knobs.max_num_batched_tokens or max(2048, sched.max_model_len)
         if self.budget < sched.max_model_len:

@@ -22,10 +22,10 @@ from services.scheduler.core.policies.victims import Victims, smallest_first
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import AppliedStep, Scheduler
+    from services.scheduler.core.view import AppliedStep, SchedulerView
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
 MemoryMode = Literal["swap", "recompute", "defer"]
@@ -87,7 +87,7 @@ class PreemptivePolicy(Policy):
     _chosen: list[tuple[Request, int]]
     _victims: Victims | None
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         k = self.knobs
         self.budget = self.step_budget(sched)
@@ -103,7 +103,7 @@ class PreemptivePolicy(Policy):
         self.prev = {}
 
     # -- per-policy hooks -------------------------------------------------------------------
-    def step_budget(self, sched: Scheduler) -> int:
+    def step_budget(self, sched: SchedulerView) -> int:
         """Token budget of every step."""
         raise NotImplementedError
 

@@ -13,7 +13,7 @@ from services.scheduler.core.policies.base import register_policy
 from services.scheduler.core.policies.orca import OrcaPolicy
 
 if TYPE_CHECKING:
-    from services.scheduler.core.output import SchedulerOutput
+    from services.common.step import SchedulerOutput
 
 
 @register_policy("request")

@@ -38,11 +38,11 @@ from services.scheduler.core.policies.base import (
 from services.scheduler.core.policies.common import RUNNING, newest_first, schedule_or_preempt
 
 if TYPE_CHECKING:
+    from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
     from services.scheduler.core.cost_model import CostModel
-    from services.scheduler.core.output import SchedulerOutput
     from services.scheduler.core.request import Request
-    from services.scheduler.core.scheduler import Scheduler
+    from services.scheduler.core.view import SchedulerView
 
 DEFAULT_TOKEN_BUDGET = 512  # Sarathi-Serve's 'strict' setting
 
@@ -97,7 +97,7 @@ class SarathiPolicy(Policy):
     seqs: int  # requests per step
     last_was_prefill: bool  # kind of the previous step (hybrid_batching=False)
 
-    def bind(self, sched: Scheduler) -> None:
+    def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         k = self.knobs
         self.budget = sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, sched.cost_model)
@@ -156,7 +156,7 @@ class SarathiPolicy(Policy):
                 if n < 1 or b.num_seqs >= self.seqs:
                     break
                 if schedule_or_preempt(b, req, n, victims, self.knobs.preemption_mode):
-                    self._cover(b)
+                    b.cover()
 
     def _admit(self, b: Batch) -> None:
         """New requests in arrival order while they fit (stop at the first that does not)."""
@@ -167,7 +167,7 @@ class SarathiPolicy(Policy):
             n = self._chunk(b, req)
             if n < 1 or not b.schedule(req, n, self.watermark_blocks):
                 break
-            self._cover(b)
+            b.cover()
 
     def _chunk(self, b: Batch, req: Request) -> int:
         """Tokens to give `req` now: the next chunk that fits the leftover budget, or with
@@ -179,13 +179,6 @@ class SarathiPolicy(Policy):
         if need <= b.tokens_left or not any(n > 1 for n in b.scheduled.values()):
             return need
         return 0
-
-    @staticmethod
-    def _cover(b: Batch) -> None:
-        """A whole prompt past tau raises this step's budget to what it holds, so the output
-        reports the budget it was really packed against (and nothing else joins)."""
-        if b.token_budget is not None and b.num_tokens > b.token_budget:
-            b.token_budget = b.num_tokens
 
     def _swap_back(self, b: Batch, prefills: bool | None = None) -> None:
         """Swapped requests back in order while their KV fits; `prefills` True/False limits
@@ -201,4 +194,4 @@ class SarathiPolicy(Policy):
             if need > bm.num_free_device_blocks or not b.swap_in(req):
                 break
             b.schedule(req, n)
-            self._cover(b)
+            b.cover()

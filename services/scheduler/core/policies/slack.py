@@ -22,20 +22,46 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
-    from services.scheduler.core.policies.accelgen import AccelGenPolicy
     from services.scheduler.core.request import Request
 
 RUNNING = RequestStatus.RUNNING
 Entry = tuple[float, int, str]  # (due, version, request id)
 
 
+class SlackKnobs(Protocol):
+    @property
+    def slack_ordering(self) -> bool: ...
+    @property
+    def default_tbt_s(self) -> float: ...
+    @property
+    def default_ttft_s(self) -> float: ...
+    @property
+    def preempt_max_s(self) -> float: ...
+    @property
+    def preempt_prob(self) -> float: ...
+
+
+class SlackPolicy(Protocol):
+    """What the queue reads of its policy (`AccelGenPolicy` is one): knobs, T_max, L_c and
+    predicted lengths."""
+
+    @property
+    def knobs(self) -> SlackKnobs: ...
+
+    def t_max(self) -> float: ...
+
+    def avg_chunk(self) -> int: ...
+
+    def predicted_len(self, req: Request) -> int: ...
+
+
 class SlackQueue:
-    def __init__(self, policy: AccelGenPolicy) -> None:
+    def __init__(self, policy: SlackPolicy) -> None:
         self.p = policy
         self.by_arrival = not policy.knobs.slack_ordering
         # read on every slack computation: kept here rather than two lookups away

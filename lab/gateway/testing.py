@@ -102,7 +102,7 @@ class ProcessStack:
     def _model_setting(self) -> str:
         if self.model != "tiny":
             return self.model
-        from services.executor.tiny import make_tiny_model
+        from lab.executor.tiny import make_tiny_model
 
         return str(make_tiny_model(self.run_dir / "tiny-model"))
 

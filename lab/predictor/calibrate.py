@@ -11,8 +11,7 @@ one JSON line per prompt to a calibration file:
 `censored` is true when the answer was cut by the cap (its true length is only known to be
 >= `length`). The file holds one model at one cap (its first line says which); the command is
 resumable: prompts already in the file are skipped, and every batch is appended as it
-finishes. `calibration_file` finds the file for a model and cap (the data dir's, else one bundled
-in services/predictor/calibration/).
+finishes. Reading the files is serving's part: services/predictor/calibration_files.py.
 """
 
 from __future__ import annotations
@@ -23,54 +22,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.predictor.calibration_files import DEFAULT_CAP, calibration_name, read_calibration
+
 if TYPE_CHECKING:
     from services.common.settings import PredictorSettings
-    from services.workload.traces.sharegpt import Sample
 
 log = logging.getLogger(__name__)
-
-BUNDLED = Path(__file__).parent / "calibration"
-DEFAULT_CAP = 256
-
-
-def calibration_name(model: str, max_tokens: int, split: str = "train") -> str:
-    tail = "" if split == "train" else f"-{split}"
-    return f"{model}-cap{max_tokens}{tail}.jsonl"
-
-
-def calibration_file(
-    model: str, data_dir: Path, max_tokens: int = DEFAULT_CAP, split: str = "train"
-) -> Path | None:
-    """The calibration file for `model` at `max_tokens` over `split`: the data dir's (written
-    by `calibrate`), else one bundled with the package, else None."""
-    for base in (data_dir / "calibration", BUNDLED):
-        path = base / calibration_name(model, max_tokens, split)
-        if path.exists():
-            return path
-    return None
-
-
-def read_calibration(path: Path) -> tuple[dict, dict[str, dict]]:
-    """(header, id -> row) of a calibration file."""
-    header: dict = {}
-    rows: dict[str, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "header" in row:
-                header = row["header"]
-            else:
-                rows[row["id"]] = row
-    return header, rows
-
-
-def calibrated_samples(samples: list[Sample], rows: dict[str, dict]) -> list[Sample]:
-    """The samples that were calibrated, with the served model's length as `output_len`."""
-    from dataclasses import replace
-
-    return [replace(s, output_len=int(rows[s.id]["length"])) for s in samples if s.id in rows]
 
 
 def calibrate(
@@ -86,9 +43,9 @@ def calibrate(
 ) -> dict:
     """Run up to `n` prompts of `split` (those not yet in `out`) and append their lengths.
     The train split seeds the predictor; the test split is held out to score it."""
+    from lab.executor.driver import Driver
     from services.common.models import load_tokenizer, served_model_id, weights_dir
     from services.common.sampling import SamplingParams
-    from services.executor.driver import Driver
     from services.executor.engine import Engine
     from services.workload.traces.sharegpt import load_split
 

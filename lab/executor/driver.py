@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from services.common.arith import ceil_div
 from services.common.sampling import SamplingParams
-from services.executor.messages import NewRequest, StepInput, StepOutput
+from services.common.step import NewRequestData, SchedulerOutput
+from services.executor.messages import StepOutput
 
 if TYPE_CHECKING:
     from services.executor.engine import Engine
@@ -64,7 +65,7 @@ class Driver:
         ]
         waiting, running, to_free = list(seqs), [], []
         while waiting or running:
-            step = StepInput(self.steps, free_request_ids=to_free)
+            step = SchedulerOutput(self.steps, free_request_ids=to_free)
             self._schedule(step, waiting, running)
             if not step.num_scheduled_tokens:
                 raise RuntimeError("a request does not fit in the KV pool")
@@ -72,11 +73,11 @@ class Driver:
             self.steps += 1
             to_free = self._update(out, running, set(eos_ids))
         if to_free:
-            self.engine.step(StepInput(self.steps, free_request_ids=to_free))
+            self.engine.step(SchedulerOutput(self.steps, free_request_ids=to_free))
         return seqs
 
     def _schedule(
-        self, step: StepInput, waiting: list[DriverSeq], running: list[DriverSeq]
+        self, step: SchedulerOutput, waiting: list[DriverSeq], running: list[DriverSeq]
     ) -> None:
         budget = self.budget
         for seq in sorted(running, key=lambda s: s.computed < len(s.prompt)):  # decodes first
@@ -92,7 +93,7 @@ class Driver:
                 break
             waiting.pop(0)
             seq.blocks = [self.free_blocks.pop() for _ in range(need)]
-            step.new_requests.append(NewRequest(seq.rid, seq.prompt, seq.sampling))
+            step.new_requests.append(NewRequestData(seq.rid, seq.prompt, seq.sampling))
             step.block_tables[seq.rid] = (seq.blocks, False)
             n = min(len(seq.prompt), budget)
             step.num_scheduled_tokens[seq.rid] = n

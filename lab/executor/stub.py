@@ -1,5 +1,6 @@
 """A stepping stub of the executor for scheduler benchmarks: the real gRPC service and Step
-contract (every Step is checked by `StepChecker` like the engine's), no model and no torch.
+contract (the engine's own bookkeeping, `StepBook`: every Step is checked and applied as the
+engine does), no model and no torch.
 
 Each Step waits `step_s` (off the event loop, as the engine's forward pass does) and "samples"
 a deterministic token for every request whose scheduled tokens reach its end. Many stubs can
@@ -19,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.executor.messages import StepInput, StepOutput, StepTimings
-from services.executor.step_plan import BlockOwners, StepChecker, apply_plan
+from services.common.step import SchedulerOutput
+from services.executor.messages import StepOutput, StepTimings
+from services.executor.step_plan import StepBook
 
 if TYPE_CHECKING:
     from services.executor.server import ExecutorHandle
@@ -44,17 +46,10 @@ class StubEngine:
         self.num_device_blocks, self.num_host_blocks = num_device_blocks, num_host_blocks
         self.max_model_len = max_model_len
         self.instance_id = uuid.uuid4().hex
-        self.requests: dict = {}
-        self.owners = BlockOwners()
-        self.checker = StepChecker(
-            self.requests,
-            self.owners,
-            num_device_blocks,
-            num_host_blocks,
-            block_size,
-            max_model_len,
-            STUB_VOCAB,
+        self.book = StepBook(
+            num_device_blocks, num_host_blocks, block_size, max_model_len, STUB_VOCAB
         )
+        self.requests = self.book.requests
         self._lock = threading.Lock()
         self.marks: list[tuple[float, float]] = []  # (start, end) of each Step that ran tokens
 
@@ -82,11 +77,11 @@ class StubEngine:
             "attention_backend": "none",
         }
 
-    def step(self, step: StepInput) -> StepOutput:
+    def step(self, step: SchedulerOutput) -> StepOutput:
         start = time.perf_counter()
         with self._lock:
-            plan = self.checker.plan(step)
-            apply_plan(plan, self.requests, self.owners)
+            plan = self.book.plan(step)
+            self.book.apply(plan)
             out = StepOutput(step.step_id, {}, StepTimings())
             for rid, n in plan.scheduled:
                 st = self.requests[rid]

@@ -1,5 +1,7 @@
-"""Messages between the scheduling core and an executor (they map 1:1 onto proto StepRequest /
-StepResult; the live scheduler converts, the simulator consumes them directly)."""
+"""The step contract: what the scheduling core asks of an executor in one step and what comes
+back. One definition that the core (which builds it), the executor (which runs it, over gRPC or
+in process) and the simulator share; it maps 1:1 onto proto StepRequest / StepResult (the live
+scheduler and the executor's servicer convert). It imports nothing of either side."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ class NewRequestData:
 
     request_id: str
     token_ids: list[int]  # every known token: prompt + output so far
-    sampling: SamplingParams
-    num_output_tokens: int  # how many of token_ids are output (seeded sampling offset)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_output_tokens: int = 0  # how many of token_ids are output (seeded sampling offset)
     # leading tokens whose KV is already in the first blocks of the request's table (prefix
     # cache hit): prefill starts at this position; always < len(token_ids), whole blocks
     num_cached_tokens: int = 0

@@ -1,7 +1,7 @@
 """Compare the Triton backend with the torch reference backend on a matrix of mixed steps.
 
-    TRITON_INTERPRET=1 python -m services.executor.triton_check [--case NAME ...]   # CPU
-    python -m services.executor.triton_check --device cuda                         # GPU
+    TRITON_INTERPRET=1 python -m lab.executor.triton_check [--case NAME ...]   # CPU
+    python -m lab.executor.triton_check --device cuda                         # GPU
     ... [--engine TINY_MODEL_DIR]   # also whole engines: torch vs Triton backend logits
 
 Each case is one forward step of one layer over a paged pool holding a random history (shuffled
@@ -231,8 +231,8 @@ def engine_parity(
 ) -> float:
     """Max |diff| of teacher-forced logits (mixed decode / chunk / prompt steps) between an
     Engine on the torch backend and one on the Triton backend, same tiny model (fp32)."""
+    from lab.executor.testing import teacher_forced_logits
     from services.executor.engine import Engine
-    from services.executor.testing import teacher_forced_logits
 
     logits = []
     for backend in ("torch", "triton"):

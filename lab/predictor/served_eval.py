@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lab.predictor.metrics_eval import accuracy
 from services.common.censoring import expected_length
-from services.predictor.metrics_eval import accuracy
 
 if TYPE_CHECKING:
     from services.common.settings import PredictorSettings
@@ -44,7 +44,7 @@ def split_calibrated(
 ) -> tuple[list[Sample], list[Sample], np.ndarray]:
     """(calibrated fit samples, held-out test samples, censored flags of the test samples),
     lengths = the served model's; in train-split order."""
-    from services.predictor.calibrate import calibrated_samples
+    from services.predictor.calibration_files import calibrated_samples
 
     cal = calibrated_samples(train, rows)
     test = cal[::every]
@@ -90,8 +90,8 @@ def score(
 def _setup(settings, embedder, chat, fit: list[Sample], cut, test: list[Sample], model: str):
     """(preds, hits, p_capped) per method, store and MLP fit on `fit` (`cut`: censored flags
     of `fit`, or None to treat every length as complete)."""
+    from lab.predictor.eval_common import predictions, search_all, seeded_store
     from services.predictor.build import embedding_cache
-    from services.predictor.eval_common import predictions, search_all, seeded_store
     from services.predictor.mlp import length_feature, train
 
     fit_p, test_p = [chat(s.prompt) for s in fit], [chat(s.prompt) for s in test]
@@ -113,8 +113,8 @@ def _setup(settings, embedder, chat, fit: list[Sample], cut, test: list[Sample],
 def held_out(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     """The fit and test sets: the test-split calibration when there is one, else every
     fifth train-split calibrated prompt."""
-    from services.predictor.calibrate import calibrated_samples, calibration_file
-    from services.predictor.calibrate import read_calibration as read
+    from services.predictor.calibration_files import calibrated_samples, calibration_file
+    from services.predictor.calibration_files import read_calibration as read
     from services.workload.traces.sharegpt import load_split
 
     path = Path(args.file) if args.file else calibration_file(settings.model, settings.data_dir)
@@ -145,8 +145,8 @@ def held_out(settings: PredictorSettings, args: argparse.Namespace) -> dict:
 
 
 def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
+    from lab.predictor.eval_common import chat_formatter
     from services.predictor.build import make_embedder, served_models
-    from services.predictor.eval_common import chat_formatter
 
     data = held_out(settings, args)
     test, cut, cap = data["test"], data["cut_test"], data["header"]["max_tokens"]

@@ -19,8 +19,8 @@ import grpc
 
 from services.common.pb import common_pb2, scheduler_pb2
 from services.common.settings import SchedulerSettings
+from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
-from services.scheduler.core.output import StepOutcome
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
@@ -165,7 +165,7 @@ async def start_tiny_executor(
 def cached_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
     """`make_tiny_model` once per machine: kept under the temp dir, keyed by the generator's
     source hash (a changed generator writes a new model); written atomically."""
-    import services.executor.tiny as tiny
+    import lab.executor.tiny as tiny
 
     digest = hashlib.sha256(Path(tiny.__file__).read_bytes()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"alise-tiny-{arch}-{seed}-{digest}-{os.getuid()}"

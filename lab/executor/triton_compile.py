@@ -3,7 +3,7 @@ ptxas its wheel ships), so a CPU-only CI catches what the interpreter cannot: co
 dtype mismatches in tl.dot, shapes a GPU tl.dot refuses, resources ptxas rejects. Variants
 use the tile sizes and launch configuration the backend picks (triton_plan.py).
 
-    python -m services.executor.triton_compile [--arch 90]      # 90: H100; TRITON_INTERPRET unset
+    python -m lab.executor.triton_compile [--arch 90]      # 90: H100; TRITON_INTERPRET unset
 Prints {variant: {"shared": bytes of shared memory}}; exits 1 listing the failures.
 """
 

@@ -1,6 +1,6 @@
 """INT8 KV quality figures on the served model (the numbers docs/executor.md reports).
 
-    python -m services.executor.quality [--prompts 8] [--tokens 64]
+    python -m lab.executor.quality [--prompts 8] [--tokens 64]
 Prints JSON: perplexity of a fixed 512-token ShareGPT passage with full-precision and INT8 KV,
 greedy token agreement of INT8 vs full-precision KV on chat prompts, KV bytes per token.
 """
@@ -67,8 +67,8 @@ def measure(
     n_prompts: int = 8,
     n_tokens: int = 64,
 ) -> dict[str, Any]:
-    from services.executor.driver import Driver
-    from services.executor.testing import perplexity, teacher_forced_logits
+    from lab.executor.driver import Driver
+    from lab.executor.testing import perplexity, teacher_forced_logits
 
     ids = passage(tok)
     ppl = [perplexity(teacher_forced_logits(e, [ids], [64])[0], ids) for e in (fp_engine, q_engine)]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.arith import ceil_div
-from services.executor.messages import NewRequest, StepInput
+from services.common.step import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from services.executor.engine import Engine
@@ -20,11 +20,11 @@ def teacher_forced_logits(
     chunk_sizes[i] tokens a step (None = whole prompt at once). Returns per prompt the fp32
     logits [len, V] at every position. Requests are freed at the end."""
     bs = engine.block_size
-    step = StepInput(0)
+    step = SchedulerOutput(0)
     next_block = first_block
     for i, ids in enumerate(prompts):
         n_blocks = ceil_div(len(ids), bs)
-        step.new_requests.append(NewRequest(f"tf{i}", list(ids)))
+        step.new_requests.append(NewRequestData(f"tf{i}", list(ids)))
         step.block_tables[f"tf{i}"] = (list(range(next_block, next_block + n_blocks)), False)
         next_block += n_blocks
     done = [0] * len(prompts)
@@ -38,8 +38,10 @@ def teacher_forced_logits(
         out = engine.step(step, all_logits=True)
         for rid, logits in out.logits.items():
             parts[int(rid[2:])].append(logits)
-        step = StepInput(step.step_id + 1)
-    engine.step(StepInput(step.step_id, free_request_ids=[f"tf{i}" for i in range(len(prompts))]))
+        step = SchedulerOutput(step.step_id + 1)
+    engine.step(
+        SchedulerOutput(step.step_id, free_request_ids=[f"tf{i}" for i in range(len(prompts))])
+    )
     return [torch.cat(p) for p in parts]
 
 

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lab.predictor.eval_common import chat_formatter, predictions, search_all, seeded_store
+from lab.predictor.metrics_eval import accuracy
 from services.predictor.core import LengthPredictor
-from services.predictor.eval_common import chat_formatter, predictions, search_all, seeded_store
-from services.predictor.metrics_eval import accuracy
 
 if TYPE_CHECKING:
     from services.common.settings import PredictorSettings
@@ -44,7 +44,7 @@ def _load(settings, args):
 
 
 def _proxy(settings, args, model: str):
-    from services.predictor.proxy import ProxyPredictor, proxy_dir, train_proxy
+    from lab.predictor.proxy import ProxyPredictor, proxy_dir, train_proxy
 
     path = proxy_dir(settings, model)
     if not (path / "head.pt").exists():
@@ -192,14 +192,14 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO)
     if getattr(args, "target", "reference") == "served":
-        from services.predictor import served_eval
+        from lab.predictor import served_eval
 
         args.json = args.json_path
         return served_eval.main(args)
     settings = PredictorSettings()
     result = run(settings, args)
     if args.tune:
-        from services.predictor.tune import sweep
+        from lab.predictor.tune import sweep
 
         result["tuning"] = sweep(settings, args)
     if args.json_path:

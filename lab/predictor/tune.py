@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lab.predictor.metrics_eval import accuracy
 from services.predictor.core import decide
-from services.predictor.metrics_eval import accuracy
 from services.predictor.store_base import Neighbor
 
 if TYPE_CHECKING:

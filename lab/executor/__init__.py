@@ -1,0 +1,1 @@
+"""Lab tools of services/executor."""
