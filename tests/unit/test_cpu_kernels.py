@@ -181,10 +181,15 @@ def test_decode_step_benchmark_runs_both_backends_side_by_side():
         batch=2,
         context=40,
         kv_memory_gb=0.05,
+        isa=LEVELS[0],
     )
+    before = cpu_kernels.active_level() if cpu_kernels.load() else None
     out = measure(args)
-    got = {(r["kv_dtype"], r["attention"]) for r in out["rows"]}
-    assert got == {(kv, a) for kv in ("auto", "int8") for a in ("torch", "cpu")}
+    if before:
+        cpu_kernels.use(before)
+    got = {(r["kv_dtype"], r["attention"], r["isa"]) for r in out["rows"]}
+    want = {(kv, "torch", None) for kv in ("auto", "int8")}
+    assert got == want | {(kv, "cpu", LEVELS[0]) for kv in ("auto", "int8")}
     for r in out["rows"]:
         assert r["step_ms"] > 0 and r["linear_only_ms"] > 0
         assert r["step_over_linear"] == pytest.approx(r["step_ms"] / r["linear_only_ms"])

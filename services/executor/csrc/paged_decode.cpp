@@ -43,8 +43,9 @@ void softmax_rows(float* scores, int64_t g_count, int64_t n) {
     float m = s[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
     vf acc{};
+    const vf mv = splat(m);
     for (int64_t i = 0; i < body; i += W) {
-      const vf e = exp16(load16(s + i) - m);
+      const vf e = exp16(load16(s + i) - mv);
       __builtin_memcpy(s + i, &e, sizeof e);
       acc += e;
     }
@@ -80,7 +81,8 @@ struct Scratch {
 
 template <typename T>
 void load_query(const T* q, float scale, vf* out, int64_t vecs) {
-  for (int64_t i = 0; i < vecs; ++i) out[i] = load16(q + i * W) * scale;
+  const vf s = splat(scale);
+  for (int64_t i = 0; i < vecs; ++i) out[i] = load16(q + i * W) * s;
 }
 
 template <typename T>
@@ -125,7 +127,7 @@ void add_rows(vf* acc, int64_t groups, const T* values, int64_t n, const float* 
     for (int64_t c = 0; c < C; ++c) v[c] = load16(values + t * C * W + c * W);
     const float rs = row_scale ? to_float(row_scale[t]) : 1.f;
     for (int64_t g = 0; g < groups; ++g) {
-      const float p = probs[g * len + t] * rs;
+      const vf p = splat(probs[g * len + t] * rs);
       for (int64_t c = 0; c < C; ++c) acc[g * C + c] += p * v[c];
     }
   }
@@ -308,7 +310,7 @@ void decode_int8(const at::Tensor& q, const Int8Pools& p, const at::Tensor& k_st
           for (int64_t t = 0; t < bs; ++t) w.voff[g] += probs[g * len + t] * to_float(vof[t]);
       }
       for (int64_t g = 0; g < s.groups; ++g)
-        for (int64_t c = 0; c < C; ++c) w.acc[g * C + c] -= w.voff[g];
+        for (int64_t c = 0; c < C; ++c) w.acc[g * C + c] -= splat(w.voff[g]);
       add_rows<C>(w.acc.data(), s.groups, vsp + stage, tail, w.scores.data() + full * bs, len,
                   nullptr);
       store_output(w.acc.data(), op + (b * kv_heads + h) * vecs * W, vecs);
