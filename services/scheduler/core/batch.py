@@ -56,6 +56,22 @@ class Batch:
         self.touched: set[str] = set()  # preempted this step
         self.swapped_in: set[str] = set()
 
+    # -- KV blocks (what a policy may ask before it schedules) -------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return self.bm.num_free_device_blocks
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        """Device blocks `req` needs for its next `num_tokens`: its swap-in if it is swapped
+        out, else its new blocks (with prefix caching, only the uncached ones)."""
+        if req.status is SWAPPED:
+            return self.bm.num_swap_in_blocks(req, num_tokens)
+        return self.bm.num_new_blocks(req, num_tokens)
+
+    def freeable_blocks(self, request_id: str) -> int:
+        """Device blocks evicting `request_id` would free (those it holds alone)."""
+        return self.bm.num_freeable_blocks(request_id)
+
     # -- budget -----------------------------------------------------------------------------
     @property
     def tokens_left(self) -> int:

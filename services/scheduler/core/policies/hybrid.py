@@ -334,7 +334,7 @@ class HybridPolicy(SrtfPolicy):
     ) -> set[str] | None:
         """Decodes that cannot sit out `req`'s own step (no objective, or too little slack for
         it and the step `after` it), or None when that step would miss `left` or KV lacks."""
-        cm, bm = self.sched.cost_model, self.sched.block_manager
+        cm = self.sched.cost_model
         p, t = req.num_uncomputed_tokens, self._lone_time(req)
         if t > left:
             return None
@@ -350,10 +350,7 @@ class HybridPolicy(SrtfPolicy):
         limit = self.knobs.lane_max_misses
         if limit is not None and self._lane_misses(b, decodes, keep, t, after) > limit:
             return None
-        if (
-            bm.num_new_blocks(req, p) + self.watermark_blocks + len(keep)
-            > bm.num_free_device_blocks
-        ):
+        if b.blocks_needed(req, p) + self.watermark_blocks + len(keep) > b.free_blocks:
             return None
         return keep
 
@@ -508,13 +505,10 @@ class HybridPolicy(SrtfPolicy):
         gap = self.knobs.preempt_level_gap
         if gap is None:
             return
-        bm, level = self.sched.block_manager, self.q.level_of
+        level = self.q.level_of
         n = min(req.num_uncomputed_tokens, b.tokens_left)
-        if req.status is SWAPPED:
-            need = bm.num_swap_in_blocks(req, n) + self.watermark_blocks
-        else:  # a new request: with prefix caching, only its uncached blocks
-            need = bm.num_new_blocks(req, n) + self.watermark_blocks
-        if need <= bm.num_free_device_blocks:
+        need = b.blocks_needed(req, n) + self.watermark_blocks
+        if need <= b.free_blocks:
             return
         floor = level.get(req.request_id, 0) + gap
         victims = [
@@ -522,10 +516,10 @@ class HybridPolicy(SrtfPolicy):
             for _, r in self._victims_by_ewt(b)
             if level.get(r.request_id, 0) >= floor and r.request_id not in b.swapped_in
         ]
-        held = sum(bm.num_freeable_blocks(v.request_id) for v in victims)
-        if bm.num_free_device_blocks + held < need:
+        held = sum(b.freeable_blocks(v.request_id) for v in victims)
+        if b.free_blocks + held < need:
             return
         for victim in victims:
-            if bm.num_free_device_blocks >= need:
+            if b.free_blocks >= need:
                 break
             self._evict(b, victim)
