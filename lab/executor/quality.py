@@ -12,6 +12,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from transformers import PreTrainedTokenizerBase
 
     from services.executor.engine import Engine
@@ -91,10 +93,84 @@ def measure(
     }
 
 
+def decode_perplexities(
+    model_dir: Path,
+    tok: PreTrainedTokenizerBase,
+    dtype: str,
+    count: int = 4,
+    length: int = 192,
+    attention_backend: str = "auto",
+) -> dict[str, float]:
+    """Perplexity with full-precision and INT8 KV in `dtype`, decoding one token per step over
+    `count` passages of `length` tokens in one batch (every position reads the KV through the
+    decode path), and the relative change."""
+    import math
+
+    import torch
+
+    from lab.executor.testing import teacher_forced_logits
+    from services.executor.engine import Engine
+
+    seqs = passages(tok, count, length)
+
+    def ppl(kv_dtype: str) -> float:
+        engine = Engine(
+            model_dir,
+            device="cpu",
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            num_device_blocks=count * length // 16 + 64,
+            num_host_blocks=2,
+            attention_backend=attention_backend,
+        )
+        logits = teacher_forced_logits(engine, seqs, [1] * len(seqs))
+        engine.close()
+        nll = sum(
+            float(
+                torch.nn.functional.cross_entropy(lg[:-1], torch.tensor(ids[1:]), reduction="sum")
+            )
+            for lg, ids in zip(logits, seqs)
+        )
+        return math.exp(nll / sum(len(x) - 1 for x in seqs))
+
+    full = ppl("auto")
+    int8 = ppl("int8")
+    return {"ppl_full_kv": full, "ppl_int8_kv": int8, "rel_change": (int8 - full) / full}
+
+
+def isa_matrix(model_dir: Path, tok: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
+    """decode_perplexities in bf16 and fp32 on every build of the CPU kernels this machine
+    runs, and on the torch path ("off")."""
+    import torch
+
+    from services.executor import cpu_kernels
+
+    torch.set_num_threads(1)
+    rows = []
+    for level in [*cpu_kernels.runnable_levels(), "off"]:
+        if level != "off" and not cpu_kernels.use(level):
+            continue
+        backend = "torch" if level == "off" else "cpu"
+        for dtype in ("bf16", "fp32"):
+            got = decode_perplexities(model_dir, tok, dtype, attention_backend=backend)
+            rows.append({"isa": level, "dtype": dtype, **got})
+    return rows
+
+
+def _isa_flags() -> list[str]:
+    """The CPU flags that decide which kernels and torch paths run."""
+    from services.executor.config import cpu_flags
+
+    return sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--isa-matrix", action="store_true", help="INT8 decode perplexity per kernel build"
+    )
     args = parser.parse_args()
     from services.common.models import load_tokenizer, weights_dir
     from services.common.settings import ExecutorSettings
@@ -102,6 +178,10 @@ def main() -> None:
 
     s = ExecutorSettings()
     model_dir = weights_dir(s.model, s.data_dir)
+    if args.isa_matrix:
+        rows = isa_matrix(model_dir, load_tokenizer(s.model, s.data_dir))
+        print(json.dumps({"cpu_flags": _isa_flags(), "rows": rows}, indent=2))
+        return
     kw = dict(device="cpu", dtype="fp32", num_device_blocks=400, num_host_blocks=1)
     result = measure(
         Engine(model_dir, **kw),

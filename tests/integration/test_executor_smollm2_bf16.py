@@ -14,10 +14,11 @@ picks (AVX2, AVX-512, AMX), so no fixed tolerance and no single extreme value de
   perplexity within 1% of the same dtype's full-precision KV, over 4 passages x 192 tokens (one
   160-token passage left ~1% of rounding noise between two bf16 runs). Measured +0.1-0.3%;
   value scales 5% off give +3.3%: `test_int8_check_catches_a_wrong_value_scale`.
-- The ISA matrix: the INT8 check runs on each build of the kernels this CPU can run
-  (x86-64-v3, x86-64-v4, native), and the whole file runs once more in a child process with
-  torch's own kernels held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) and the v3 build:
-  what an AVX2-only machine computes, as far as this CPU can show it.
+- The ISA matrix: the INT8 check runs in bf16 on each build of the kernels this CPU can run
+  (x86-64-v3, x86-64-v4, native) and on the torch attention, in fp32 on the default build and
+  the torch attention; then the parity and INT8 bf16 checks run once more in a child process
+  with torch's own kernels held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) and the v3
+  build: what an AVX2-only machine computes, as far as this CPU can show it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import pytest
 import torch
 
-from lab.executor.quality import chat_prompts, passages
+from lab.executor.quality import chat_prompts, decode_perplexities
 from lab.executor.testing import teacher_forced_logits
 from services.common.models import weights_dir
 from services.common.settings import ExecutorSettings
@@ -65,23 +66,29 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _levels() -> list[str]:
-    """The kernel builds to test: every level this CPU runs (only the requested one in the
-    AVX2 child); "off" where the kernels are turned off."""
-    if cpu_kernels.disabled():
-        return ["off"]
+def _int8_cases() -> list[tuple[str, str]]:
+    """(kernel build or "torch", dtype) pairs for the INT8 check: bf16 on every build this CPU
+    runs and on the torch attention; fp32 on the default build and the torch attention (the
+    builds return the same bits: tests/unit/test_cpu_kernels.py). In the AVX2 child: bf16 on
+    the requested build."""
     if os.environ.get(CHILD):
-        return [cpu_kernels.requested_level() or "off"]
-    return cpu_kernels.runnable_levels()
+        return [(cpu_kernels.requested_level() or "torch", "bf16")]
+    builds = [] if cpu_kernels.disabled() else cpu_kernels.runnable_levels()
+    default = cpu_kernels.requested_level()
+    fp32 = [b for b in builds if b == default] + ["torch"]
+    return [(b, "bf16") for b in [*builds, "torch"]] + [(b, "fp32") for b in fp32]
 
 
-@pytest.fixture(params=_levels())
-def level(request):
-    """Runs the test on one build of the kernels, then puts the default build back."""
+@pytest.fixture
+def use_build():
+    """`use_build(level)` puts that build of the kernels in use; the default one comes back
+    after the test."""
     before = cpu_kernels.active_level()
-    if request.param != "off":
-        assert cpu_kernels.use(request.param), f"the {request.param} build failed"
-    yield request.param
+
+    def use(level: str) -> None:
+        assert cpu_kernels.use(level), f"the {level} build failed"
+
+    yield use
     if before is not None:
         cpu_kernels.use(before)
 
@@ -170,27 +177,19 @@ def test_parity_check_catches_a_wrong_rope_position(
 # -- INT8 KV ------------------------------------------------------------------------------
 
 
-def int8_decode_change(model_dir, tokenizer, dtype: str) -> float:
+def int8_decode_change(model_dir, tokenizer, dtype: str, backend: str = "auto") -> float:
     """Relative perplexity change of INT8 KV against the same dtype's full-precision KV,
     decoding one token per step over PASSAGES passages in one batch."""
-    seqs = passages(tokenizer, PASSAGES, PASSAGE_TOKENS)
-
-    def ppl(kv_dtype: str) -> float:
-        logits = teacher_forced_logits(_engine(model_dir, dtype, kv_dtype), seqs, [1] * len(seqs))
-        nll = sum(
-            torch.nn.functional.cross_entropy(lg[:-1], torch.tensor(ids[1:]), reduction="sum")
-            for lg, ids in zip(logits, seqs)
-        )
-        return math.exp(float(nll) / sum(len(s) - 1 for s in seqs))
-
-    full = ppl("auto")
-    return (ppl("int8") - full) / full
+    got = decode_perplexities(model_dir, tokenizer, dtype, PASSAGES, PASSAGE_TOKENS, backend)
+    return got["rel_change"]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_int8_kv_decodes_within_one_percent(model_dir, tokenizer, level, dtype):
-    change = int8_decode_change(model_dir, tokenizer, dtype)
-    assert abs(change) <= INT8_BOUND, (level, dtype, change)
+@pytest.mark.parametrize("build,dtype", _int8_cases())
+def test_int8_kv_decodes_within_one_percent(model_dir, tokenizer, use_build, build, dtype):
+    if build != "torch":
+        use_build(build)
+    change = int8_decode_change(model_dir, tokenizer, dtype, "torch" if build == "torch" else "cpu")
+    assert abs(change) <= INT8_BOUND, (build, dtype, change)
 
 
 def test_int8_check_catches_a_wrong_value_scale(model_dir, tokenizer, monkeypatch):
@@ -237,7 +236,7 @@ def test_this_file_passes_with_torch_held_to_avx2():
             "no:cacheprovider",
             __file__,
             "-k",
-            "parity or within_one_percent and bf16",
+            "test_teacher_forced_bf16_parity or within_one_percent",
         ],
         env=env,
         capture_output=True,
