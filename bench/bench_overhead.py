@@ -160,7 +160,7 @@ async def _run_all(args) -> dict:
         names = args.policies.split(",")
         pooled = {p: ([], []) for p in names}
         with EmbeddedRedis(work / "redis") as redis:
-            for run in range(args.repeats):  # interleaved: drift hits every policy alike
+            for run in range(args.repeats or 3):  # interleaved: drift hits every policy alike
                 for p in names:
                     samples, compute = await _measure(p, redis.url, address, args, run)
                     pooled[p][0].extend(samples)
@@ -171,7 +171,7 @@ async def _run_all(args) -> dict:
         proc.wait(30)
     return {
         "policies": policies,
-        "repeats": args.repeats,
+        "repeats": args.repeats or 3,
         "requests": args.requests,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
@@ -214,9 +214,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="runs per policy, interleaved; percentiles pool every run's iterations "
-        "(this shared machine drifts by ±0.3 ms between runs)",
+        default=None,
+        help="runs per policy (default 3), interleaved; percentiles pool every run's "
+        "iterations (this shared machine drifts by ±0.3 ms between runs); fleet mode: "
+        "measurements of every point (default 1), median and range reported",
     )
     p.add_argument(
         "--event-loops",
@@ -237,7 +238,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     fleet.add_argument("--step-ms", type=float, default=25.0, help="every stub Step's time")
     fleet.add_argument(
-        "--per-executor", type=int, default=2, help="streaming requests per executor"
+        "--per-executor",
+        default="2",
+        help="streaming requests per executor: one count, or one per executor count",
     )
     fleet.add_argument("--warmup-s", type=float, default=2.0, help="after all requests stream")
     fleet.add_argument("--window-s", type=float, default=5.0, help="measurement window")

@@ -9,8 +9,12 @@ requests through the gateway's own shard placement (services/gateway/shards.py) 
 token. Once every request streams, the stubs record each Step for `--window-s` seconds:
 - scheduler time per iteration: at each executor, the gap between the end of one Step and the
   start of the next (scheduler work, Redis hand-off, gRPC both ways), p50 and p99;
-- iterations/s: Steps that ran tokens, summed over all executors.
-"Sustained" is the largest N whose p50 gap stays within `--budget-ms` (2 ms).
+- iterations/s: Steps that ran tokens, summed over all executors; utilization: iterations/s
+  over what the step time allows (N x 1000 / `--step-ms`): the share of time the executors ran;
+- CPU per iteration of each process (scheduler, stubs, client, Redis) over the window.
+"Sustained" is the largest N whose p50 gap stays within `--budget-ms` (2 ms). `--per-executor`
+takes one count, or one per executor count (`--fake-executors 1,4 --per-executor 64,32`);
+`--repeats R` measures every point R times (interleaved) and reports the median and range.
 """
 
 from __future__ import annotations
@@ -194,7 +198,13 @@ def _window(stub_end, pids: dict[str, list[int]], window_s: float) -> tuple[dict
     return _figures(marks, since, since + window_s), cpu, cpu_after
 
 
-def _point(redis, shards: int, n: int, args, work: Path, run: int) -> dict:
+def per_executor(args, index: int) -> int:
+    """Requests per executor at the `index`-th executor count."""
+    counts = [int(x) for x in str(args.per_executor).split(",")]
+    return counts[index] if len(counts) > 1 else counts[0]
+
+
+def _point(redis, shards: int, n: int, args, work: Path, run: int, per: int) -> dict:
     from services.common.redis_runner import free_port
 
     ctx = multiprocessing.get_context("spawn")
@@ -215,9 +225,7 @@ def _point(redis, shards: int, n: int, args, work: Path, run: int) -> dict:
     client = None
     try:
         per_shard = asyncio.run(_executors_up(addresses, n))
-        client = ctx.Process(
-            target=_client_main, args=(addresses, n * args.per_executor, client_conn)
-        )
+        client = ctx.Process(target=_client_main, args=(addresses, n * per, client_conn))
         client.start()
         if not client_end.poll(120):
             raise TimeoutError("the requests did not all start streaming")
@@ -234,6 +242,8 @@ def _point(redis, shards: int, n: int, args, work: Path, run: int) -> dict:
         return {
             "shards": shards,
             "executors": n,
+            "requests_per_executor": per,
+            "utilization": round(figures["iterations_per_s"] * args.step_ms / 1000 / n, 3),
             "executors_per_shard": per_shard,
             "requests_per_shard": placed["placed"],
             **figures,
@@ -263,15 +273,23 @@ def run_fleet(args) -> dict:
     shard_counts = [int(x) for x in args.shards.split(",")]
     work = Path(tempfile.mkdtemp(prefix="alise-bench-fleet-"))
     points = []
+    repeats = getattr(args, "repeats", None) or 1
+    run = 0
     with EmbeddedRedis(work / "redis") as redis:
-        for run, n in enumerate(counts):
-            for shards in shard_counts:  # side by side at each N
-                point = _point(redis, shards, n, args, work, run)
-                print(point, file=sys.stderr, flush=True)
-                points.append(point)
+        for repeat in range(max(1, repeats)):
+            for index, n in enumerate(counts):
+                for shards in shard_counts:  # side by side at each N
+                    point = _point(redis, shards, n, args, work, run, per_executor(args, index))
+                    point["repeat"] = repeat
+                    run += 1
+                    print(point, file=sys.stderr, flush=True)
+                    points.append(point)
     return summarize(points, args.budget_ms) | {
         "step_ms": args.step_ms,
-        "requests_per_executor": args.per_executor,
+        "requests_per_executor": str(args.per_executor),
+        "repeats": max(1, repeats),
+        "pipeline_depth": int(os.environ.get("ALISE_PIPELINE_DEPTH", "2")),
+        "step_spin_ms": float(os.environ.get("ALISE_STEP_SPIN_MS", "0")),
         "policy": args.policies.split(",")[0],
         "window_s": args.window_s,
         "cpu_count": os.cpu_count(),
@@ -280,9 +298,35 @@ def run_fleet(args) -> dict:
     }
 
 
+def _median_range(values: list[float]) -> tuple[float, list[float]]:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return round(median, 3), [round(ordered[0], 3), round(ordered[-1], 3)]
+
+
+def gate_figures(points: list[dict]) -> dict:
+    """One scheduler's figures per executor count (the one-shard points): executor
+    utilization and scheduler CPU ms per iteration, each the median over the repeats with
+    its range."""
+    out: dict[str, dict] = {k: {} for k in ("utilization", "scheduler_cpu_ms_per_iteration")}
+    out |= {"utilization_range": {}, "scheduler_cpu_ms_per_iteration_range": {}}
+    for n in sorted({p["executors"] for p in points if p["shards"] == 1}):
+        at = [p for p in points if p["shards"] == 1 and p["executors"] == n]
+        util = [p["utilization"] for p in at if "utilization" in p]
+        if util:
+            out["utilization"][str(n)], out["utilization_range"][str(n)] = _median_range(util)
+        cpu = [p["cpu_ms_per_iteration"]["scheduler"] for p in at if "cpu_ms_per_iteration" in p]
+        if cpu:
+            key = "scheduler_cpu_ms_per_iteration"
+            out[key][str(n)], out[key + "_range"][str(n)] = _median_range(cpu)
+    return out
+
+
 def summarize(points: list[dict], budget_ms: float) -> dict:
     """Executors sustained per shard count (largest N within the budget), and at each N the
-    iterations/s of every shard count relative to one shard."""
+    iterations/s of every shard count relative to one shard; the gate figures (see
+    `gate_figures`)."""
     sustained = {}
     for shards in sorted({p["shards"] for p in points}):
         ok = [
@@ -295,6 +339,7 @@ def summarize(points: list[dict], budget_ms: float) -> dict:
         if 1 in at and at[1] > 0:
             ratios[str(n)] = {str(s): round(v / at[1], 2) for s, v in sorted(at.items())}
     return {
+        **gate_figures(points),
         "points": points,
         "budget_ms": budget_ms,
         "executors_sustained": sustained,

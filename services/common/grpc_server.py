@@ -8,6 +8,7 @@ NOT_FOUND; TimeoutError -> DEADLINE_EXCEEDED; anything else -> INTERNAL, logged)
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -76,7 +77,19 @@ _StreamHandler = Callable[[object, grpc.aio.ServicerContext], AsyncIterator[obje
 
 
 def _mapped_stream(inner: _StreamHandler, method: str) -> _StreamHandler:
-    """A streaming handler (unary_stream or stream_stream) whose exceptions become statuses."""
+    """A streaming handler (unary_stream or stream_stream) whose exceptions become statuses.
+    A handler may be an async generator, or a coroutine that writes with `context.write`."""
+    if not inspect.isasyncgenfunction(inner):
+
+        async def writer(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
+            try:
+                await inner(request_or_iterator, context)  # type: ignore[misc]
+            except _PASSTHROUGH:
+                raise
+            except Exception as exc:
+                await _abort(context, method, exc)
+
+        return writer  # type: ignore[return-value]
 
     async def handler(
         request_or_iterator: object, context: grpc.aio.ServicerContext

@@ -8,6 +8,7 @@ no name is exported by two services (the gateway's own latencies are `alise:gate
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,25 @@ from prometheus_client import (
 
 PREFIX = "alise:"
 VLLM_PREFIX = "vllm:"
+
+
+def observe_many(histogram: Any, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for every value, at the cost of one increment per bucket hit
+    and one of the sum (the scheduler records one inter-token latency per running request per
+    step: 64 observes cost ~120 us, this ~15 us). `histogram` is an unlabelled Histogram or a
+    labelled child (a `ModelLabelled` passes its child)."""
+    if not values:
+        return
+    child = getattr(histogram, "_child", None) or histogram
+    bounds = child._upper_bounds  # prometheus_client's own bucket bounds (last: +Inf)
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect_left(bounds, v)  # the first bucket whose bound is >= v, as observe() picks
+        counts[i] = counts.get(i, 0) + 1
+    for i, n in counts.items():
+        child._buckets[i].inc(n)
+    child._sum.inc(sum(values))
+
 
 # Bucket sets in seconds, log-spaced for latencies from sub-millisecond to minutes.
 LATENCY_BUCKETS = (
@@ -60,8 +80,11 @@ class ModelLabelled:
 
     def __init__(self, metric: Any, model_name: str) -> None:
         self.metric, self.model_name = metric, model_name
+        self._child: Any = None
         if tuple(metric._labelnames) == ("model_name",):
-            metric.labels(model_name=model_name)  # exported (at 0) before the first event
+            # exported (at 0) before the first event; kept: `labels()` costs ~3 us a call,
+            # paid per token otherwise
+            self._child = metric.labels(model_name=model_name)
 
     def labels(self, *values: str, **named: str) -> Any:
         if named:
@@ -69,7 +92,10 @@ class ModelLabelled:
         return self.metric.labels(self.model_name, *values)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.metric.labels(model_name=self.model_name), name)
+        child = self._child
+        if child is None:
+            child = self.metric.labels(model_name=self.model_name)
+        return getattr(child, name)
 
 
 class Metrics:

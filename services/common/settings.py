@@ -227,10 +227,18 @@ class SchedulerSettings(RedisSettings):
         description="The hang deadline is never shorter than this (first Steps, busy hosts).",
     )
     step_spin_ms: float = Field(
-        3.0,
+        0.0,
         ge=0,
         description="Hybrid polling: the executor loop stays awake for the last this "
-        "many ms of a Step's expected time (0 = off).",
+        "many ms of a Step's expected time (0 = off; pipelined Steps make it unneeded).",
+    )
+    pipeline_depth: int = Field(
+        2,
+        ge=1,
+        le=2,
+        description="Steps in flight per executor: 2 plans and sends the next Step while "
+        "one runs (the executor never waits on the scheduler); 1 plans each Step after the "
+        "last one's result.",
     )
     executor_grace_s: float = Field(
         30.0, ge=0, description="With no executor up, requests fail after this long."

@@ -76,6 +76,22 @@ def result_to_pb(out: StepOutput) -> executor_pb2.StepResult:
     return pb
 
 
+async def _next(
+    ahead: asyncio.Queue[executor_pb2.StepRequest | None], reader: asyncio.Future
+) -> executor_pb2.StepRequest | None:
+    """The next Step read ahead; the reader's error (a broken stream) if it failed first."""
+    if not ahead.empty():
+        return ahead.get_nowait()
+    getting = asyncio.ensure_future(ahead.get())
+    try:
+        await asyncio.wait({getting, reader}, return_when=asyncio.FIRST_COMPLETED)
+        if not getting.done() and reader.exception() is not None:
+            raise reader.exception()  # type: ignore[misc]
+        return await getting  # a reader that ended normally queued None last
+    finally:
+        getting.cancel()
+
+
 def info_to_pb(info: dict) -> executor_pb2.ExecutorInfo:
     fields = set(executor_pb2.ExecutorInfo.DESCRIPTOR.fields_by_name)
     return executor_pb2.ExecutorInfo(**{k: v for k, v in info.items() if k in fields})
@@ -120,9 +136,31 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self,
         request_iterator: AsyncIterator[executor_pb2.StepRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[executor_pb2.StepResult]:
-        async for request in request_iterator:
-            yield await self._step(request)
+    ) -> None:
+        """Steps in order, one result each. Steps the scheduler sends ahead (pipelined) are
+        read while the current one runs, so the next starts as soon as it ends; a result is
+        written while the next Step runs."""
+        ahead: asyncio.Queue[executor_pb2.StepRequest | None] = asyncio.Queue()
+
+        async def read_ahead() -> None:
+            while (request := await context.read()) is not grpc.aio.EOF:
+                ahead.put_nowait(request)
+            ahead.put_nowait(None)
+
+        reader = asyncio.ensure_future(read_ahead())
+        sending: asyncio.Future | None = None
+        try:
+            while (request := await _next(ahead, reader)) is not None:
+                result = await self._step(request)
+                if sending is not None:
+                    await sending
+                sending = asyncio.ensure_future(context.write(result))
+            if sending is not None:
+                await sending
+        finally:
+            for task in (reader, sending):
+                if task is not None and not task.done():
+                    task.cancel()
 
     async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResult:
         engine = self.ready()

@@ -1,10 +1,14 @@
-"""One loop per executor: `schedule -> Step -> update`, plus health polling while it is down.
+"""One loop per executor: pipelined `schedule -> Step -> update`, plus health polling while
+it is down.
 
-The loop awaits only its executor: Redis writes are handed to the store writer and token
-events go to per-request logs (see streams.py). A Step's bookkeeping (its Redis write, token
-events, metrics) runs while the next Step is already in flight, or before the loop idles. A
-failed or timed-out Step marks the executor down; its host then recomputes its requests
-elsewhere. The loop knows its host only through the `LoopHost` protocol.
+Steps are pipelined: while the executor runs step n the loop has already planned and sent
+step n+1 (the core counts step n's sampled tokens as pending, see core/scheduler.py), so the
+executor starts it the moment step n ends and never waits on the scheduler's work. When step
+n's result arrives the loop applies it, plans and sends step n+2, then records step n (its Redis
+write, handed to the store writer; token events follow the commit), all while step n+1 runs.
+The loop awaits only its executor. A failed or timed-out Step marks the executor down (any Step
+queued behind it is dropped with it); its host then recomputes its requests elsewhere. The loop
+knows its host only through the `LoopHost` protocol.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -68,6 +72,19 @@ class LoopHost(Protocol):
         ...
 
 
+@dataclass
+class Flight:
+    """A Step sent to the executor whose result the loop has not read yet."""
+
+    out: SchedulerOutput
+    call: asyncio.Task
+    planned_at: float  # wall-clock time the plan started
+    t_start: float  # perf_counter: plan started
+    t_send: float  # perf_counter: sent
+    estimate_s: float  # the cost model's estimate of its time
+    computes: bool = field(default=True)  # it computes or moves KV (not a free-only Step)
+
+
 @dataclass(frozen=True)
 class LoopTiming:
     step_timeout_s: float = 30.0  # hard cap on one Step
@@ -75,7 +92,8 @@ class LoopTiming:
     # executor hangs (e.g. SIGSTOPped, a stuck device): it is marked down like a crash.
     step_timeout_factor: float = 10.0
     step_timeout_floor_s: float = 5.0
-    step_spin_ms: float = 3.0  # hybrid polling window before a Step's expected end
+    step_spin_ms: float = 0.0  # hybrid polling window before a Step's expected end (0: off)
+    pipeline_depth: int = 2  # Steps in flight at once (1: plan each Step after the last ends)
     poll_interval_s: float = 0.5  # reconnect attempts while down
     health_interval_s: float = 2.0  # health checks while idle
     max_backoff_s: float = 5.0
@@ -99,12 +117,12 @@ class ExecutorLoop:
         #  schedule, encoding), for the overhead benchmark and metric
         self.overheads: deque[tuple[float, int, float]] = deque(maxlen=100_000)
         self.steps = 0
+        self.sent_ahead = 0  # Steps sent while another was in flight (pipelined)
         self.failures = 0  # consecutive failed attempts (reconnect backoff)
         self._wake = asyncio.Event()
-        self._last_send: float | None = None
-        self._last_exec_s = 0.0
-        self._last_batch = 0
-        self._last_compute = 0.0
+        self._flights: deque[Flight] = deque()  # Steps sent, oldest first
+        self._last_recv: float | None = None  # perf_counter: the last result arrived
+        self._compute = 0.0  # seconds of loop code since the last result arrived
         self._model_ratio = 1.0  # measured / cost-model step time, smoothed
         self._deferred: CompletedStep | None = None  # the last Step, not yet recorded
         self._task: asyncio.Task | None = None
@@ -119,6 +137,7 @@ class ExecutorLoop:
         self._closing = True
         await cancel_and_wait(self._task)
         self._task = None
+        self._drop_flights()
         await self.client.close()
 
     def wake(self) -> None:
@@ -137,6 +156,7 @@ class ExecutorLoop:
                 log.exception("executor loop iteration failed", extra={"executor": self.address})
                 self._deferred = None
                 self._down("internal error in the loop")
+        self._drop_flights()
 
     # -- connecting and health ---------------------------------------------------------------
     async def _connect(self) -> None:
@@ -153,7 +173,8 @@ class ExecutorLoop:
             return
         self.info = info
         self.sched = self.host.make_scheduler(info)
-        self.up, self.down_since, self._last_send = True, None, None
+        self.sched.pipeline_depth = self.timing.pipeline_depth
+        self.up, self.down_since, self._last_recv = True, None, None
         self.failures = 0
         log.info(
             "executor up",
@@ -200,8 +221,9 @@ class ExecutorLoop:
         if not self.up:
             return
         log.warning("executor down", extra={"executor": self.address, "reason": reason})
+        self._drop_flights()
         self._flush_record()
-        self.up, self.down_since, self._last_send = False, time.time(), None
+        self.up, self.down_since, self._last_recv = False, time.time(), None
         sched, self.sched = self.sched, None
         self.host.executor_down(self, sched, reason)
 
@@ -217,53 +239,84 @@ class ExecutorLoop:
 
     # -- one iteration -----------------------------------------------------------------------
     async def _iterate(self) -> None:
-        t_start = time.perf_counter()
-        now = time.time()
-        out = self.sched.schedule(now)
-        if not (
-            out.num_scheduled_tokens
-            or out.swap_out
-            or out.swap_in
-            or out.free_request_ids
-            or out.new_requests
-        ):
-            self._flush_record()
-            self._last_send = None
+        """Keep the executor's queue full (up to `pipeline_depth` Steps, planned ahead only
+        behind a computing Step), record the last result, then read the next one."""
+        flights, sent = self._flights, False
+        while len(flights) < self.timing.pipeline_depth and (not flights or flights[-1].computes):
+            if not self._send_next():
+                break
+            sent = True
+        if sent:
+            await asyncio.sleep(0)  # the Step goes out before the last result is recorded
+        self._flush_record()  # the previous result's write and events
+        if not flights:
+            self._last_recv = None
             if not await self._sleep(self.timing.health_interval_s):
                 await self._health_check()
             return
+        await self._receive()
+
+    def _send_next(self) -> bool:
+        """Plan the next Step and send it; False when there is nothing to send."""
+        t_start = time.perf_counter()
+        now = time.time()
+        out = self.sched.schedule(now)
+        computes = bool(out.num_scheduled_tokens or out.swap_out or out.swap_in)
+        if not (computes or out.free_request_ids or out.new_requests):
+            self._compute += time.perf_counter() - t_start
+            return False
         pb = step_request(out)
-        t_send = time.perf_counter()
-        if self._last_send is not None:
-            overhead = t_send - self._last_send - self._last_exec_s
-            compute = self._last_compute + (t_send - t_start)
-            self.overheads.append((overhead, self._last_batch, compute))
-            self.host.step_overhead(max(0.0, overhead))
         estimate = self.sched.cost_model.output_time(out)
-        call = self.client.start_step(pb, timeout=self.step_deadline(estimate))
-        await asyncio.sleep(0)  # the Step goes out; the previous one is recorded meanwhile
-        self._flush_record()
+        # it waits for the Steps ahead of it: its deadline covers theirs too
+        ahead = sum(f.estimate_s for f in self._flights)
+        call = self.client.start_step(pb, timeout=self.step_deadline(ahead + estimate))
+        t_send = time.perf_counter()
+        self.sent_ahead += bool(self._flights)
+        self._flights.append(Flight(out, call, now, t_start, t_send, estimate, computes))
+        self._compute += t_send - t_start
+        return True
+
+    async def _receive(self) -> None:
+        """Read the oldest Step's result and apply it to the core."""
+        flight = self._flights[0]
         try:
-            await self._wait_hot(call, t_send + estimate * self._model_ratio)
-            result = await call
+            started = max(flight.t_send, self._last_recv or 0.0)
+            await self._wait_hot(flight.call, started + flight.estimate_s * self._model_ratio)
+            result = await flight.call
         except asyncio.CancelledError:
-            call.cancel()  # stopping: the Step in flight goes with the loop
-            raise
+            raise  # stopping: the Steps in flight go with the loop
         except (grpc.aio.AioRpcError, TimeoutError, ConnectionError) as exc:
             self.failures += 1
             self._down(f"Step failed: {_brief(exc)}")
             return
-        self._last_send, self._last_exec_s = t_send, result.timings.total_s
-        if estimate > 0 and result.timings.total_s > 0:  # how far off the cost model runs
-            self._model_ratio += 0.2 * (result.timings.total_s / estimate - self._model_ratio)
-        self._last_batch = len(out.num_scheduled_tokens)
-        self.steps += 1
+        self._flights.popleft()
         t_recv = time.perf_counter()
+        exec_s = result.timings.total_s
+        if flight.estimate_s > 0 and exec_s > 0:  # how far off the cost model runs
+            self._model_ratio += 0.2 * (exec_s / flight.estimate_s - self._model_ratio)
+        if self._last_recv is not None and flight.computes:
+            # the executor's idle time before this Step: the time since the last result
+            # minus this Step's own, when it was sent before the last result came back
+            ran_from = max(self._last_recv, flight.t_send)
+            overhead = max(0.0, t_recv - ran_from - exec_s)
+            self.overheads.append((overhead, len(flight.out.num_scheduled_tokens), self._compute))
+            self.host.step_overhead(overhead)
+        self._compute = 0.0
+        self._last_recv = t_recv
+        self.steps += flight.computes
         updates = self.sched.update(step_outcome(result), time.time())
+        sent_at = flight.planned_at + (flight.t_send - flight.t_start)
         self._deferred = CompletedStep(
-            out, updates, result, now + (t_send - t_start), estimate, t_recv - t_send
+            flight.out, updates, result, sent_at, flight.estimate_s, t_recv - flight.t_send
         )
-        self._last_compute = time.perf_counter() - t_recv
+        self._compute += time.perf_counter() - t_recv
+
+    def _drop_flights(self) -> None:
+        """Cancel every Step still in flight (the executor is down, or the loop stops)."""
+        while self._flights:
+            call = self._flights.popleft().call
+            call.cancel()
+            call.add_done_callback(_retrieve)  # one that failed first: its error is known
 
     def step_deadline(self, estimate_s: float) -> float:
         """How long a Step predicted to take `estimate_s` (by the cost model, corrected by how
@@ -293,6 +346,11 @@ class ExecutorLoop:
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             self.host.step_done(self, deferred)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _brief(exc: BaseException) -> str:

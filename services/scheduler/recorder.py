@@ -11,6 +11,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+from services.common.metrics import observe_many
 from services.scheduler.convert import usage_pb
 from services.scheduler.core.request import FINISH_REASON_STATUS
 from services.scheduler.iteration_write import IterationWrite
@@ -108,8 +109,11 @@ class StepRecorder:
             w.held_add[addr].add(rid)
             w.set(rid, executor=addr)
         w.held_remove[addr].update(set(out.free_request_ids) - new_ids)
-        touched = set(out.num_scheduled_tokens).union(out.preempted_request_ids)
-        touched.update(u.request_id for u in updates)
+        # A status changes only when a request starts on the executor (sent as new, or
+        # swapped in: its table replaced) or is preempted; a running decode's does not, so
+        # it costs nothing per running request and step.
+        touched = new_ids.union(out.preempted_request_ids)
+        touched.update(rid for rid, (_, replace) in out.block_tables.items() if replace)
         for entry in self._live(touched):
             self._first_scheduled(entry, w)
             write_status(entry, w)
@@ -145,7 +149,7 @@ class StepRecorder:
             w.set(entry.req.request_id, num_preemptions=entry.req.num_preemptions)
 
     def _tokens(self, w: IterationWrite, updates: list[RequestUpdate], tops: dict) -> None:
-        m, gained = self.metrics, 0
+        m, gained, itl = self.metrics, 0, []
         for u in updates:
             entry = self.entries.get(u.request_id)
             if u.token is None or entry is None or entry.final:
@@ -161,7 +165,8 @@ class StepRecorder:
             if index == 0:
                 m.ttft.observe(max(0.0, t - entry.req.arrival_time))
             elif index - 1 < len(times):
-                m.itl.observe(max(0.0, t - times[index - 1]))
+                itl.append(max(0.0, t - times[index - 1]))
+        observe_many(m.itl, itl)  # one increment per bucket, not two per running request
         m.generation_tokens.inc(gained)
 
     def finalize(

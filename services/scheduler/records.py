@@ -75,6 +75,7 @@ def recompute_copy(req: Request, preempted: bool = True) -> Request:
         output_logprobs=list(req.output_logprobs),
         token_times=list(req.token_times),
         num_computed_tokens=0,
+        num_pending_tokens=0,
         status=RequestStatus.WAITING,
         finish_reason=None,
         finished_time=None,

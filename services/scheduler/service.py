@@ -125,6 +125,7 @@ class SchedulerService:
             step_timeout_factor=s.step_timeout_factor,
             step_timeout_floor_s=s.step_timeout_floor_s,
             step_spin_ms=s.step_spin_ms,
+            pipeline_depth=s.pipeline_depth,
             poll_interval_s=s.health_poll_s,
         )
         loop = ExecutorLoop(addr, self, timing, (held or set()) | set(self.entries))

@@ -3,7 +3,7 @@ scheduler shards sharing them, a client placing requests through the gateway's s
 
 import argparse
 
-from bench.fleet import run_fleet, summarize
+from bench.fleet import gate_figures, run_fleet, summarize
 
 
 def test_a_small_fleet_run_uses_every_executor_on_both_shard_counts():
@@ -27,6 +27,21 @@ def test_a_small_fleet_run_uses_every_executor_on_both_shard_counts():
         assert 100 < p["iterations_per_s"] <= 200
         assert p["gap_p50_ms"] > 0 and p["cpu_ms_per_iteration"]["scheduler"] > 0
     assert set(result["throughput_vs_one_shard"]["4"]) == {"1", "2"}
+    # the gate figures: one scheduler's utilization (Steps run / Steps the step time allows)
+    assert 0.5 < result["utilization"]["4"] == one["utilization"] <= 1.0
+    assert result["scheduler_cpu_ms_per_iteration"]["4"] == one["cpu_ms_per_iteration"]["scheduler"]
+
+
+def test_gate_figures_are_medians_per_executor_count():
+    points = [
+        {"shards": 1, "executors": 1, "utilization": u, "cpu_ms_per_iteration": {"scheduler": c}}
+        for u, c in ((0.8, 3.0), (0.9, 2.0), (0.5, 4.0))
+    ] + [
+        {"shards": 2, "executors": 1, "utilization": 0.1, "cpu_ms_per_iteration": {"scheduler": 9}}
+    ]
+    g = gate_figures(points)
+    assert g["utilization"] == {"1": 0.8} and g["utilization_range"] == {"1": [0.5, 0.9]}
+    assert g["scheduler_cpu_ms_per_iteration"] == {"1": 3.0}
 
 
 def test_summary_takes_the_largest_fleet_within_the_budget():

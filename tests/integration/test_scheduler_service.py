@@ -88,6 +88,9 @@ async def test_streams_equal_in_process_reference(redis_server, executor):
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         await wait_up(stub)
         results = await asyncio.gather(*[generate(stub, pb) for pb in pbs])
+        # pipelined: Steps went out while the one before still ran, and the tokens below are
+        # still exactly the unpipelined reference's
+        assert sum(lp.sent_ahead for lp in handle.service.loops.values()) > 0
     engine = executor.engine
     # Finished requests are freed with the scheduler's next Step; one that stopped first may
     # leave its last ones behind: free them so the reference run can reuse the ids.

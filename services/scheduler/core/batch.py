@@ -110,6 +110,8 @@ class Batch:
             raise ValueError(f"request {rid} scheduled twice in one step")
         if rid in self.touched or num_new_tokens < 1:
             return False
+        if req.num_pending_tokens and req.ends_with_pending:
+            return True  # the step in flight finishes it: nothing more to compute
         if num_new_tokens > req.num_uncomputed_tokens:
             raise ValueError(
                 f"request {rid}: {num_new_tokens} tokens granted, "
@@ -230,6 +232,8 @@ class Batch:
         for rid, n in self.scheduled.items():
             req = reqs[rid]
             if rid in fresh:  # its computed tokens are the cached prefix it was attached
+                if req.num_pending_tokens:  # preempted while a step samples for it
+                    raise RuntimeError(f"request {rid} resent with a token still pending")
                 new_requests.append(
                     NewRequestData(
                         rid,

@@ -92,7 +92,7 @@ class PrefixCache:
         request that reads its prompt's logits."""
         if req.reads_prompt_logits:
             return 0
-        return (req.num_tokens - 1) // self.block_size
+        return (req.num_known_tokens - 1) // self.block_size
 
     def peek(self, req: Request) -> int:
         """Leading blocks of `req` this cache holds, without remembering anything about it
@@ -176,7 +176,8 @@ class PrefixCache:
     def commit(self, req: Request, table: list[int]) -> None:
         """Register the request's blocks that are now full of computed tokens."""
         rid = req.request_id
-        full = req.num_computed_tokens // self.block_size
+        # tokens whose ids are known (a pipelined step may compute one still being sampled)
+        full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         done = self._committed.get(rid, 0)
         if full <= done:
             return

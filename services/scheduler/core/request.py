@@ -1,8 +1,12 @@
 """Request state: the only per-request record the scheduling core keeps.
 
-Progress is two numbers (docs/scheduling.md): `num_computed_tokens` (tokens whose KV exists)
-and `num_tokens` (prompt + output so far). A request is a prefill while more than one token is
-uncomputed and a decode when exactly one is; there is no phase flag.
+Progress is two numbers (docs/scheduling.md): `num_computed_tokens` (tokens whose KV exists,
+or will once the steps already sent have run) and `num_tokens` (prompt + output so far, plus
+`num_pending_tokens`: tokens that steps in flight sample, ids not known yet). A request is a
+prefill while more than one token is uncomputed and a decode when exactly one is; there is no
+phase flag. With pipelined steps (`Scheduler.pipeline_depth` 2) the next step is planned while
+one runs: a request in the running step counts its sampled token as pending, so the plan
+computes it (docs/scheduler.md, "Pipelined steps").
 
 With prefix caching, `num_cached_tokens` is the part of the known tokens found in the block
 manager's prefix cache; the scheduler counts it as computed from admission on, so every cost
@@ -95,6 +99,8 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens the steps in flight will sample for it (their ids arrive with the steps' results)
+    num_pending_tokens: int = 0
     # leading tokens taken from the prefix cache at this admission (0 without caching)
     num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -130,11 +136,31 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return self._num_prompt + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known: prompt + output (`num_tokens` minus the pending)."""
         return self._num_prompt + len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self._num_prompt + len(self.output_token_ids) - self.num_computed_tokens
+        return (
+            self._num_prompt
+            + len(self.output_token_ids)
+            + self.num_pending_tokens
+            - self.num_computed_tokens
+        )
+
+    @property
+    def ends_with_pending(self) -> bool:
+        """Its pending tokens will certainly finish it by length (max_tokens or the length
+        limit), whatever they are: a pipelined plan gives it nothing more to compute."""
+        if not self.num_pending_tokens:
+            return False
+        n_out = len(self.output_token_ids) + self.num_pending_tokens
+        limit = self.max_model_len
+        return n_out >= self.max_tokens or (limit is not None and self._num_prompt + n_out >= limit)
 
     @property
     def num_uncached_prompt_tokens(self) -> int:

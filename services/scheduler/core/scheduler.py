@@ -2,19 +2,29 @@
 manager; the policy decides, this applies. Pure and deterministic given inputs and `now`.
 
 Life of a step:  out = schedule(now)  ->  executor runs `out`  ->  update(outcome, now).
-At most one step is in flight per scheduler.
+At most `pipeline_depth` steps are in flight (1: the simulator; 2: the live scheduler, which
+plans step n+1 while the executor runs step n). Planning ahead counts the running step's tokens
+as computed and gives every request it samples for a pending token (`num_pending_tokens`), so the
+next plan computes that token (done by the next `schedule()` while the step is in flight, or
+by its `update()`, so a step is applied exactly as without pipelining when none is planned
+ahead of it); `update()` applies the steps' results in order, replacing each
+pending token by the sampled one. A request that finishes (stop token) while a later step is
+in flight was given one more token there: that surplus token is discarded, and its free goes
+out in the next plan. A request whose pending tokens certainly finish it by length is given
+nothing more (`Request.ends_with_pending`).
 
 `requests` holds every unfinished request. A finished one stays until the output carrying its
-free is acknowledged, i.e. at that step's `update()` or the next `schedule()` (a free-only
-output is never in flight), then it is dropped; one the executor never saw is dropped when it
-finishes. So memory stays bounded in a long-running server, and a caller whose step failed can
-still find the requests whose free may not have reached the executor.
+free is acknowledged, i.e. at that step's `update()` or the next `schedule()` with no step in
+flight (a free-only output is never in flight), then it is dropped; one the executor never saw
+is dropped when it finishes. So memory stays bounded in a long-running server, and a caller
+whose step failed can still find the requests whose free may not have reached the executor.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common.step import RequestUpdate, SchedulerOutput, StepOutcome
@@ -28,6 +38,15 @@ if TYPE_CHECKING:
     from services.scheduler.core.policies.base import Policy
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+
+
+@dataclass
+class _InFlight:
+    """A step sent and not yet updated; `sampling`: the requests it samples a token for, set
+    once the step is advanced (see `Scheduler._advance`)."""
+
+    out: SchedulerOutput
+    sampling: list[str] | None = None
 
 
 class Scheduler:
@@ -56,8 +75,12 @@ class Scheduler:
         self.swapped: OrderedDict[str, Request] = OrderedDict()
         self._sent: set[str] = set()  # requests the executor holds state for
         self._pending_free: list[str] = []  # finished and known: freed in the next output
-        self._freed_sent: list[str] = []  # freed in the last output: dropped once acked
-        self._inflight: SchedulerOutput | None = None
+        # (step id, ids) freed in outputs sent: dropped once that output is acknowledged
+        self._freed_sent: deque[tuple[int, list[str]]] = deque()
+        # steps sent and not yet updated, oldest first, each with the requests it samples for
+        # once advanced (None before: see _advance)
+        self._inflight: deque[_InFlight] = deque()
+        self.pipeline_depth = 1  # steps that may be in flight at once
         self._step_id = 0
         self._last_step_id = 0
         self.num_finished = 0
@@ -133,49 +156,75 @@ class Scheduler:
         return Batch(self, now, token_budget)
 
     def schedule(self, now: float) -> SchedulerOutput:
-        if self._inflight is not None:
-            raise RuntimeError(f"step {self._inflight.step_id} is still in flight; update() first")
-        self._drop_freed()
+        if len(self._inflight) >= self.pipeline_depth:
+            step = self._inflight[-1].out.step_id
+            raise RuntimeError(f"step {step} is still in flight; update() first")
+        if not self._inflight:
+            self._drop_freed()
+        for flight in self._inflight:  # planning ahead: build on the steps in flight
+            if flight.sampling is None:
+                flight.sampling = self._advance(flight.out)
         self.block_manager.begin_step()
         out = self.policy.schedule(now)
         self._step_id += 1
         out.step_id = self._step_id
         if self._pending_free:
             out.free_request_ids = self._pending_free + out.free_request_ids
-            self._freed_sent, self._pending_free = self._pending_free, []
+            self._freed_sent.append((out.step_id, self._pending_free))
+            self._pending_free = []
         self.num_preemptions += len(out.preempted_request_ids)
         # only steps that compute or move KV need their result applied; an output that merely
         # frees requests may be sent (update() accepts it as a no-op) or dropped by the caller
         if out.num_scheduled_tokens or out.swap_out or out.swap_in:
-            self._inflight = out
+            self._inflight.append(_InFlight(out))
         self._last_step_id = out.step_id
         return out
 
+    def _advance(self, out: SchedulerOutput) -> list[str]:
+        """Count the step's tokens as computed (the next plan builds on them); each request
+        the step samples a token for gets a pending token. Returns those requests."""
+        reqs = self.requests
+        sampling = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = reqs.get(rid)
+            if req is None or req.is_finished:
+                continue  # aborted since: nothing of it is applied
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens:
+                req.num_pending_tokens += 1
+                sampling.append(rid)
+        return sampling
+
     def update(self, outcome: StepOutcome, now: float) -> list[RequestUpdate]:
-        out = self._inflight
-        if out is None and outcome.step_id == self._last_step_id:
-            self._drop_freed()
+        """Apply the oldest step in flight's result (or acknowledge a free-only output)."""
+        inflight = self._inflight
+        if not inflight and outcome.step_id == self._last_step_id:
+            self._drop_freed(outcome.step_id)
             return []  # a step that only freed requests: nothing to apply
-        if out is None or outcome.step_id != out.step_id:
-            expected = None if out is None else out.step_id
+        if not inflight or outcome.step_id != inflight[0].out.step_id:
+            expected = inflight[0].out.step_id if inflight else None
             raise ValueError(f"outcome for step {outcome.step_id}, expected step {expected}")
-        self._inflight = None
-        self._drop_freed()
+        flight = inflight.popleft()
+        out = flight.out
+        sampling = flight.sampling if flight.sampling is not None else self._advance(out)
+        self._drop_freed(out.step_id)
+        reqs = self.requests
+        if self.block_manager.cache is not None:
+            commit = self.block_manager.commit
+            for rid in out.num_scheduled_tokens:
+                req = reqs.get(rid)
+                if req is not None and not req.is_finished:
+                    commit(req)  # blocks now full of computed tokens become cacheable
         updates: list[RequestUpdate] = []
         sampled = outcome.sampled
-        commit = self.block_manager.commit if self.block_manager.cache is not None else None
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
+        for rid in sampling:
+            req = reqs.get(rid)
             if req is None or req.is_finished:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += n
-            if commit is not None:
-                commit(req)  # blocks now full of computed tokens become cacheable
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: no token yet
+                continue  # aborted, or finished by an earlier step: its token is surplus
             tok = sampled.get(rid)
             if tok is None:
                 raise ValueError(f"step {out.step_id}: executor sampled no token for {rid}")
+            req.num_pending_tokens -= 1
             updates.append(self._append_token(req, tok[0], tok[1], now))
         self.policy.update(AppliedStep(out, outcome, updates), now)
         return updates
@@ -197,7 +246,7 @@ class Scheduler:
             token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids)
         ):
             return "stop"
-        if n >= req.max_tokens or req.num_tokens >= limit:
+        if n >= req.max_tokens or req.num_known_tokens >= limit:
             return "length"
         return None
 
@@ -207,6 +256,7 @@ class Scheduler:
         req.status = FINISH_REASON_STATUS[reason]
         req.finish_reason = reason
         req.finished_time = now
+        req.num_pending_tokens = 0  # a later step in flight computes a surplus token: dropped
         self.block_manager.free(rid)
         if self.forget(rid):
             self._pending_free.append(rid)
@@ -215,14 +265,15 @@ class Scheduler:
         self.num_finished += 1
         self.policy.on_finish(req, now)
 
-    def _drop_freed(self) -> None:
-        """Forget finished requests whose free went out in the last output."""
-        reqs = self.requests
-        for rid in self._freed_sent:
-            req = reqs.get(rid)
-            if req is not None and req.is_finished:  # not re-added under the same id
-                del reqs[rid]
-        self._freed_sent = []
+    def _drop_freed(self, upto: int | None = None) -> None:
+        """Forget finished requests whose free went out in an acknowledged output (every
+        output up to step `upto`; all of them when None)."""
+        reqs, sent = self.requests, self._freed_sent
+        while sent and (upto is None or sent[0][0] <= upto):
+            for rid in sent.popleft()[1]:
+                req = reqs.get(rid)
+                if req is not None and req.is_finished:  # not re-added under the same id
+                    del reqs[rid]
 
     # -- queue moves and executor state (used by Batch) -----------------------------------
     def _queue(self, status: RequestStatus) -> OrderedDict[str, Request]:
