@@ -91,7 +91,7 @@ class Engine:
         self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype)
         self.kv_dtype, self.block_size = kv_dtype, block_size
         self.max_model_len = self._max_len(max_model_len)
-        self.attn = make_attention(self.spec, attention_backend, self.device)
+        self.attn = make_attention(self.spec, attention_backend, self.device, self.dtype)
         # padded query-key pairs one more attention group must save (batch.split_by_context),
         # set by the backend; None: one group per kind (decodes, prefill chunks)
         self.attention_group_cost: int | None = self.attn.group_cost

@@ -42,8 +42,10 @@ class TritonAttention:
         scale: float,
         device: torch.device,
         kv_splits: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        """kv_splits: force a split-KV factor (a power of two; None: plan.num_kv_splits)."""
+        """kv_splits: force a split-KV factor (a power of two; None: plan.num_kv_splits);
+        dtype: the model's compute dtype (fp32 takes smaller KV tiles: plan.kv_tile)."""
         if not _pow2(head_dim) or head_dim < 16:
             raise ValueError(
                 f"the Triton backend needs a power-of-two head_dim >= 16, not {head_dim}"
@@ -58,6 +60,7 @@ class TritonAttention:
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
         self.kv_splits = kv_splits
+        self.fp32 = dtype == torch.float32
         self.device = device
         self._sm_count = 0  # read from the device at the first step (not at construction)
         self.step: plan.StepPlan | None = None
@@ -81,7 +84,9 @@ class TritonAttention:
         if not _pow2(block_size):
             raise ValueError("the Triton backend needs a power-of-two block size")
         forced = self.kv_splits if splits is None else splits
-        return plan.plan_step(runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced)
+        return plan.plan_step(
+            runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced, self.fp32
+        )
 
     def prepare(self, batch: StepBatch) -> None:
         """Per-step tiles, split factor and metadata (int32), shared by every layer."""
@@ -112,6 +117,24 @@ class TritonAttention:
             shape = (step.splits, num_tokens, self.h)
             self.meta["part_acc"] = torch.empty((*shape, self.d), dtype=torch.float32, device=dev)
             self.meta["part_ml"] = torch.empty((*shape, 2), dtype=torch.float32, device=dev)
+
+    def warm_splits(self, cache: KVCache, dtype: torch.dtype, max_context: int) -> list[int]:
+        """Compile the split-KV variants (paged_attention with SPLITS > 1 and reduce_splits)
+        a decode-only step can take with contexts up to max_context: one decode over block 0
+        of layer 0 of `cache` per factor, writing scratch buffers only (the pool is read)."""
+        factors = plan.split_factors(max_context, self.kv_splits)
+        dev, saved = self.device, (self.step, self.meta)
+        q = torch.zeros((1, self.h, self.d), dtype=dtype, device=dev)
+        run = TokenRun("", [0], 0, [0])
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        for s in factors:
+            step = self.plan_runs([run], cache.block_size, splits=s)
+            tables = torch.zeros((1, 1), dtype=torch.int32, device=dev)
+            meta = {"tiles": step.tiles.to(dev), "tables": tables, "slots": one - 1}
+            self.use(step, meta | {"req_ctx": one, "req_slot": one - 1}, 1)
+            self._attend(0, q, torch.empty_like(q), cache)
+        self.step, self.meta = saved
+        return factors
 
     def forward(
         self,

@@ -41,9 +41,13 @@ def query_tile(groups_per_kv: int, has_chunks: bool) -> tuple[int, int]:
     return block_m, block_m // groups_per_kv
 
 
-def kv_tile(block_size: int, head_dim: int) -> int:
-    """Keys per KV tile: 128 for head_dim <= 64, else 64 (registers), never below a page."""
-    return max(128 if head_dim <= 64 else 64, block_size)
+def kv_tile(block_size: int, head_dim: int, fp32: bool = False) -> int:
+    """Keys per KV tile: 128 for head_dim <= 64, else 64 (registers), halved for fp32 tiles
+    (twice the bytes per element), never below a page. With fp32 at 64 x 128, 4 warps, ptxas
+    (CUDA 13) spilled a 12 KB stack frame per thread and the H200 returned wrong outputs for
+    one case (triton_check float32-d128-g4-bs32-hkv1-split1-mixed); at 32 keys and 8 warps
+    the frame is 624 bytes."""
+    return max((128 if head_dim <= 64 else 64) // (2 if fp32 else 1), block_size)
 
 
 def num_kv_splits(programs: int, max_context: int, sm_count: int, decode_only: bool) -> int:
@@ -57,9 +61,24 @@ def num_kv_splits(programs: int, max_context: int, sm_count: int, decode_only: b
     return 1 << (want.bit_length() - 1)  # round down to a power of two: few compiled variants
 
 
+def split_factors(max_context: int, forced: int | None = None) -> list[int]:
+    """Every split factor > 1 a step can take with contexts up to max_context: the powers of
+    two num_kv_splits can return, and a forced factor (what warm-up compiles)."""
+    out, s = [], 2
+    while s <= min(MAX_SPLITS, max_context // SPLIT_MIN_TOKENS):
+        out.append(s)
+        s *= 2
+    if forced is not None and forced > 1 and forced not in out:
+        out.append(forced)
+    return out
+
+
 def launch_config(dtype: torch.dtype) -> dict[str, int]:
-    """num_warps / num_stages of the attention kernel (fp32 tiles are twice as big)."""
-    return {"num_warps": 4, "num_stages": 1 if dtype == torch.float32 else 2}
+    """num_warps / num_stages of the attention kernel: fp32 tiles are twice as big, so twice
+    the warps (registers) and no second pipeline stage (shared memory)."""
+    if dtype == torch.float32:
+        return {"num_warps": 8, "num_stages": 1}
+    return {"num_warps": 4, "num_stages": 2}
 
 
 def tile_table(runs: Sequence[TokenRun], block_q: int) -> torch.Tensor:
@@ -95,12 +114,14 @@ def plan_step(
     head_dim: int,
     sm_count: int,
     splits: int | None = None,
+    fp32: bool = False,
 ) -> StepPlan:
-    """Tile sizes, query tiles and split factor of one step (`splits` forces a factor)."""
+    """Tile sizes, query tiles and split factor of one step (`splits` forces a factor;
+    `fp32`: the model computes in fp32, see kv_tile)."""
     has_chunks = any(r.q_len > 1 for r in runs)
     block_m, block_q = query_tile(groups_per_kv, has_chunks)
     tiles = tile_table(runs, block_q)
     if splits is None:
         max_ctx = max(r.ctx_before + r.q_len for r in runs)
         splits = num_kv_splits(tiles.shape[1] * kv_heads, max_ctx, sm_count, not has_chunks)
-    return StepPlan(block_m, block_q, kv_tile(block_size, head_dim), splits, tiles)
+    return StepPlan(block_m, block_q, kv_tile(block_size, head_dim, fp32), splits, tiles)
