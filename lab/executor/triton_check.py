@@ -179,9 +179,7 @@ def compare_case(case: Case, device: str = "cpu", seed: int = 0) -> dict[str, An
     q, k, v = (
         torch.randn(t, n, d, generator=gen).to(dev, dtype) for n in (h, *[case.kv_heads] * 2)
     )
-    tri = TritonAttention(
-        h, case.kv_heads, d, d**-0.5, dev, kv_splits=case.splits, dtype=dtype
-    )
+    tri = TritonAttention(h, case.kv_heads, d, d**-0.5, dev, kv_splits=case.splits, dtype=dtype)
     batch = build_batch(runs, case.block_size, dev)
     ref_cache.prepare(batch)
     ref_cache.write(0, k, v, batch)

@@ -56,7 +56,11 @@ def attention(
         ("n_tiles", "n_tokens", "nb_total", "n_slots", "nb_max"), "i32"
     )
     consts: dict[str, Any] = {"H": 2 * g, "G": g, "D": d, "BS": bs, "BLOCK_M": block_m}
-    consts |= {"BLOCK_N": plan.kv_tile(bs, d, dtype == torch.float32), "INT8": int8, "SPLITS": splits}
+    consts |= {
+        "BLOCK_N": plan.kv_tile(bs, d, dtype == torch.float32),
+        "INT8": int8,
+        "SPLITS": splits,
+    }
     consts |= {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "EMULATE": False}
     name = f"attention-{t}-{'int8' if int8 else 'fp'}-d{d}-g{g}-bs{bs}-split{splits}"
     name += "-chunks" if chunks else "-decodes"

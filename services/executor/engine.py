@@ -83,12 +83,13 @@ class Engine:
         max_model_len: int = 0,
         profile_path: str | Path | None = None,
         runtime: RuntimeOptions | None = None,
+        load_format: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
         self.options = runtime or RuntimeOptions()
-        self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype)
+        self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype, load_format)
         self.kv_dtype, self.block_size = kv_dtype, block_size
         self.max_model_len = self._max_len(max_model_len)
         self.attn = make_attention(self.spec, attention_backend, self.device, self.dtype)
@@ -196,6 +197,7 @@ class Engine:
             max_model_len=settings.max_model_len,
             profile_path=settings.profile_path,
             runtime=runtime_options(settings),
+            load_format=settings.load_format,
         )
 
     def _max_len(self, requested: int) -> int:

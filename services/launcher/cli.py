@@ -43,6 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings.run_dir or settings.data_dir / "runs" / datetime.now().strftime("%Y%m%d-%H%M%S")
     )
     overrides = {"ALISE_POLICY": args.policy or SchedulerSettings().policy}
+    if args.load_format:
+        overrides["ALISE_LOAD_FORMAT"] = args.load_format
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -108,4 +110,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--host", default="", help="gateway bind address (ALISE_GATEWAY_HOST, default 127.0.0.1)"
     )
     serve.add_argument("--policy", default="", help="scheduling policy (ALISE_POLICY)")
+    serve.add_argument(
+        "--load-format",
+        default="",
+        choices=["", "auto", "dummy"],
+        help="dummy: random weights of the model's shapes (ALISE_LOAD_FORMAT, default auto)",
+    )
     serve.set_defaults(func=_serve)

@@ -89,7 +89,9 @@ def warm_engine(smollm2_dir):
 
 def _workload(engine: Engine, seed: int = 0, n: int = 40, longest: int = 700) -> None:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+    prompts = [
+        [rng.randrange(100, 40000) for _ in range(rng.randint(1, longest))] for _ in range(n)
+    ]
     lens = [rng.randint(1, 40) for _ in prompts]
     Driver(engine, token_budget=rng.choice([256, 512, 1024]), max_batch=40).generate(prompts, lens)
 
