@@ -214,5 +214,10 @@ def load_tokenizer(model: str, data_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def served_model_id(model: str) -> str:
-    """The id clients use and collections are keyed by."""
+    """The id clients use and collections are keyed by (a bundled or preset model's name
+    without looking for its files)."""
+    from services.common.model_presets import PRESETS
+
+    if model in BUNDLED or model in PRESETS:
+        return model
     return resolve(model).name

@@ -70,6 +70,8 @@ def dummy_state(
         shapes = {
             k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
         }
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)  # the embedding serves as the LM head
     gen = torch.Generator(device=device).manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
