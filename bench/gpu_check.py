@@ -165,6 +165,15 @@ def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> di
     return out
 
 
+def _device() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """The result file: headline keys first, every run's details after."""
     step, engine = raw.get("step", {}), raw.get("engine", {})
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, Any] = {"models": models, "suite": suite(env, work, clock, serve)}
     raw.update(benches(env, work, clock, args))
     raw["seconds"] = clock.now()
+    raw["device"] = _device()
     result = summarise(raw)
     Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(table(result), flush=True)
