@@ -9,7 +9,7 @@ WHEELS: wheels (Python of that machine) of the project's dependencies the machin
 (`<data_dir>/models/smollm2-135m-instruct-*/` here, without the weights); TRACES: the ShareGPT
 token-count cache (`<data_dir>/traces/sharegpt-smollm2-135m-instruct-v1.json`, optionally
 gzipped), which spares the dataset package. No weights travel: the suite runs on a random
-SmolLM2-shaped checkpoint, the benchmarks on the llama-3-8b preset with random weights
+SmolLM2-shaped checkpoint (transformers' own initialisation), the benchmarks on the llama-3-8b preset with random weights
 (load_format=dummy).
 
 Runs, each under its own time limit: tests/gpu (pytest, marker gpu) with the native
@@ -75,19 +75,19 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, str]:
 
 MAKE_MODELS = """
 import sys; from pathlib import Path
-from safetensors.torch import save_file
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 from services.common.model_presets import write_preset
-from services.executor.weights import dummy_state
 tok, work = Path(sys.argv[1]), Path(sys.argv[2])
-small = work / "smollm2-rand"; small.mkdir(parents=True, exist_ok=True)
+small = work / "smollm2-rand"
+config = AutoConfig.from_pretrained(tok)
+torch.manual_seed(0)
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # transformers' init
+model.save_pretrained(small)
 for f in tok.iterdir():
-    if f.suffix in (".json", ".jinja") and "safetensors" not in f.name:
+    if f.name != "config.json":
         (small / f.name).write_bytes(f.read_bytes())
-state = dummy_state(small, torch.bfloat16, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-names = {k: k if k == "lm_head.weight" else "model." + k for k in state}
-save_file({names[k]: v.contiguous() for k, v in state.items()}, str(small / "model.safetensors"),
-          metadata={"format": "pt"})
 write_preset("llama-3-8b", work / "llama-3-8b", tok)
 """
 
