@@ -290,6 +290,7 @@ class Engine:
                     st.block_table,
                     st.staging_slot,
                     end == len(st.token_ids),
+                    st.block_array(),
                 )
             )
         return runs

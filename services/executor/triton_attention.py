@@ -16,7 +16,7 @@ from services.executor import triton_kernels as kern
 from services.executor import triton_plan as plan
 from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import PagedKV
-from services.executor.ragged_batch import StepBatch, TokenRun
+from services.executor.ragged_batch import RunArrays, StepBatch, TokenRun
 
 if TYPE_CHECKING:
     from services.executor.kv_pool import KVCache
@@ -77,15 +77,19 @@ class TritonAttention:
         return self._sm_count
 
     def plan_runs(
-        self, runs: list[TokenRun], block_size: int, splits: int | None = None
+        self,
+        runs: list[TokenRun],
+        block_size: int,
+        splits: int | None = None,
+        arrays: RunArrays | None = None,
     ) -> plan.StepPlan:
         """Tiles and split factor of a step over `runs` (packed order); `splits` forces one
-        (CUDA graphs capture decode steps with 1)."""
+        (CUDA graphs capture decode steps with 1); `arrays`: the runs' RunArrays."""
         if not _pow2(block_size):
             raise ValueError("the Triton backend needs a power-of-two block size")
         forced = self.kv_splits if splits is None else splits
         return plan.plan_step(
-            runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced, self.fp32
+            runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced, self.fp32, arrays
         )
 
     def prepare(self, batch: StepBatch) -> None:

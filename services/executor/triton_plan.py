@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.common.arith import ceil_div
-from services.executor.ragged_batch import TokenRun
+from services.executor.ragged_batch import RunArrays, TokenRun
 
 QUERY_ROWS_DECODE = 16  # M rows of a tile in decode-only steps (tl.dot needs M >= 16)
 QUERY_ROWS_PREFILL = 64  # M rows when the step holds prefill chunks (more reuse of each KV tile)
@@ -81,16 +82,19 @@ def launch_config(dtype: torch.dtype) -> dict[str, int]:
     return {"num_warps": 4, "num_stages": 2}
 
 
-def tile_table(runs: Sequence[TokenRun], block_q: int) -> torch.Tensor:
+def tile_table(
+    runs: Sequence[TokenRun], block_q: int, arrays: RunArrays | None = None
+) -> torch.Tensor:
     """[4, n_tiles] int32: request index, first packed row, query count and first query
-    position of each query tile (runs in packed order, each run's rows contiguous)."""
-    cols: list[tuple[int, int, int, int]] = []
-    row = 0
-    for i, r in enumerate(runs):
-        for start in range(0, r.q_len, block_q):
-            cols.append((i, row + start, min(block_q, r.q_len - start), r.ctx_before + start))
-        row += r.q_len
-    return torch.tensor(cols, dtype=torch.int32).T.contiguous()
+    position of each query tile (runs in packed order, each run's rows contiguous; `arrays`:
+    their RunArrays when already read)."""
+    a = arrays if arrays is not None else RunArrays.of(list(runs))
+    per_run = -(-a.q // block_q)  # tiles of each run
+    req = np.repeat(np.arange(a.q.size), per_run)
+    start = (np.arange(req.size) - np.repeat(np.cumsum(per_run) - per_run, per_run)) * block_q
+    row0 = (np.cumsum(a.q) - a.q)[req] + start
+    cols = np.stack((req, row0, np.minimum(block_q, a.q[req] - start), a.before[req] + start))
+    return torch.from_numpy(cols.astype(np.int32))
 
 
 @dataclass(frozen=True)
@@ -115,13 +119,15 @@ def plan_step(
     sm_count: int,
     splits: int | None = None,
     fp32: bool = False,
+    arrays: RunArrays | None = None,
 ) -> StepPlan:
     """Tile sizes, query tiles and split factor of one step (`splits` forces a factor;
-    `fp32`: the model computes in fp32, see kv_tile)."""
-    has_chunks = any(r.q_len > 1 for r in runs)
+    `fp32`: the model computes in fp32, see kv_tile; `arrays`: the runs' RunArrays)."""
+    a = arrays if arrays is not None else RunArrays.of(list(runs))
+    has_chunks = bool((a.q > 1).any())
     block_m, block_q = query_tile(groups_per_kv, has_chunks)
-    tiles = tile_table(runs, block_q)
+    tiles = tile_table(runs, block_q, a)
     if splits is None:
-        max_ctx = max(r.ctx_before + r.q_len for r in runs)
+        max_ctx = int((a.before + a.q).max())
         splits = num_kv_splits(tiles.shape[1] * kv_heads, max_ctx, sm_count, not has_chunks)
     return StepPlan(block_m, block_q, kv_tile(block_size, head_dim, fp32), splits, tiles)
