@@ -45,19 +45,18 @@ def _runtime(bucket: int) -> Any:
 
 
 def _decodes(n: int) -> list:
-    """n decodes as the engine hands them over (engine._runs: tables with their arrays)."""
-    from services.common.sampling import SamplingParams
-    from services.executor.messages import RequestState
+    """n decodes as the engine hands them over (Engine._runs: each table with its int64 array,
+    converted when the table last changed, not per step)."""
+    import numpy as np
+
     from services.executor.ragged_batch import TokenRun
 
     blocks = -(-(CONTEXT + 8) // BLOCK)
     runs = []
     for i in range(n):
-        st = RequestState(f"r{i}", [100 + i] * CONTEXT, SamplingParams(), 1, CONTEXT - 1)
-        st.block_table = list(range(i * blocks, (i + 1) * blocks))
-        tokens = st.token_ids[CONTEXT - 1 :]
-        runs.append(TokenRun(st.request_id, tokens, CONTEXT - 1, st.block_table, -1, True,
-                             st.block_array()))  # fmt: skip
+        table = list(range(i * blocks, (i + 1) * blocks))
+        arr = np.asarray(table, dtype=np.int64)
+        runs.append(TokenRun(f"r{i}", [100 + i], CONTEXT - 1, table, -1, True, arr))
     return runs
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from services.common.arith import ceil_div
@@ -119,6 +120,7 @@ class Engine:
         self.requests: dict[str, RequestState] = self.book.requests
         self.owners = self.book.owners
         self._lock = threading.RLock()
+        self._tables: dict[str, tuple[list[int], np.ndarray]] = {}  # _block_array's cache
 
     def _make_runtime(self, packed: bool, graphs: bool) -> DeviceRuntime | None:
         """The CUDA step path (also the packed path off CUDA, under Triton's interpreter);
@@ -277,6 +279,21 @@ class Engine:
 
         self.book.apply(plan, self.cache.close_request, open_request)
 
+    def _block_array(self, st: RequestState) -> np.ndarray | None:
+        """st.block_table as an int64 array, converted once per table: tables are replaced
+        (apply_plan), never edited in place, so the cached copy is current while it holds the
+        same list object (None: swapped out). Entries of finished requests are dropped once
+        they outnumber the live ones."""
+        table = st.block_table
+        if table is None:
+            return None
+        cached = self._tables.get(st.request_id)
+        if cached is None or cached[0] is not table:
+            if len(self._tables) > 2 * len(self.requests) + 64:
+                self._tables = {r: v for r, v in self._tables.items() if r in self.requests}
+            cached = self._tables[st.request_id] = (table, np.asarray(table, dtype=np.int64))
+        return cached[1]
+
     def _runs(self, plan: StepPlan) -> list[TokenRun]:
         runs = []
         for rid, n in plan.scheduled:
@@ -290,7 +307,7 @@ class Engine:
                     st.block_table,
                     st.staging_slot,
                     end == len(st.token_ids),
-                    st.block_array(),
+                    self._block_array(st),
                 )
             )
         return runs

@@ -44,17 +44,3 @@ class RequestState:
     block_table: list[int] | None = field(default_factory=list)  # None: swapped out
     staging_slot: int = -1
     matcher: Any = None  # structured output: the guide's matcher (services/common/guided.py)
-    _blocks: tuple[list[int], Any] | None = field(default=None, repr=False, compare=False)
-
-    def block_array(self) -> Any:
-        """block_table as an int64 numpy array, converted once per table: tables are replaced
-        (apply_plan), never edited in place, so the cached copy is the current one while the
-        list object is (None: swapped out)."""
-        table = self.block_table
-        if table is None:
-            return None
-        if self._blocks is None or self._blocks[0] is not table:
-            import numpy as np
-
-            self._blocks = (table, np.asarray(table, dtype=np.int64))
-        return self._blocks[1]

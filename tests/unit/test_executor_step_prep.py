@@ -7,14 +7,23 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from services.common.arith import ceil_div
 from services.common.sampling import SamplingParams
 from services.executor import triton_plan as plan
+from services.executor.engine import Engine
 from services.executor.messages import RequestState
 from services.executor.ragged_batch import RunArrays, TokenRun
 from services.executor.step_buffers import MetaLayout, fill_meta, order_runs
+from services.executor.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=0)
+    return Engine(model, device="cpu", num_device_blocks=8, num_host_blocks=1)
 
 
 def _loop_tiles(runs: list[TokenRun], block_q: int) -> torch.Tensor:
@@ -64,12 +73,13 @@ def test_metadata_from_block_arrays_equals_from_lists():
         assert (bufs[0][layout.offsets()["tables"] :] >= 0).all()  # every table cell written
 
 
-def test_a_block_array_follows_its_table():
+def test_a_block_array_follows_its_table(tiny_engine):
     st = RequestState("a", [1, 2], SamplingParams(), 4)
+    tiny_engine.requests["a"] = st
     st.block_table = [3, 4]
-    first = st.block_array()
-    assert first.tolist() == [3, 4] and st.block_array() is first  # converted once
+    first = tiny_engine._block_array(st)
+    assert first.tolist() == [3, 4] and tiny_engine._block_array(st) is first  # converted once
     st.block_table = [3, 4, 9]  # tables are replaced, never edited in place
-    assert st.block_array().tolist() == [3, 4, 9]
+    assert tiny_engine._block_array(st).tolist() == [3, 4, 9]
     st.block_table = None
-    assert st.block_array() is None
+    assert tiny_engine._block_array(st) is None
