@@ -129,7 +129,18 @@ def suite(env: dict, work: Path, clock: Clock, serve: bool) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
     tests["serve_test"] = "run" if serve else "not run: the predictor's embedding model is absent"
-    return {"pytest": tests, "triton_check": triton_summary(work, len(names))}
+    fused_log = work / "triton_fused.json"
+    run([py, "-m", "services.executor.triton_fused", "--device", "cuda"], env, 60, fused_log)
+    fused = fused_log.read_text().strip().splitlines()[-1:] or ["{}"]
+    try:
+        fused_errors = json.loads(fused[0])
+    except ValueError:
+        fused_errors = {"error": fused[0][-300:]}
+    return {
+        "pytest": tests,
+        "triton_check": triton_summary(work, len(names)),
+        "fused": fused_errors,
+    }
 
 
 def triton_summary(work: Path, expected: int) -> dict[str, Any]:
@@ -156,10 +167,10 @@ def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> di
     for name, path in (("step", step_json), ("engine", engine_json)):
         if path.exists():
             out[name] = json.loads(path.read_text())
-    if args.fleet and clock.left(60) >= 40:
+    if args.fleet and clock.left(80) >= 50:
         cmd = [py, "-m", "services.cli", "bench", "overhead", "--fake-executors", args.fleet]
         cmd += ["--shards", "1,2", "--json", str(work / "fleet.json")]
-        out["fleet_run"] = run(cmd, env, clock.left(60), work / "fleet.log")
+        out["fleet_run"] = run(cmd, env, clock.left(80), work / "fleet.log")
         if (work / "fleet.json").exists():
             out["fleet"] = json.loads((work / "fleet.json").read_text())
     return out
@@ -184,6 +195,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "ratio_to_floor": step.get("ratio"),
         "engine_tok_s": engine.get("ours_tok_s"),
         "triton_check": raw["suite"]["triton_check"],
+        "fused_kernels_vs_unfused": raw["suite"]["fused"],
         "pytest_gpu": raw["suite"]["pytest"],
         **{k: v for k, v in raw.items() if k not in ("suite",)},
     }
@@ -209,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", help="ShareGPT token-count cache (.json or .json.gz)")
     p.add_argument("--json", default=str(ROOT / "bench/results/gpu_check.json"))
     p.add_argument("--work", default="/tmp/alise-gpu-check", help="scratch folder")
-    p.add_argument("--fleet", default="8,16,32", help="fake executor counts ('' = skip)")
+    p.add_argument("--fleet", default="16,64", help="fake executor counts ('' = skip)")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for everything")
     args = p.parse_args(argv)
     clock, work = Clock(args.budget), Path(args.work)

@@ -9,6 +9,7 @@
 - kv_read_ms: the step's KV bytes (B x 512 tokens, every layer, K and V) over the device's
   copy bandwidth measured here (a 4 GiB device-to-device copy, bytes read + written);
 - floor_ms = linear_ms + kv_read_ms; ratio = decode_step_ms / floor_ms;
+- decode_step_ms_unfused: the same steps with the fused kernels off (triton_fused.py);
 - profile: one step's device time per kernel family (gemm, attention, norm, rope, activation,
   copy, other elementwise, sampling) at B = 1 and 256 from torch's profiler, and what was
   outside any kernel (step time minus the kernels' sum).
@@ -140,11 +141,22 @@ def kv_bytes(spec: Any, batch: int) -> int:
     return spec.num_layers * 2 * spec.kv_size * 2 * CONTEXT * batch  # bf16 K and V
 
 
+def unfused_steps(engine: Any) -> dict[int, float]:
+    """The decode steps again with the fused kernels off (graphs captured anew)."""
+    from services.executor.cuda_graphs import DecodeGraphs
+
+    engine.runner.fused = False
+    engine.runtime.graphs = DecodeGraphs(engine.runtime.graphs.buckets)
+    engine.runtime.capture_graphs()
+    return {b: round(step_ms(engine, b), 3) for b in BATCHES}
+
+
 def run(model_dir: Path, load_format: str) -> dict[str, Any]:
     engine = build(model_dir, load_format)
     spec = engine.spec
     steps = {b: round(step_ms(engine, b), 3) for b in BATCHES}
     prof = {b: profile_step(engine, b) for b in (1, 256)}
+    unfused = unfused_steps(engine) if getattr(engine.runner, "fused", False) else {}
     engine.close()
     del engine
     torch.cuda.empty_cache()
@@ -163,6 +175,7 @@ def run(model_dir: Path, load_format: str) -> dict[str, Any]:
         "kv_read_ms": kv,
         "floor_ms": floor,
         "ratio": {b: round(steps[b] / floor[b], 3) for b in BATCHES},
+        "decode_step_ms_unfused": unfused,
         "copy_tb_s": round(bw / 1e9, 3),
         "profile_ms": prof,
     }
