@@ -93,7 +93,7 @@ TOKENIZER_FILES = (
 _FROM_TOKENIZER = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def preset_config(name: str, tokenizer_src: Path, num_layers: int | None = None) -> dict:
+def preset_config(name: str, tokenizer_src: Path, num_layers: int | None = None) -> dict[str, Any]:
     """The preset's config.json contents: its shape, the tokenizer model's vocabulary and
     special ids, `num_layers` layers when given (tests)."""
     if name not in PRESETS:
