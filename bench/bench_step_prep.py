@@ -49,9 +49,10 @@ def _decodes(n: int) -> list:
     converted when the table last changed, not per step)."""
     import numpy as np
 
+    from services.common.arith import ceil_div
     from services.executor.ragged_batch import TokenRun
 
-    blocks = -(-(CONTEXT + 8) // BLOCK)
+    blocks = ceil_div(CONTEXT + 8, BLOCK)
     runs = []
     for i in range(n):
         table = list(range(i * blocks, (i + 1) * blocks))

@@ -109,12 +109,12 @@ TC_WORKERS = 4  # triton_check processes (compiling is CPU-bound; the GPU work i
 
 def suite(env: dict, work: Path, clock: Clock, serve: bool) -> dict[str, Any]:
     """tests/gpu, with the native triton_check running beside it in TC_WORKERS processes."""
-    from services.executor.triton_check import CASES
+    from lab.executor.triton_check import CASES
 
     py, procs = sys.executable, []
     names = [c.name for c in CASES]
     for i in range(TC_WORKERS):
-        cmd = [py, "-m", "services.executor.triton_check", "--device", "cuda"]
+        cmd = [py, "-m", "lab.executor.triton_check", "--device", "cuda"]
         cmd += [arg for name in names[i::TC_WORKERS] for arg in ("--case", name)]
         with open(work / f"triton_check_{i}.json", "w") as out:
             procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT,
@@ -130,7 +130,7 @@ def suite(env: dict, work: Path, clock: Clock, serve: bool) -> dict[str, Any]:
             proc.kill()
     tests["serve_test"] = "run" if serve else "not run: the predictor's embedding model is absent"
     fused_log = work / "triton_fused.json"
-    run([py, "-m", "services.executor.triton_fused", "--device", "cuda"], env, 60, fused_log)
+    run([py, "-m", "lab.executor.fused_check", "--device", "cuda"], env, 60, fused_log)
     fused = fused_log.read_text().strip().splitlines()[-1:] or ["{}"]
     try:
         fused_errors = json.loads(fused[0])

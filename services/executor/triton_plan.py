@@ -89,7 +89,7 @@ def tile_table(
     position of each query tile (runs in packed order, each run's rows contiguous; `arrays`:
     their RunArrays when already read)."""
     a = arrays if arrays is not None else RunArrays.of(list(runs))
-    per_run = -(-a.q // block_q)  # tiles of each run
+    per_run = ceil_div(a.q, block_q)  # tiles of each run (elementwise)
     req = np.repeat(np.arange(a.q.size), per_run)
     start = (np.arange(req.size) - np.repeat(np.cumsum(per_run) - per_run, per_run)) * block_q
     row0 = (np.cumsum(a.q) - a.q)[req] + start

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab.executor.driver import Driver
 from services.common.model_presets import PRESETS, preset_config, write_preset
 from services.common.models import tokenizer_dir
 from services.common.settings import ExecutorSettings
-from services.executor.driver import Driver
 from services.executor.engine import Engine
 
 

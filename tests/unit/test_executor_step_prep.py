@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from lab.executor.tiny import make_tiny_model
 from services.common.arith import ceil_div
 from services.common.sampling import SamplingParams
 from services.executor import triton_plan as plan
@@ -17,7 +18,6 @@ from services.executor.engine import Engine
 from services.executor.messages import RequestState
 from services.executor.ragged_batch import RunArrays, TokenRun
 from services.executor.step_buffers import MetaLayout, fill_meta, order_runs
-from services.executor.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.executor.tiny import make_tiny_model
+from lab.executor.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BF16_ULP = 2.0**-7  # relative: one rounding flip of a bf16 value
@@ -23,7 +23,7 @@ BF16_ULP = 2.0**-7  # relative: one rounding flip of a bf16 value
 def interpreted(tmp_path_factory) -> dict:
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=1)
     proc = subprocess.run(
-        [sys.executable, "-m", "services.executor.triton_fused", "--engine", str(model)],
+        [sys.executable, "-m", "lab.executor.fused_check", "--engine", str(model)],
         env=dict(os.environ, TRITON_INTERPRET="1"),
         cwd=ROOT,
         capture_output=True,
