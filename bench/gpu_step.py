@@ -9,7 +9,9 @@
 - kv_read_ms: the step's KV bytes (B x 512 tokens, every layer, K and V) over the device's
   copy bandwidth measured here (a 4 GiB device-to-device copy, bytes read + written);
 - floor_ms = linear_ms + kv_read_ms; ratio = decode_step_ms / floor_ms;
-- decode_step_ms_unfused: the same steps with the fused kernels off (triton_fused.py);
+- decode_step_ms_no_graph_splits: the same steps with small decode batches not split by their
+  graph bucket (TritonAttention.bucket_split_len None); ..._unfused: also without the fused
+  kernels (triton_fused.py): the configuration before both;
 - profile: one step's device time per kernel family (gemm, attention, norm, rope, activation,
   copy, other elementwise, sampling) at B = 1 and 256 from torch's profiler, and what was
   outside any kernel (step time minus the kernels' sum).
@@ -141,14 +143,22 @@ def kv_bytes(spec: Any, batch: int) -> int:
     return spec.num_layers * 2 * spec.kv_size * 2 * CONTEXT * batch  # bf16 K and V
 
 
-def unfused_steps(engine: Any) -> dict[int, float]:
-    """The decode steps again with the fused kernels off (graphs captured anew)."""
+def steps_after(engine: Any, change: Any) -> dict[int, float]:
+    """The decode steps again after `change(engine)`, graphs captured anew."""
     from services.executor.cuda_graphs import DecodeGraphs
 
-    engine.runner.fused = False
+    change(engine)
     engine.runtime.graphs = DecodeGraphs(engine.runtime.graphs.buckets)
     engine.runtime.capture_graphs()
     return {b: round(step_ms(engine, b), 3) for b in BATCHES}
+
+
+def no_bucket_splits(engine: Any) -> None:
+    engine.attn.bucket_split_len = None
+
+
+def unfused(engine: Any) -> None:
+    engine.runner.fused = False
 
 
 def run(model_dir: Path, load_format: str) -> dict[str, Any]:
@@ -156,7 +166,8 @@ def run(model_dir: Path, load_format: str) -> dict[str, Any]:
     spec = engine.spec
     steps = {b: round(step_ms(engine, b), 3) for b in BATCHES}
     prof = {b: profile_step(engine, b) for b in (1, 256)}
-    unfused = unfused_steps(engine) if getattr(engine.runner, "fused", False) else {}
+    without_splits = steps_after(engine, no_bucket_splits)
+    without_both = steps_after(engine, unfused)
     engine.close()
     del engine
     torch.cuda.empty_cache()
@@ -175,7 +186,8 @@ def run(model_dir: Path, load_format: str) -> dict[str, Any]:
         "kv_read_ms": kv,
         "floor_ms": floor,
         "ratio": {b: round(steps[b] / floor[b], 3) for b in BATCHES},
-        "decode_step_ms_unfused": unfused,
+        "decode_step_ms_no_graph_splits": without_splits,
+        "decode_step_ms_no_graph_splits_unfused": without_both,
         "copy_tb_s": round(bw / 1e9, 3),
         "profile_ms": prof,
     }

@@ -55,6 +55,7 @@ class RuntimeOptions:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 512
     step_runtime: str = "auto"  # packed metadata: auto (CUDA + Triton + fp KV) | packed | classic
+    graph_split_kv: bool = True  # small decode batches split KV by their graph bucket
 
     def __post_init__(self) -> None:
         if self.step_runtime not in STEP_RUNTIMES:
@@ -178,7 +179,9 @@ class DeviceRuntime:
         assert self.graph_buffers is not None and self.pad_block is not None
         padded = pad_decodes(ordered, bucket, self.pad_block)
         arrays = RunArrays.of(padded)
-        step = self._triton().plan_runs(padded, self.bs, splits=1, arrays=arrays)  # as captured
+        step = self._triton().plan_runs(
+            padded, self.bs, splits=1, arrays=arrays
+        )  # the graph holds its split factor: only the tiles are read
         layout = self._graph_layout(bucket)
         rows = len(ordered)
         meta = self.graph_buffers.stage(
@@ -225,7 +228,7 @@ class DeviceRuntime:
     def _graph_body(self, bucket: int) -> Body:
         assert self.graph_buffers is not None and self.pad_block is not None
         padded = pad_decodes([], bucket, self.pad_block)
-        step = self._triton().plan_runs(padded, self.bs, splits=1)
+        step = self._triton().plan_runs(padded, self.bs)  # its split factor: bucket_splits
         meta = self.graph_buffers.stage(
             self._graph_layout(bucket), padded, self.bs, tiles=step.tiles
         )

@@ -127,6 +127,8 @@ class Engine:
         the padding block of graph batches is the one after the scheduler's blocks."""
         if self.device.type != "cuda" and not packed:
             return None
+        if graphs and self.options.graph_split_kv and self.attn.name == "triton":
+            self.attn.bucket_split_len = self.max_model_len  # type: ignore[union-attr]
         return DeviceRuntime(
             self.runner,
             self.cache,

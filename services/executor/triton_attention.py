@@ -60,6 +60,9 @@ class TritonAttention:
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
         self.kv_splits = kv_splits
+        # set by the CUDA runtime (graph_split_kv): decode-only steps split by their graph
+        # bucket up to this context length (plan.bucket_splits); None: by their contexts
+        self.bucket_split_len: int | None = None
         self.fp32 = dtype == torch.float32
         self.device = device
         self._sm_count = 0  # read from the device at the first step (not at construction)
@@ -88,6 +91,8 @@ class TritonAttention:
         if not _pow2(block_size):
             raise ValueError("the Triton backend needs a power-of-two block size")
         forced = self.kv_splits if splits is None else splits
+        if forced is None and self.bucket_split_len and all(len(r.token_ids) == 1 for r in runs):
+            forced = plan.bucket_splits(len(runs), self.hkv, self.sm_count(), self.bucket_split_len)
         return plan.plan_step(
             runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced, self.fp32, arrays
         )

@@ -51,14 +51,28 @@ def kv_tile(block_size: int, head_dim: int, fp32: bool = False) -> int:
     return max((128 if head_dim <= 64 else 64) // (2 if fp32 else 1), block_size)
 
 
-def num_kv_splits(programs: int, max_context: int, sm_count: int, decode_only: bool) -> int:
+def bucket_splits(n_decodes: int, kv_heads: int, sm_count: int, max_len: int) -> int:
+    """Split factor of a decode-only step of n requests when small batches split by their
+    CUDA-graph bucket (TritonAttention.bucket_split_len): the rule below for the bucket's
+    programs (next power of two >= n, times the KV heads) and the longest context the graph
+    must serve, never the step's own contexts, so a step splits alike replayed or eager."""
+    return num_kv_splits(next_pow2(n_decodes) * kv_heads, max_len, sm_count, True, 0)
+
+
+def num_kv_splits(
+    programs: int,
+    max_context: int,
+    sm_count: int,
+    decode_only: bool,
+    min_context: int = SPLIT_MIN_CONTEXT,
+) -> int:
     """Split-KV factor (a power of two, 1 = no split). Splits only a decode-only step whose
     (query tile, KV head) programs number fewer than the SMs and whose longest context is at
     least SPLIT_MIN_CONTEXT: then enough splits to give every SM a program, at most one per
     SPLIT_MIN_TOKENS keys of the longest context and at most MAX_SPLITS."""
-    if not decode_only or programs >= sm_count or max_context < SPLIT_MIN_CONTEXT:
+    if not decode_only or programs >= sm_count or max_context < min_context:
         return 1
-    want = min(ceil_div(sm_count, programs), max_context // SPLIT_MIN_TOKENS, MAX_SPLITS)
+    want = min(ceil_div(sm_count, programs), max(1, max_context // SPLIT_MIN_TOKENS), MAX_SPLITS)
     return 1 << (want.bit_length() - 1)  # round down to a power of two: few compiled variants
 
 

@@ -101,3 +101,14 @@ def test_split_factors_are_what_the_rule_can_pick():
         for programs in (1, 3, 8, 40, 100):
             s = plan.num_kv_splits(programs, ctx, plan.NOMINAL_SMS, True)
             assert s == 1 or s in plan.split_factors(ctx)
+
+
+def test_small_decode_batches_split_by_their_graph_bucket():
+    # Llama-3-8B's 8 KV heads on 132 SMs: bucket 1 -> 8 programs -> 16 splits ... 32 -> none
+    got = [plan.bucket_splits(n, 8, plan.NOMINAL_SMS, 8192) for n in (1, 2, 3, 4, 8, 16, 32)]
+    assert got == [16, 8, 4, 4, 2, 2, 1]
+    assert plan.bucket_splits(1, 8, plan.NOMINAL_SMS, 1024) == 4  # capped by the longest context
+    for n in range(1, 40):  # the factor depends on the bucket alone, and warm-up compiles it
+        s = plan.bucket_splits(n, 3, plan.NOMINAL_SMS, 2048)
+        assert s == plan.bucket_splits(plan.next_pow2(n), 3, plan.NOMINAL_SMS, 2048)
+        assert s == 1 or s in plan.split_factors(2048)
