@@ -55,7 +55,7 @@ class RuntimeOptions:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 512
     step_runtime: str = "auto"  # packed metadata: auto (CUDA + Triton + fp KV) | packed | classic
-    graph_split_kv: bool = True  # small decode batches split KV by their graph bucket
+    graph_split_kv: bool = True  # small decode batches split KV by their graph bucket (packed)
 
     def __post_init__(self) -> None:
         if self.step_runtime not in STEP_RUNTIMES:

@@ -127,7 +127,8 @@ class Engine:
         the padding block of graph batches is the one after the scheduler's blocks."""
         if self.device.type != "cuda" and not packed:
             return None
-        if graphs and self.options.graph_split_kv and self.attn.name == "triton":
+        if packed and self.options.graph_split_kv and self.attn.name == "triton":
+            # graphs on or off, a decode batch splits by its bucket: the same numerics
             self.attn.bucket_split_len = self.max_model_len  # type: ignore[union-attr]
         return DeviceRuntime(
             self.runner,
