@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup run test test-gpu lint proto clean-venv k8s-check base-image images test-containers
+.PHONY: setup run test test-gpu gpu-check lint proto clean-venv k8s-check base-image images test-containers
 
 setup: $(STAMP)
 
@@ -36,6 +36,20 @@ test: setup lint
 # GPU; on one, torch must be a CUDA build (`$(BIN)/pip install torch==2.13.0` from PyPI).
 test-gpu: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu
+
+# The whole GPU check on a borrowed machine with an NVIDIA GPU, torch, Triton and transformers
+# and no network (no venv: that machine's python3; the project's other dependencies from
+# WHEELS): tests/gpu, native triton_check, the engine benchmark and the decode step against
+# its floor on the llama-3-8b shape with random weights, a kernel-family profile, the fleet
+# benchmark. Under 6 minutes on one H100/H200; writes bench/results/gpu_check.json
+# (bench/gpu_check.py; docs/executor.md says what to bring).
+WHEELS ?=
+TOKENIZER ?=
+TRACES ?=
+GPU_CHECK_JSON ?= bench/results/gpu_check.json
+gpu-check:
+	$(PY) -m bench.gpu_check --tokenizer "$(TOKENIZER)" --json "$(GPU_CHECK_JSON)" \
+		$(if $(WHEELS),--wheels "$(WHEELS)") $(if $(TRACES),--traces "$(TRACES)")
 
 # Lint, format check and strict types (core and common); part of `make test`.
 lint: setup

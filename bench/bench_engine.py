@@ -335,7 +335,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="instead: structured decoding's cost, every request under this JSON schema vs none",
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: GPU bench")
-    p.add_argument("--model", help="GPU bench: a model directory (default ALISE_MODEL)")
+    p.add_argument(
+        "--model", help="GPU bench: a model directory or shape preset (default ALISE_MODEL)"
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="GPU bench: dummy = random weights of the model's shapes",
+    )
     p.add_argument("--against", choices=["vllm"], help="GPU bench: also run vLLM")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU bench (0.9)")
     p.set_defaults(func=_run)

@@ -60,6 +60,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[Any, dict]:
         dtype="bf16",
         kv_dtype=args.kv_dtype,
         num_host_blocks=1,
+        load_format=args.load_format,
         runtime=RuntimeOptions(
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_batched_tokens=max(args.token_budget, DIFF_LEN),
@@ -182,11 +183,12 @@ def run_gpu(args: argparse.Namespace) -> int:
     if args.against == "vllm" and importlib.util.find_spec("vllm") is None:
         raise SystemExit("--against vllm needs vllm installed (pip install vllm)")
     settings = ExecutorSettings()
-    model_dir = Path(args.model) if args.model else weights_dir(settings.model, settings.data_dir)
+    model_dir = weights_dir(args.model or settings.model, settings.data_dir)
     prompts, lens = gpu_workload(model_dir, args.num_prompts, args.max_prompt, args.max_output)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "model": str(model_dir),
+        "load_format": args.load_format,
         "num_prompts": len(prompts),
         "requested_tokens": sum(lens),
         "prompt_tokens": sum(map(len, prompts)),

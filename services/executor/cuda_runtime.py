@@ -27,13 +27,13 @@ import torch
 
 from services.common.arith import ceil_div
 from services.executor.cuda_graphs import Body, Capture, DecodeGraphs, eager_capture, graph_buckets
-from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
+from services.executor.ragged_batch import RunArrays, StepBatch, TokenRun, build_batch
 from services.executor.step_buffers import (
     MetaLayout,
     StepBuffers,
+    StepMeta,
     order_runs,
     pad_decodes,
-    table_width,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class RuntimeOptions:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 512
     step_runtime: str = "auto"  # packed metadata: auto (CUDA + Triton + fp KV) | packed | classic
+    graph_split_kv: bool = True  # small decode batches split KV by their graph bucket (packed)
 
     def __post_init__(self) -> None:
         if self.step_runtime not in STEP_RUNTIMES:
@@ -155,12 +156,12 @@ class DeviceRuntime:
         return batch, self._logits(batch)
 
     def _eager(self, ordered: list[TokenRun], all_logits: bool) -> tuple[StepBatch, torch.Tensor]:
-        tokens = sum(r.q_len for r in ordered)
-        samples = sum(r.sample for r in ordered)
-        step = self._triton().plan_runs(ordered, self.bs)
-        width = table_width(ordered, self.bs)
+        arrays = RunArrays.of(ordered)
+        tokens, samples = int(arrays.q.sum()), int(arrays.sample.sum())
+        step = self._triton().plan_runs(ordered, self.bs, arrays=arrays)
+        width = ceil_div(int((arrays.before + arrays.q).max()), self.bs)  # table_width
         layout = MetaLayout(tokens, len(ordered), samples, width, step.num_tiles)
-        meta = self.buffers.stage(layout, ordered, self.bs, tiles=step.tiles)
+        meta = self.buffers.stage(layout, ordered, self.bs, tiles=step.tiles, arrays=arrays)
         batch = meta.batch(ordered, self.bs)
         if all_logits:
             batch.logits_rows = torch.arange(tokens, device=self.device)
@@ -172,15 +173,26 @@ class DeviceRuntime:
             hidden = self.runner.forward(batch, self.cache, self.attn)  # [T, hidden]
             return self.runner.logits(hidden[batch.logits_rows])  # [S, V]
 
-    def _replay(self, ordered: list[TokenRun], bucket: int) -> tuple[StepBatch, torch.Tensor]:
+    def stage_replay(self, ordered: list[TokenRun], bucket: int) -> tuple[StepMeta, int]:
+        """The host-side preparation of a decode step replayed as `bucket`'s graph: pad, plan,
+        fill the metadata and start its copy. Returns the views and the sampled row count."""
         assert self.graph_buffers is not None and self.pad_block is not None
-        n = len(ordered)
         padded = pad_decodes(ordered, bucket, self.pad_block)
-        step = self._triton().plan_runs(padded, self.bs, splits=1)  # as captured
+        arrays = RunArrays.of(padded)
+        step = self._triton().plan_runs(
+            padded, self.bs, splits=1, arrays=arrays
+        )  # the graph holds its split factor: only the tiles are read
         layout = self._graph_layout(bucket)
-        meta = self.graph_buffers.stage(layout, padded, self.bs, rows=n, tiles=step.tiles)
+        rows = len(ordered)
+        meta = self.graph_buffers.stage(
+            layout, padded, self.bs, rows=rows, tiles=step.tiles, arrays=arrays
+        )
+        return meta, int(arrays.sample[:rows].sum())
+
+    def _replay(self, ordered: list[TokenRun], bucket: int) -> tuple[StepBatch, torch.Tensor]:
+        n = len(ordered)
+        meta, samples = self.stage_replay(ordered, bucket)
         logits = self.graphs.replay(bucket)  # [bucket, V]
-        samples = sum(r.sample for r in ordered)
         if samples == n:
             logits = logits[:n]
         else:
@@ -216,7 +228,7 @@ class DeviceRuntime:
     def _graph_body(self, bucket: int) -> Body:
         assert self.graph_buffers is not None and self.pad_block is not None
         padded = pad_decodes([], bucket, self.pad_block)
-        step = self._triton().plan_runs(padded, self.bs, splits=1)
+        step = self._triton().plan_runs(padded, self.bs)  # its split factor: bucket_splits
         meta = self.graph_buffers.stage(
             self._graph_layout(bucket), padded, self.bs, tiles=step.tiles
         )

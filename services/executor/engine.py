@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from services.common.arith import ceil_div
@@ -83,15 +84,16 @@ class Engine:
         max_model_len: int = 0,
         profile_path: str | Path | None = None,
         runtime: RuntimeOptions | None = None,
+        load_format: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
         self.options = runtime or RuntimeOptions()
-        self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype)
+        self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype, load_format)
         self.kv_dtype, self.block_size = kv_dtype, block_size
         self.max_model_len = self._max_len(max_model_len)
-        self.attn = make_attention(self.spec, attention_backend, self.device)
+        self.attn = make_attention(self.spec, attention_backend, self.device, self.dtype)
         # padded query-key pairs one more attention group must save (batch.split_by_context),
         # set by the backend; None: one group per kind (decodes, prefill chunks)
         self.attention_group_cost: int | None = self.attn.group_cost
@@ -118,12 +120,16 @@ class Engine:
         self.requests: dict[str, RequestState] = self.book.requests
         self.owners = self.book.owners
         self._lock = threading.RLock()
+        self._tables: dict[str, tuple[list[int], np.ndarray]] = {}  # _block_array's cache
 
     def _make_runtime(self, packed: bool, graphs: bool) -> DeviceRuntime | None:
         """The CUDA step path (also the packed path off CUDA, under Triton's interpreter);
         the padding block of graph batches is the one after the scheduler's blocks."""
         if self.device.type != "cuda" and not packed:
             return None
+        if packed and self.options.graph_split_kv and self.attn.name == "triton":
+            # graphs on or off, a decode batch splits by its bucket: the same numerics
+            self.attn.bucket_split_len = self.max_model_len  # type: ignore[union-attr]
         return DeviceRuntime(
             self.runner,
             self.cache,
@@ -196,6 +202,7 @@ class Engine:
             max_model_len=settings.max_model_len,
             profile_path=settings.profile_path,
             runtime=runtime_options(settings),
+            load_format=settings.load_format,
         )
 
     def _max_len(self, requested: int) -> int:
@@ -275,6 +282,21 @@ class Engine:
 
         self.book.apply(plan, self.cache.close_request, open_request)
 
+    def _block_array(self, st: RequestState) -> np.ndarray | None:
+        """st.block_table as an int64 array, converted once per table: tables are replaced
+        (apply_plan), never edited in place, so the cached copy is current while it holds the
+        same list object (None: swapped out). Entries of finished requests are dropped once
+        they outnumber the live ones."""
+        table = st.block_table
+        if table is None:
+            return None
+        cached = self._tables.get(st.request_id)
+        if cached is None or cached[0] is not table:
+            if len(self._tables) > 2 * len(self.requests) + 64:
+                self._tables = {r: v for r, v in self._tables.items() if r in self.requests}
+            cached = self._tables[st.request_id] = (table, np.asarray(table, dtype=np.int64))
+        return cached[1]
+
     def _runs(self, plan: StepPlan) -> list[TokenRun]:
         runs = []
         for rid, n in plan.scheduled:
@@ -288,6 +310,7 @@ class Engine:
                     st.block_table,
                     st.staging_slot,
                     end == len(st.token_ids),
+                    self._block_array(st),
                 )
             )
         return runs

@@ -90,6 +90,10 @@ class LlamaRunner:
         self.layers = [self._layer(state, i) for i in range(spec.num_layers)]
         inv_freq, self.rope_scale = rope_inv_freq(spec)
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        # CUDA: the fused Triton kernels (triton_fused.py) for residual add + RMSNorm, RoPE
+        # with contiguous q/k/v, SiLU-and-multiply; tests set it under the interpreter
+        self.fused = device.type == "cuda"
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def _layer(state, i: int) -> LlamaLayer:
@@ -116,10 +120,38 @@ class LlamaRunner:
     def forward(self, batch: StepBatch, cache: KVCache, attn: Attention) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = F.embedding(batch.token_ids, self.embed)  # [T, hidden]
+        if self.fused:
+            return self._fused_forward(x, batch, cache, attn)
         rope = self.rope(batch.positions)
         for i, layer in enumerate(self.layers):
             x = self._layer_forward(i, layer, x, rope, batch, cache, attn)
         return rms_norm(x, self.norm, self.eps)
+
+    def _fused_forward(
+        self, x: torch.Tensor, batch: StepBatch, cache: KVCache, attn: Attention
+    ) -> torch.Tensor:
+        """The same layers through the fused kernels: each residual add runs with the norm
+        after it (the next layer's input norm, or the final one)."""
+        from services.executor import triton_fused as tf
+
+        s, t = self.spec, x.shape[0]
+        if self._rope_table is None:
+            self._rope_table = tf.rope_table(
+                self.inv_freq, self.rope_scale, s.max_model_len, self.dtype, self.device
+            )
+        norms = [layer.ln1 for layer in self.layers[1:]] + [self.norm]
+        x, h = tf.add_rms_norm(x, None, self.layers[0].ln1, self.eps)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
+            q, k, v = tf.rope_qkv(
+                qkv, batch.positions, self._rope_table, s.num_heads, s.num_kv_heads, s.head_dim
+            )
+            o = attn.forward(i, q, k, v, cache, batch)  # [T, H*D]
+            x, h = tf.add_rms_norm(x, F.linear(o, layer.o), layer.ln2, self.eps)
+            act = tf.silu_and_mul(F.linear(h, layer.gate_up))  # [T, I]
+            x, h = tf.add_rms_norm(x, F.linear(act, layer.down), next_norm, self.eps)
+        assert t == h.shape[0]
+        return h
 
     def _layer_forward(
         self,

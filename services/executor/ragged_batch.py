@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.common.arith import ceil_div
@@ -32,6 +33,7 @@ class TokenRun:
     block_table: list[int]  # device block ids, enough for ctx_before + len(token_ids)
     staging_slot: int = -1  # INT8 KV: the request's exact buffer for its open block
     sample: bool = False  # compute logits at its last token
+    block_array: np.ndarray | None = None  # block_table as int64 (RequestState.block_array)
 
     @property
     def q_len(self) -> int:
@@ -40,6 +42,24 @@ class TokenRun:
     @property
     def ctx_after(self) -> int:
         return self.ctx_before + self.q_len
+
+
+@dataclass(frozen=True)
+class RunArrays:
+    """The per-run columns of a step (query tokens, context before, staging slot, sampled)
+    as arrays, read from the TokenRuns in one pass: the host-side step preparation
+    (tile table, metadata) computes on these instead of each run's attributes."""
+
+    q: np.ndarray  # int64
+    before: np.ndarray  # int64
+    staging: np.ndarray  # int64
+    sample: np.ndarray  # bool
+
+    @classmethod
+    def of(cls, runs: list[TokenRun]) -> RunArrays:
+        rows = [(len(r.token_ids), r.ctx_before, r.staging_slot, r.sample) for r in runs]
+        cols = np.array(rows, dtype=np.int64).reshape(-1, 4).T
+        return cls(cols[0], cols[1], cols[2], cols[3].astype(bool))
 
 
 @dataclass

@@ -17,13 +17,14 @@ batch with rows whose tables are never read past column 0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import chain
 
 import numpy as np
 import torch
 
 from services.common.arith import ceil_div
-from services.executor.ragged_batch import StepBatch, TokenRun
+from services.executor.ragged_batch import RunArrays, StepBatch, TokenRun
 
 ALIGN = 32  # int32 elements: 128 bytes
 SEGMENTS = ("tokens", "positions", "slots", "tok_req", "req_ctx", "req_slot", "logits_rows")
@@ -56,11 +57,7 @@ class MetaLayout:
         }
 
     def offsets(self) -> dict[str, int]:
-        out, at = {}, 0
-        for name, n in self.lengths().items():
-            out[name] = at
-            at += _aligned(n)
-        return out
+        return _offsets(self)
 
     @property
     def size(self) -> int:
@@ -71,9 +68,23 @@ class MetaLayout:
         return self.offsets()["tables"] + rows * self.width
 
 
+@lru_cache(maxsize=256)
+def _offsets(layout: MetaLayout) -> dict[str, int]:
+    """Segment offsets of a layout (cached: graph buckets reuse a few layouts every step;
+    callers only read the dict)."""
+    out, at = {}, 0
+    for name, n in layout.lengths().items():
+        out[name] = at
+        at += _aligned(n)
+    return out
+
+
 def order_runs(runs: list[TokenRun]) -> list[TokenRun]:
     """Decodes (one token) first, then prefill chunks, each in the given order."""
-    return [r for r in runs if r.q_len == 1] + [r for r in runs if r.q_len > 1]
+    decodes = [r for r in runs if len(r.token_ids) == 1]
+    if len(decodes) == len(runs):
+        return decodes
+    return decodes + [r for r in runs if len(r.token_ids) > 1]
 
 
 def table_width(runs: list[TokenRun], block_size: int) -> int:
@@ -86,8 +97,18 @@ def pad_decodes(runs: list[TokenRun], bucket: int, pad_block: int) -> list[Token
     0 of `pad_block`, a block no request owns; nothing is sampled from them."""
     if bucket < len(runs):
         raise ValueError(f"{len(runs)} decodes do not fit a bucket of {bucket}")
-    pad = TokenRun("", [0], 0, [pad_block])
+    pad = TokenRun("", [0], 0, [pad_block], block_array=np.array([pad_block], dtype=np.int64))
     return runs + [pad] * (bucket - len(runs))
+
+
+def _flat_tables(runs: list[TokenRun], nb: np.ndarray) -> np.ndarray:
+    """The first nb[i] blocks of every run's table, concatenated (from the runs' int64
+    block arrays where every run has one: no per-block conversion)."""
+    arrays = [r.block_array for r in runs]
+    if all(a is not None for a in arrays):
+        return np.concatenate([a[:k] for a, k in zip(arrays, nb.tolist(), strict=True)])
+    tables = (r.block_table[:k] for r, k in zip(runs, nb.tolist(), strict=True))
+    return np.fromiter(chain.from_iterable(tables), np.int64, int(nb.sum()))
 
 
 def fill_meta(
@@ -96,37 +117,34 @@ def fill_meta(
     runs: list[TokenRun],
     block_size: int,
     tiles: torch.Tensor | None = None,
+    arrays: RunArrays | None = None,
 ) -> None:
     """Write the metadata of `runs` (in packed order) into the int32 array `buf` at `layout`,
-    with the attention kernel's query `tiles` [4, Q] when given. Block-table rows are zero
-    past each request's last needed block."""
+    with the attention kernel's query `tiles` [4, Q] when given (`arrays`: the runs'
+    RunArrays when already read). Block-table rows are zero past each request's last
+    needed block."""
     off, n = layout.offsets(), layout.lengths()
     r_count, width = len(runs), layout.width
-    q = np.fromiter((r.q_len for r in runs), np.int64, r_count)
-    before = np.fromiter((r.ctx_before for r in runs), np.int64, r_count)
+    a = arrays if arrays is not None else RunArrays.of(runs)
+    q, before = a.q, a.before
     ends = np.cumsum(q)
     tok_req = np.repeat(np.arange(r_count), q)
     positions = np.arange(int(ends[-1])) - (ends - q)[tok_req] + before[tok_req]
     nb = ceil_div(before + q, block_size)  # elementwise on the arrays
-    flat = np.fromiter(
-        chain.from_iterable(r.block_table[:k] for r, k in zip(runs, nb.tolist())),
-        np.int64,
-        int(nb.sum()),
-    )
+    flat = _flat_tables(runs, nb)
     tables = buf[off["tables"] : off["tables"] + n["tables"]].reshape(r_count, width)
     tables[:] = 0
     tables[
         np.repeat(np.arange(r_count), nb), np.arange(flat.size) - np.repeat(np.cumsum(nb) - nb, nb)
     ] = flat
-    sample = np.fromiter((r.sample for r in runs), bool, r_count)
     values = {
-        "tokens": np.fromiter(chain.from_iterable(r.token_ids for r in runs), np.int64),
+        "tokens": np.fromiter(chain.from_iterable([r.token_ids for r in runs]), np.int64),
         "positions": positions,
         "slots": tables[tok_req, positions // block_size] * block_size + positions % block_size,
         "tok_req": tok_req,
         "req_ctx": before + q,
-        "req_slot": np.fromiter((max(r.staging_slot, 0) for r in runs), np.int64, r_count),
-        "logits_rows": (ends - 1)[sample],
+        "req_slot": np.maximum(a.staging, 0),
+        "logits_rows": (ends - 1)[a.sample],
     }
     if tiles is not None:
         values["tiles"] = tiles.numpy().reshape(-1)
@@ -199,16 +217,17 @@ class StepBuffers:
         block_size: int,
         rows: int | None = None,
         tiles: torch.Tensor | None = None,
+        arrays: RunArrays | None = None,
     ) -> StepMeta:
         """Fill and copy the metadata of `runs` (and the kernel's query `tiles`); `rows`: copy
-        only the first block-table rows (default all)."""
+        only the first block-table rows (default all); `arrays`: the runs' RunArrays."""
         if layout.size > self.capacity:
             if not self.growable:
                 raise ValueError(f"step metadata of {layout.size} exceeds {self.capacity}")
             self._allocate(2 * layout.size)
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has read the host buffer
-        fill_meta(self.host_np, layout, runs, block_size, tiles)
+        fill_meta(self.host_np, layout, runs, block_size, tiles, arrays)
         n = layout.copy_size(layout.num_reqs if rows is None else rows)
         self.dev[:n].copy_(self.host[:n], non_blocking=self.pin)
         if self.device.type == "cuda":

@@ -16,7 +16,7 @@ from services.executor import triton_kernels as kern
 from services.executor import triton_plan as plan
 from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import PagedKV
-from services.executor.ragged_batch import StepBatch, TokenRun
+from services.executor.ragged_batch import RunArrays, StepBatch, TokenRun
 
 if TYPE_CHECKING:
     from services.executor.kv_pool import KVCache
@@ -42,8 +42,10 @@ class TritonAttention:
         scale: float,
         device: torch.device,
         kv_splits: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        """kv_splits: force a split-KV factor (a power of two; None: plan.num_kv_splits)."""
+        """kv_splits: force a split-KV factor (a power of two; None: plan.num_kv_splits);
+        dtype: the model's compute dtype (fp32 takes smaller KV tiles: plan.kv_tile)."""
         if not _pow2(head_dim) or head_dim < 16:
             raise ValueError(
                 f"the Triton backend needs a power-of-two head_dim >= 16, not {head_dim}"
@@ -58,6 +60,10 @@ class TritonAttention:
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
         self.kv_splits = kv_splits
+        # set by the CUDA runtime (graph_split_kv): decode-only steps split by their graph
+        # bucket up to this context length (plan.bucket_splits); None: by their contexts
+        self.bucket_split_len: int | None = None
+        self.fp32 = dtype == torch.float32
         self.device = device
         self._sm_count = 0  # read from the device at the first step (not at construction)
         self.step: plan.StepPlan | None = None
@@ -74,14 +80,22 @@ class TritonAttention:
         return self._sm_count
 
     def plan_runs(
-        self, runs: list[TokenRun], block_size: int, splits: int | None = None
+        self,
+        runs: list[TokenRun],
+        block_size: int,
+        splits: int | None = None,
+        arrays: RunArrays | None = None,
     ) -> plan.StepPlan:
         """Tiles and split factor of a step over `runs` (packed order); `splits` forces one
-        (CUDA graphs capture decode steps with 1)."""
+        (CUDA graphs capture decode steps with 1); `arrays`: the runs' RunArrays."""
         if not _pow2(block_size):
             raise ValueError("the Triton backend needs a power-of-two block size")
         forced = self.kv_splits if splits is None else splits
-        return plan.plan_step(runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced)
+        if forced is None and self.bucket_split_len and all(len(r.token_ids) == 1 for r in runs):
+            forced = plan.bucket_splits(len(runs), self.hkv, self.sm_count(), self.bucket_split_len)
+        return plan.plan_step(
+            runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced, self.fp32, arrays
+        )
 
     def prepare(self, batch: StepBatch) -> None:
         """Per-step tiles, split factor and metadata (int32), shared by every layer."""
@@ -112,6 +126,24 @@ class TritonAttention:
             shape = (step.splits, num_tokens, self.h)
             self.meta["part_acc"] = torch.empty((*shape, self.d), dtype=torch.float32, device=dev)
             self.meta["part_ml"] = torch.empty((*shape, 2), dtype=torch.float32, device=dev)
+
+    def warm_splits(self, cache: KVCache, dtype: torch.dtype, max_context: int) -> list[int]:
+        """Compile the split-KV variants (paged_attention with SPLITS > 1 and reduce_splits)
+        a decode-only step can take with contexts up to max_context: one decode over block 0
+        of layer 0 of `cache` per factor, writing scratch buffers only (the pool is read)."""
+        factors = plan.split_factors(max_context, self.kv_splits)
+        dev, saved = self.device, (self.step, self.meta)
+        q = torch.zeros((1, self.h, self.d), dtype=dtype, device=dev)
+        run = TokenRun("", [0], 0, [0])
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        for s in factors:
+            step = self.plan_runs([run], cache.block_size, splits=s)
+            tables = torch.zeros((1, 1), dtype=torch.int32, device=dev)
+            meta = {"tiles": step.tiles.to(dev), "tables": tables, "slots": one - 1}
+            self.use(step, meta | {"req_ctx": one, "req_slot": one - 1}, 1)
+            self._attend(0, q, torch.empty_like(q), cache)
+        self.step, self.meta = saved
+        return factors
 
     def forward(
         self,

@@ -125,7 +125,14 @@ def _tile_rows(Q, TILES, n_tiles, tile, hk, H: tl.constexpr, G: tl.constexpr, D:
     return r, q, rows, ok, q_pos, pos0 + q_len
 
 
-@triton.jit
+# Integers that change from step to step are passed as plain i32: Triton would otherwise
+# compile one variant per class of their values (== 1, divisible by 16, other), so a shape
+# warm-up never met would compile while serving a request. The pool sizes stay specialised:
+# they are fixed for an engine's life, and warm-up meets them.
+STEP_VARYING = ("n_tiles", "n_tokens", "nb_max")
+
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def paged_attention(
     Q, OUT, PART_ACC, PART_ML, TILES, TABLES, REQ_CTX, REQ_SLOT, K, V, KS, KO, VS, VO, KST, VST,
     qk_scale, n_tiles, n_tokens, nb_total, n_slots, nb_max,
@@ -176,7 +183,7 @@ def paged_attention(
         tl.store(PART_ML + part * 2 + 1, l_sum, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_tokens",))
 def reduce_splits(PART_ACC, PART_ML, OUT, n_tokens, H: tl.constexpr, G: tl.constexpr,
                   BLOCK_G: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                   EMULATE: tl.constexpr):  # fmt: skip
@@ -222,7 +229,7 @@ def write_kv(KN, VN, SLOTS, KC, VC, total_slots, HKV: tl.constexpr, D: tl.conste
     tl.store(VC + dst, tl.load(VN + src).to(VC.dtype.element_ty), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_src",))
 def quantize_blocks(
     SRC,
     SRC_IDX,

@@ -6,10 +6,13 @@ gRPC health says NOT_SERVING until the phase is `serving`; Steps before then are
 
 Warm-up (CUDA, or the Triton backend anywhere) runs a fixed sequence of real steps on the
 engine's own pool and frees them, then captures the CUDA graphs. Triton compiles one kernel
-per specialisation of its integer arguments (== 1, divisible by 16, other), so the steps give
-the paged-attention kernel block tables of 1, 16 and another number of columns, prefill
-chunks, decodes and mixed batches, and the INT8 quantizer both source-size classes (for block
-size 16); sampling runs greedy and with temperature, top-k, top-p, a seed, a penalty and
+per specialisation of its integer arguments (== 1, divisible by 16, other) unless told not to:
+the kernels pass the integers that vary from step to step (token and tile counts, table
+width, the quantizer's source size) unspecialised (triton_kernels.STEP_VARYING), so the
+variants left are those of the constexprs. The steps run prefill chunks, decodes and mixed
+batches (block tables of 1, 16 and another number of columns), then every split-KV factor a
+long decode step can take is compiled with its reduce kernel (TritonAttention.warm_splits);
+sampling runs greedy and with temperature, top-k, top-p, a seed, a penalty and
 top-logprobs. On the plain CPU path nothing is compiled and warm-up runs no step.
 """
 
@@ -125,14 +128,25 @@ def warmup_steps(
     return steps
 
 
+TRITON_MODULES = ("services.executor.triton_kernels", "services.executor.triton_fused")
+
+
 def triton_variants() -> int:
-    """Compiled Triton kernel variants in this process (every device), 0 without Triton."""
-    try:
-        from services.executor import triton_kernels as kern
-    except ImportError:
-        return 0
-    kernels = (kern.paged_attention, kern.write_kv, kern.quantize_blocks)
-    return sum(len(c[0]) for k in kernels for c in getattr(k, "device_caches", {}).values())
+    """Compiled Triton kernel variants in this process (every kernel of TRITON_MODULES,
+    every device), 0 without Triton."""
+    import importlib
+
+    total = 0
+    for name in TRITON_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for obj in vars(module).values():
+            caches = getattr(obj, "device_caches", None)
+            if isinstance(caches, dict):
+                total += sum(len(c[0]) for c in caches.values())
+    return total
 
 
 def needs_warmup(engine: WarmableEngine) -> bool:
@@ -155,6 +169,11 @@ def warm_up_engine(engine: WarmableEngine, capture: Capture | None = None) -> di
             engine.step(step)
         if engine.requests:
             raise RuntimeError(f"warm-up left requests behind: {sorted(engine.requests)}")
+        if engine.attn.name == "triton":  # split-KV: long decode steps outside the graphs
+            from services.executor.triton_attention import TritonAttention
+
+            assert isinstance(engine.attn, TritonAttention)
+            engine.attn.warm_splits(engine.cache, engine.dtype, engine.max_model_len)
     graphs: list[int] = []
     failure = ""
     if engine.runtime is not None:

@@ -15,7 +15,10 @@ def _files(model_dir: Path) -> list[Path]:
         return [model_dir / n for n in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir} (random weights for its config.json: "
+            "load_format=dummy)"
+        )
     return files
 
 
@@ -31,6 +34,54 @@ def load_state(
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 key = name[len("model.") :] if name.startswith("model.") else name
                 state[key] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return state
+
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_STD = 0.02  # transformers' initializer_range default
+DUMMY_PERIOD = 1_048_583  # a prime: values drawn per tensor, repeated after (cheap on CPU)
+
+
+def _fill_random(x: torch.Tensor, gen: torch.Generator) -> None:
+    """N(0, DUMMY_STD^2) values, the first DUMMY_PERIOD drawn and then repeated by doubling
+    copies (a prime period: no two rows of a matrix share their values' alignment), so an
+    8B-shaped layer fills at memory speed on a CPU."""
+    flat = x.view(-1)
+    n = flat.numel()
+    flat[: min(n, DUMMY_PERIOD)].normal_(0.0, DUMMY_STD, generator=gen)
+    done = min(n, DUMMY_PERIOD)
+    while done < n:
+        k = min(done, n - done)
+        flat[done : done + k].copy_(flat[:k])
+        done += k
+
+
+def dummy_state(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random weights with the names and shapes of the checkpoint `model_dir/config.json`
+    describes (vLLM's --load-format dummy): matrices ~ N(0, DUMMY_STD^2) (_fill_random), norm
+    weights 1, biases 0, drawn on `device` from `seed`. The names come from transformers' model built on
+    the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        shapes = {
+            k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
+        }
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)  # the embedding serves as the LM head
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        key = name[len("model.") :] if name.startswith("model.") else name
+        x = torch.empty(shape, dtype=dtype, device=device)
+        if len(shape) == 1:
+            x.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            _fill_random(x, gen)
+        state[key] = x
     return state
 
 

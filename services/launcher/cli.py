@@ -24,6 +24,14 @@ def _curl_example(url: str, model: str) -> str:
     return f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
+def _overrides(args: argparse.Namespace, policy: str) -> dict[str, str]:
+    """ALISE_* variables the flags set for every service (flag wins)."""
+    out = {"ALISE_POLICY": args.policy or policy}
+    if args.load_format:
+        out["ALISE_LOAD_FORMAT"] = args.load_format
+    return out
+
+
 def _serve(args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
     from services.common.models import served_model_id
@@ -42,7 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     run_dir = Path(
         settings.run_dir or settings.data_dir / "runs" / datetime.now().strftime("%Y%m%d-%H%M%S")
     )
-    overrides = {"ALISE_POLICY": args.policy or SchedulerSettings().policy}
+    overrides = _overrides(args, SchedulerSettings().policy)
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -108,4 +116,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--host", default="", help="gateway bind address (ALISE_GATEWAY_HOST, default 127.0.0.1)"
     )
     serve.add_argument("--policy", default="", help="scheduling policy (ALISE_POLICY)")
+    serve.add_argument(
+        "--load-format",
+        default="",
+        choices=["", "auto", "dummy"],
+        help="dummy: random weights of the model's shapes (ALISE_LOAD_FORMAT, default auto)",
+    )
     serve.set_defaults(func=_serve)

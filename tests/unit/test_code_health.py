@@ -252,10 +252,12 @@ def is_private(name: str) -> bool:
 
 
 def is_kernel(fn: Function) -> bool:
-    """A `@triton.jit` kernel: Triton gives parameter annotations a meaning of their own."""
+    """A `@triton.jit` (or `@triton.jit(...)`) kernel: Triton gives parameter annotations a
+    meaning of their own."""
+    decorators = [d.func if isinstance(d, ast.Call) else d for d in fn.decorator_list]
     return any(
         (d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", None)) == "jit"
-        for d in fn.decorator_list
+        for d in decorators
     )
 
 

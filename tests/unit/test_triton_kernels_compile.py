@@ -52,4 +52,12 @@ def test_compiled_variants_cover_the_supported_shapes():
     for needle in ("-d64-", "-d128-", "-int8-", "-fp-", "-bs32-", "-g7-", "-split4-", "bf16"):
         assert any(needle in n for n in names), needle
     kernels = {v.kernel for v in variants()}
-    assert kernels == {"paged_attention", "reduce_splits", "write_kv", "quantize_blocks"}
+    assert kernels == {
+        "paged_attention",
+        "reduce_splits",
+        "write_kv",
+        "quantize_blocks",
+        "add_rms_norm_kernel",
+        "silu_mul_kernel",
+        "rope_qkv_kernel",
+    }

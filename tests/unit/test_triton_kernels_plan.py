@@ -65,6 +65,7 @@ def test_query_tile_packs_the_group_into_the_rows(group, has_chunks, tile):
 def test_kv_tile_spans_whole_pages():
     assert plan.kv_tile(16, 128) == 64 and plan.kv_tile(32, 128) == 64
     assert plan.kv_tile(16, 64) == 128 and plan.kv_tile(256, 64) == 256
+    assert plan.kv_tile(16, 128, fp32=True) == 32 and plan.kv_tile(64, 128, fp32=True) == 64
     for bs in (8, 16, 32, 64, 128):
         for d in (16, 64, 128):
             assert plan.kv_tile(bs, d) % bs == 0
@@ -90,3 +91,24 @@ def test_plan_step_splits_only_decode_steps_unless_forced():
     step = plan.plan_step(mixed, 4, 1, 16, 128, H100_SMS)
     assert (step.block_m, step.block_q, step.splits, step.num_tiles) == (64, 16, 1, 4)
     assert plan.plan_step(mixed, 4, 1, 16, 128, H100_SMS, splits=8).splits == 8
+
+
+def test_split_factors_are_what_the_rule_can_pick():
+    assert plan.split_factors(1000) == [2]
+    assert plan.split_factors(8192) == [2, 4, 8, 16]
+    assert plan.split_factors(300) == [] and plan.split_factors(300, forced=4) == [4]
+    for ctx in (1024, 2048, 4096, 10**6):
+        for programs in (1, 3, 8, 40, 100):
+            s = plan.num_kv_splits(programs, ctx, plan.NOMINAL_SMS, True)
+            assert s == 1 or s in plan.split_factors(ctx)
+
+
+def test_small_decode_batches_split_by_their_graph_bucket():
+    # Llama-3-8B's 8 KV heads on 132 SMs: bucket 1 -> 8 programs -> 16 splits ... 32 -> none
+    got = [plan.bucket_splits(n, 8, plan.NOMINAL_SMS, 8192) for n in (1, 2, 3, 4, 8, 16, 32)]
+    assert got == [16, 8, 4, 4, 2, 2, 1]
+    assert plan.bucket_splits(1, 8, plan.NOMINAL_SMS, 1024) == 4  # capped by the longest context
+    for n in range(1, 40):  # the factor depends on the bucket alone, and warm-up compiles it
+        s = plan.bucket_splits(n, 3, plan.NOMINAL_SMS, 2048)
+        assert s == plan.bucket_splits(plan.next_pow2(n), 3, plan.NOMINAL_SMS, 2048)
+        assert s == 1 or s in plan.split_factors(2048)

@@ -1,0 +1,121 @@
+"""Named model shapes for random weights (`--load-format dummy`): a preset is a Hugging Face
+config.json of a known model's architecture and sizes, written beside the bundled model's
+tokenizer, so benchmarks, the GPU suite and capacity planning run on the real shape where no
+weights can be had. The vocabulary is the tokenizer's (every sampled id decodes); the rest is
+the named model's config.json (hidden sizes, heads, layers, RoPE, context length).
+
+    ALISE_MODEL=llama-3-8b ALISE_LOAD_FORMAT=dummy alise serve
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "llama-3.2-1b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_ROPE,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    "mistral-7b": {
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+_FROM_TOKENIZER = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def preset_config(name: str, tokenizer_src: Path, num_layers: int | None = None) -> dict[str, Any]:
+    """The preset's config.json contents: its shape, the tokenizer model's vocabulary and
+    special ids, `num_layers` layers when given (tests)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: expected one of {sorted(PRESETS)}")
+    base = json.loads((tokenizer_src / "config.json").read_text())
+    config = {k: base[k] for k in _FROM_TOKENIZER if base.get(k) is not None}
+    config |= PRESETS[name] | {"torch_dtype": "bfloat16", "hidden_act": "silu"}
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    return config
+
+
+def write_preset(
+    name: str, out_dir: Path, tokenizer_src: Path, num_layers: int | None = None
+) -> Path:
+    """A model directory (config.json + the tokenizer files of `tokenizer_src`) holding no
+    weights: load it with load_format=dummy."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in TOKENIZER_FILES:
+        if (Path(tokenizer_src) / f).exists():
+            shutil.copy(Path(tokenizer_src) / f, out_dir / f)
+    config = preset_config(name, Path(tokenizer_src), num_layers)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
