@@ -7,7 +7,9 @@ SLOs and ShareGPT, each near and past hybrid's capacity, noisy predictions (sigm
 noise band of a metric at a point is how far the default moves when only the seed (arrivals,
 lengths, prediction errors) changes. Verdict per knob: `identical` (no alternative changes any
 metric at any point), `within noise` (no change beyond the band), `effect` (some change beyond
-it). The knobs a paper names (README's "Policy knobs" table) are kept unmeasured.
+it). The knobs a paper names (README's "Policy knobs" table) are kept unmeasured; `CUT` lists
+the knobs removed after this measurement (bench/results/hybrid_knob_effects.json keeps their
+figures, taken at the commit it names, before the cut).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ ALTERNATIVES: dict[str, list] = {
     "max_long_prompts": [2, 4],
     "max_window": [4, 64],
     "preempt_level_gap": [1, 4, None],
-    "t_max_window": [4, 256],
+}
+CUT = {  # measured with these alternatives, verdict `identical`, then removed from the code
+    "t_max_window": [4, 256]  # now hybrid.T_MAX_WINDOW = 32
 }
 PAPER_KNOBS = (  # README "Policy knobs": kept whatever they measure
     "token_budget",
@@ -157,6 +161,20 @@ def judge(knob: str, values: list, results: dict, band: dict, points: tuple) -> 
     return {"alternatives": figures, "max_change_in_noise_bands": worst, "verdict": verdict}
 
 
+def paired(alternatives: dict[str, list], point: dict, seeds: int, num_requests: int, jobs: int):
+    """A closer look at one point: the defaults and every alternative at the same `seeds`
+    seeds, {policy entry: {seed: metrics and swapped blocks}}; a change that keeps its sign
+    from seed to seed is an effect even when it is smaller than the noise band."""
+    entries = [entry(None)] + [entry(k, v) for k, vs in alternatives.items() for v in vs]
+    keys = [(e, s) for s in range(seeds) for e in entries]
+    out = _simulate([_task(e, point, num_requests, s) for e, s in keys], jobs)
+    figures: dict[str, dict[str, dict]] = {}
+    for (e, s), r in zip(keys, out, strict=True):
+        row = {m: r.get(m) for m in (*METRICS, "num_swapped_blocks", "num_preemptions")}
+        figures.setdefault(e, {})[str(s)] = row
+    return {"point": point_name(point), "figures": figures}
+
+
 def report(alternatives: dict[str, list], points: tuple, num_requests: int, jobs: int) -> dict:
     started = time.perf_counter()
     results = measure(alternatives, points, num_requests, jobs)
@@ -183,7 +201,11 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown knob(s) {unknown}; measured: {sorted(ALTERNATIVES)}")
     points = POINTS[: args.points]
     alternatives = {k: ALTERNATIVES[k] for k in knobs}
-    emit_json(report(alternatives, points, args.num_requests, args.jobs), args.json)
+    if args.paired_seeds:
+        result = paired(alternatives, points[0], args.paired_seeds, args.num_requests, args.jobs)
+    else:
+        result = report(alternatives, points, args.num_requests, args.jobs)
+    emit_json(result, args.json)
     return 0
 
 
@@ -196,4 +218,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--points", type=int, default=len(POINTS), help="the first N points")
     p.add_argument("--knobs", default="", help="comma-separated (default: all measured)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument(
+        "--paired-seeds",
+        type=int,
+        default=0,
+        help="instead: defaults and alternatives at seeds 0..N-1 of the first point",
+    )
     p.set_defaults(func=_run)

@@ -62,6 +62,9 @@ if TYPE_CHECKING:
     from services.scheduler.core.view import AppliedStep, SchedulerView
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
+# T_max (AccelGen): the longest of the last 32 steps (once a knob, `t_max_window`: 4 and 256
+# gave the same figures as 32, bench/results/hybrid_knob_effects.json)
+T_MAX_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,6 @@ class HybridKnobs(SrtfKnobs):
     max_long_prompts: int = 1
     max_window: int = 16  # candidates compared per level window
     preempt_level_gap: int | None = 2  # None: new requests never evict running ones
-    t_max_window: int = 32
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,7 +127,7 @@ class HybridPolicy(SrtfPolicy):
         self.tbt = {}
         self.ttft_heap = []
         self.long_inflight = set()
-        self.recent = deque(maxlen=self.knobs.t_max_window)
+        self.recent = deque(maxlen=T_MAX_WINDOW)
         self.attention = AttentionFit()
         self._timed, self._pairs, self._last_decode_step = False, 0.0, 0.0
 
