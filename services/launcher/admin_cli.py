@@ -1,5 +1,5 @@
 """`alise proto` (regenerate stubs), `alise config` (every setting, or every policy knob, with
-its default) and `alise health`."""
+its default), `alise health` and `alise model copy` (fill a model volume once)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,29 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _model_copy(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.common.models import copy_model
+
+    copied = copy_model(Path(args.source), Path(args.target))
+    print(f"copied {args.source} to {args.target}" if copied else f"{args.target}: already there")
+    return 0
+
+
+def _register_model(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    model = subparsers.add_parser("model", help="model directories")
+    commands = model.add_subparsers(dest="model_command", metavar="COMMAND", required=True)
+    copy = commands.add_parser(
+        "copy",
+        help="copy a Hugging Face model directory (or cache entry) into TARGET once, "
+        "atomically and under a lock (the Kubernetes model volume's init container)",
+    )
+    copy.add_argument("source")
+    copy.add_argument("target", help="a directory to create; its parent must be writable")
+    copy.set_defaults(func=_model_copy)
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     health = subparsers.add_parser("health", help="check a service's health (exit 0 = healthy)")
     health.add_argument("kind", choices=["grpc", "http"])
@@ -80,3 +103,4 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="list each scheduling policy's knobs and defaults instead",
     )
     config.set_defaults(func=_config)
+    _register_model(subparsers)
