@@ -335,6 +335,12 @@ class GatewaySettings(CommonSettings):
         description="When a scheduler's stream breaks, keep re-attaching (with backoff) for "
         "this long before the client gets an error.",
     )
+    drain_s: float = Field(
+        5.0,
+        ge=0,
+        description="On SIGTERM, let open streams run this long before ending them with an "
+        "error event (Kubernetes: at least resume_timeout_s, under the grace period).",
+    )
     predictor_addresses: StrList = Field(
         default_factory=lambda: ["127.0.0.1:50052"],
         description="Predictor replicas: host:port list, or one DNS name resolving to many.",

@@ -24,14 +24,14 @@ def _serve(args: argparse.Namespace) -> int:
     settings = GatewaySettings(**overrides)
     setup_logging("gateway", settings.log_level, settings.log_format)
     app = create_app(settings)
-    DrainingServer = _draining_server_class()
+    DrainingServer = _draining_server_class(settings.drain_s)
     config = uvicorn.Config(
         app,
         host=settings.gateway_host,
         port=settings.gateway_port,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=DRAIN_S + 2,
+        timeout_graceful_shutdown=int(settings.drain_s) + 2,
         backlog=4096,
         limit_concurrency=settings.max_connections or None,
     )
@@ -39,22 +39,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-DRAIN_S = 5.0
-
-
-def _draining_server_class() -> type[uvicorn.Server]:
+def _draining_server_class(drain_s: float) -> type[uvicorn.Server]:
     import asyncio
 
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """On SIGINT/SIGTERM: stop accepting, let open streams run for DRAIN_S, then end the
+        """On SIGINT/SIGTERM: stop accepting, let open streams run for drain_s (ALISE_DRAIN_S), then end the
         rest with a clear error event (aborted upstream) before uvicorn closes connections."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             state = getattr(self.config.app.state, "gateway", None)
             if state is not None and not self.should_exit:
-                asyncio.get_event_loop().call_later(DRAIN_S, state.shutting_down.set)
+                asyncio.get_event_loop().call_later(drain_s, state.shutting_down.set)
             super().handle_exit(sig, frame)
 
     return DrainingServer

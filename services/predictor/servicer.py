@@ -44,6 +44,10 @@ class PredictorMetrics(Metrics):
         self.queue_depth = self.gauge(
             "predictor_observe_queue_depth", "Observations waiting to be learned."
         )
+        self.in_flight = self.gauge(
+            "predictor_predict_in_flight",
+            "Predict calls being answered or waiting for a thread (the autoscaling signal).",
+        )
 
 
 class Malformed:
@@ -181,7 +185,11 @@ class PredictorServicer:
         for i, prompt in enumerate(prompts):
             self._check_prompt(prompt, f"prompts[{i}]")
         t0 = time.perf_counter()
-        preds = await asyncio.to_thread(self.predictor.predict, request.model, prompts)
+        self.metrics.in_flight.inc()
+        try:
+            preds = await asyncio.to_thread(self.predictor.predict, request.model, prompts)
+        finally:
+            self.metrics.in_flight.dec()
         self.metrics.latency.observe(time.perf_counter() - t0)
         for p in preds:
             self.metrics.predictions.labels(p.source).inc()
