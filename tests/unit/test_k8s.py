@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu", "gpu-shards")
 INFRA = {"redis", "qdrant"}
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
 K8S_VERSION = "1.32.0"
 # The one variable that is not a setting: the pod's name, for ALISE_ADVERTISE_ADDRESS.
 DOWNWARD_API = {"POD_NAME"}
@@ -161,9 +162,14 @@ def test_containers_services_and_probes_use_each_service_port(objects: list[dict
     for name, workload in apps(objects).items():
         port = PORTS[role(name)]
         c = container(workload)
-        assert [p["containerPort"] for p in c["ports"]] == [port], name
+        # the gRPC services' Prometheus port (ALISE_METRICS_PORT) besides; the gateway serves
+        # /metrics on its HTTP port
+        metrics = (
+            [] if name == "gateway" else [int(env_of(objects, workload)["ALISE_METRICS_PORT"])]
+        )
+        assert [p["containerPort"] for p in c["ports"]] == [port, *metrics], name
         service = services[name]
-        assert [p["port"] for p in service["spec"]["ports"]] == [port], name
+        assert [p["port"] for p in service["spec"]["ports"]] == [port, *metrics], name
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= labels.items(), name
         if name == "gateway":
@@ -312,9 +318,12 @@ def test_only_the_gateway_is_reachable_from_outside(objects: list[dict]) -> None
     deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
     assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"], "no default-deny ingress"
     rules = [(p, rule) for p in policies for rule in p["spec"].get("ingress", [])]
-    for _, rule in rules:  # sources other than pods of this namespace: none
+    monitoring = {"namespaceSelector": {"matchLabels": MONITORING}}
+    for _, rule in rules:  # sources other than pods of this namespace: Prometheus, on metrics
         for source in rule.get("from", []):
-            assert set(source) == {"podSelector"}, source
+            assert set(source) == {"podSelector"} or source == monitoring, source
+            if source == monitoring:
+                assert {p["port"] for p in rule["ports"]} == {9100, topology.GATEWAY_PORT}
     open_to_all = [(p, rule) for p, rule in rules if "from" not in rule]
     gateway_labels = {"matchLabels": {"app.kubernetes.io/name": "gateway"}}
     assert [p["spec"]["podSelector"] for p, _ in open_to_all] == [gateway_labels]
@@ -340,11 +349,23 @@ def test_autoscalers_secret_and_service_monitor(objects: list[dict]) -> None:
         "gateway": "gateway",
         "predictor": "predictor",
     }
-    for hpa in hpas.values():
+    custom = {}
+    for name, hpa in hpas.items():
         assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
-        assert (
-            hpa["spec"]["minReplicas"] <= deployments[hpa["metadata"]["name"]]["spec"]["replicas"]
-        )
+        # the autoscaler owns the count: a `replicas` in the manifest resets it on each apply
+        assert "replicas" not in deployments[name]["spec"], name
+        assert hpa["spec"]["minReplicas"] >= 2, name
+        pods = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+        custom[name] = [m["metric"]["name"] for m in pods]
+    # gateways on their streams in flight, predictors on their Predict calls in flight: the
+    # series the services export (alise:... renamed by prometheus-adapter's rules)
+    assert custom == {
+        "gateway": ["alise_gateway_active_streams"],
+        "predictor": ["alise_predictor_predict_in_flight"],
+    }
+    rules = (K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text()
+    for series in ("alise:gateway_active_streams", "alise:predictor_predict_in_flight"):
+        assert series in rules
     secret = of_kind(objects, "Secret")["alise-api-keys"]
     assert set(secret["stringData"]) == {"ALISE_API_KEYS"}
     gateway = apps(objects)["gateway"]
@@ -355,17 +376,27 @@ def test_autoscalers_secret_and_service_monitor(objects: list[dict]) -> None:
         if w is not gateway
         for r in container(w)["envFrom"]
     )
-    # No schema for the Prometheus operator's CRD in kubernetes-validate: checked here.
-    monitor = of_kind(objects, "ServiceMonitor")["gateway"]
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    service = of_kind(objects, "Service")["gateway"]
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    )
-    port_names = {p["name"] for p in service["spec"]["ports"]}
-    assert [(e["port"] in port_names, e["path"]) for e in monitor["spec"]["endpoints"]] == [
-        (True, "/metrics")
-    ]
+
+
+def test_every_service_is_scraped(objects: list[dict]) -> None:
+    """A ServiceMonitor per ALISE service (no schema for the Prometheus operator's CRD in
+    kubernetes-validate: checked here), each selecting the Services of its pods and naming the
+    port where the container serves its metrics."""
+    monitors = of_kind(objects, "ServiceMonitor")
+    services = of_kind(objects, "Service")
+    for name, workload in apps(objects).items():
+        monitor = monitors[role(name)]
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        service = services[name]
+        selector = monitor["spec"]["selector"]["matchLabels"].items()
+        assert selector <= service["metadata"]["labels"].items(), name
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics"
+        port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
+        env = env_of(objects, workload)
+        wanted = env["ALISE_GATEWAY_PORT"] if name == "gateway" else env["ALISE_METRICS_PORT"]
+        assert port["port"] == int(wanted), name
+        assert int(wanted) in [p["containerPort"] for p in container(workload)["ports"]], name
 
 
 def _validate_with_cli(cli: Path, overlay: str, tmp_path: Path) -> None:
