@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup run test test-gpu gpu-check lint proto clean-venv k8s-check base-image images test-containers
+.PHONY: setup run test test-gpu gpu-check lint proto clean-venv k8s-check base-image images \
+	image-cpu image-executor test-containers
 
 setup: $(STAMP)
 
@@ -86,26 +87,33 @@ ENGINE ?= $(shell command -v podman || command -v docker)
 # podman's default OCI format drops HEALTHCHECK; the docker format keeps it.
 ENGINE_FLAGS := $(if $(findstring podman,$(ENGINE)),--format docker,)
 LOCAL_BASE := localhost/alise-base:bookworm
+# The executor image takes the CUDA build of torch from PyPI (its wheels carry the CUDA
+# runtime libraries), never the local CPU wheel: no NVIDIA base image is needed.
 ifdef LOCAL
 IMAGE_BASE ?= $(LOCAL_BASE)
 EXECUTOR_BASE ?= $(LOCAL_BASE)
 IMAGE_TORCH ?= https://pypi.org/simple
 EXECUTOR_TORCH ?= https://pypi.org/simple
-BUILD_FLAGS ?= --network host -v /etc/ssl/certs:/etc/ssl/certs:ro -v /opt/wheels:/opt/wheels:ro \
-	--build-arg PIP_FIND_LINKS=/opt/wheels --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+BUILD_FLAGS ?= --network host -v /etc/ssl/certs:/etc/ssl/certs:ro \
+	--build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+IMAGE_FLAGS ?= -v /opt/wheels:/opt/wheels:ro --build-arg PIP_FIND_LINKS=/opt/wheels
 endif
 IMAGE_BASE ?= python:3.11-slim
 IMAGE_TORCH ?= https://download.pytorch.org/whl/cpu
-EXECUTOR_BASE ?= nvidia/cuda:12.8.1-runtime-ubuntu24.04
+EXECUTOR_BASE ?= debian:bookworm-slim
 EXECUTOR_TORCH ?= https://pypi.org/simple
 
 base-image:
 	mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm - \
 		| $(ENGINE) import - $(LOCAL_BASE)
 
-images:
-	$(ENGINE) build $(ENGINE_FLAGS) $(BUILD_FLAGS) --build-arg BASE=$(IMAGE_BASE) \
+images: image-cpu image-executor
+
+image-cpu:
+	$(ENGINE) build $(ENGINE_FLAGS) $(BUILD_FLAGS) $(IMAGE_FLAGS) --build-arg BASE=$(IMAGE_BASE) \
 		--build-arg TORCH_INDEX_URL=$(IMAGE_TORCH) -f docker/Dockerfile -t alise:latest .
+
+image-executor:
 	$(ENGINE) build $(ENGINE_FLAGS) $(BUILD_FLAGS) --build-arg BASE=$(EXECUTOR_BASE) \
 		--build-arg TORCH_INDEX_URL=$(EXECUTOR_TORCH) -f docker/Dockerfile.executor \
 		-t alise-executor:latest .
