@@ -1,8 +1,12 @@
 """The CPU compose stack in containers (`make test-containers`: podman-compose on locally built
-images; outside `make test`, which skips it): every health check turns healthy, an answer
-streams through the gateway container, two predictor replicas share the predictions, a killed
-scheduler container is ridden through by its standby, and `down`/`up` keeps Redis's data (each
-predictor replica's embedded store lives in its container's own volume, so it is not kept)."""
+images; outside `make test`, which skips it), serving a model directory of the user's (a
+random-weight Llama-shaped model with the bundled tokenizer, mounted through MODEL_DIR), not the
+bundled model: every health check turns healthy, the gateway reports the directory's name and
+context length, an answer streams through the gateway container, two predictor replicas share
+the predictions, a killed scheduler container is ridden through by its standby, and
+`down`/`up` keeps Redis's data (each predictor replica's embedded store lives in its
+container's own volume, so it is not kept). Also the CUDA executor image, without a GPU: the
+CUDA build of torch, Triton's ptxas, and a clean "no GPU" exit."""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,6 +24,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "alise-ct"
 URL = "http://127.0.0.1:8000"
+# The served model: its directory's name. Under /tmp (podman mounts it at the same path),
+# readable by the containers' user 10001.
+MODEL_DIR = Path("/tmp/alise-ct-models/tiny-llama-ct")
+MODEL = MODEL_DIR.name
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("ALISE_TEST_CONTAINERS") != "1",
@@ -36,7 +44,19 @@ def compose(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str
         timeout=timeout,
         check=True,
         cwd=ROOT,
+        env={**os.environ, "MODEL_DIR": str(MODEL_DIR)},
     )
+
+
+def write_model() -> None:
+    """A Llama-shaped random-weight model (config, safetensors, the bundled tokenizer): a
+    Hugging Face directory like a user's, 2048 tokens of context (the bundled model has 8192)."""
+    from lab.executor.tiny import make_tiny_model
+
+    shutil.rmtree(MODEL_DIR.parent, ignore_errors=True)
+    make_tiny_model(MODEL_DIR, arch="llama", seed=31)
+    for path in (MODEL_DIR.parent, MODEL_DIR, *MODEL_DIR.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def down(*flags: str) -> None:
@@ -66,25 +86,37 @@ def wait_healthy(timeout_s: float = 600) -> None:
     raise AssertionError("the gateway container never became healthy")
 
 
-def chat(content: str, max_tokens: int = 48) -> tuple[str, str | None]:
+def chat(
+    content: str, max_tokens: int = 48, on_piece: Callable[[list[str]], None] | None = None
+) -> tuple[list[str], str | None, int]:
+    """Streamed greedy answer: (text pieces as they came, finish reason, completion tokens);
+    `on_piece` sees the pieces so far after each one. EOS ignored: a random-weight model would
+    otherwise stop anywhere."""
     body = {
-        "model": "smollm2-135m-instruct",
+        "model": MODEL,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "max_tokens": max_tokens,
+        "ignore_eos": True,
         "temperature": 0,
         "messages": [{"role": "user", "content": content}],
     }
-    text, finish = [], None
+    pieces: list[str] = []
+    finish, tokens = None, 0
     with httpx.stream("POST", f"{URL}/v1/chat/completions", json=body, timeout=300) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
                 for choice in chunk["choices"]:
-                    text.append(choice["delta"].get("content") or "")
+                    if choice["delta"].get("content"):
+                        pieces.append(choice["delta"]["content"])
+                        if on_piece is not None:
+                            on_piece(pieces)
                     finish = choice.get("finish_reason") or finish
-    return "".join(text), finish
+    return pieces, finish, tokens
 
 
 def container(service: str, index: int = 1) -> str:
@@ -93,6 +125,7 @@ def container(service: str, index: int = 1) -> str:
 
 @pytest.fixture(scope="module")
 def stack():
+    write_model()
     down("-v")
     compose("up", "-d", "--scale", "predictor=2")
     try:
@@ -116,8 +149,20 @@ def test_healthy_and_streams_an_answer(stack):
                 break
             time.sleep(3)
         assert check.returncode == 0, (name, check.stdout, check.stderr)
-    text, finish = chat("What is the capital of France?")
-    assert text.strip() and finish in ("stop", "length")
+    pieces, finish, tokens = chat("What is the capital of France?")
+    assert "".join(pieces) and (finish, tokens) == ("length", 48)
+
+
+def test_the_users_model_directory_is_served(stack):
+    """MODEL_DIR, not the bundled model: the gateway names it and takes its context length from
+    its config; the predictor starts on it with the warning that it has no calibration."""
+    (card,) = httpx.get(f"{URL}/v1/models", timeout=10).json()["data"]
+    assert (card["id"], card["max_model_len"]) == (MODEL, 2048)
+    other = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}]}
+    reply = httpx.post(f"{URL}/v1/chat/completions", json=other, timeout=30)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+    logs = podman("logs", container("predictor"))
+    assert f"no calibration file for {MODEL}" in logs
 
 
 def test_both_predictor_replicas_answer(stack):
@@ -157,18 +202,30 @@ LEADER_CHECK = (
 
 
 def test_a_killed_scheduler_container_is_ridden_through(stack):
-    reference, _ = chat("Describe a quiet morning in a small town.", max_tokens=96)
-    result: dict[str, object] = {}
+    """The leader is killed mid-answer: the standby takes over and the stream goes on to its
+    full length. What the client had before the kill is the reference's beginning (the same
+    steps, alone in the batch). Past it, the text may differ in bf16 (the executor's default
+    dtype on CPUs with native bf16): the resumed request is prefilled again from its
+    committed tokens, a different batch shape from the decode steps it replaces."""
+    prompt = "Describe a quiet morning in a small town."
+    reference, _, _ = chat(prompt, max_tokens=MAX_TOKENS)
+    name = leader()
+    seen: list[str] = []
 
-    def run() -> None:
-        result["answer"] = chat("Describe a quiet morning in a small town.", max_tokens=96)
+    def kill_after_some(pieces: list[str]) -> None:
+        if len(pieces) == 8 and not seen:
+            podman("kill", container(name))
+            seen.extend(pieces)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    time.sleep(2.0)
-    podman("kill", container(leader()))
-    thread.join(180)
-    assert result["answer"] == (reference, "length")
+    pieces, finish, tokens = chat(prompt, max_tokens=MAX_TOKENS, on_piece=kill_after_some)
+    assert seen, "the answer ended before the kill"
+    assert (finish, tokens) == ("length", MAX_TOKENS)
+    assert pieces[: len(seen)] == seen == reference[: len(seen)]
+
+
+# Long enough that the answer is still streaming when the kill lands and the standby takes over
+# (~4 s: lease TTL + half a renewal), at the tiny model's speed.
+MAX_TOKENS = 1500
 
 
 def test_down_and_up_keep_redis_data(stack):
@@ -190,3 +247,38 @@ def test_down_and_up_keep_redis_data(stack):
         "import redis; print(int(redis.Redis().hget('alise:stats', 'finished') or 0))",
     )
     assert int(after.strip()) >= int(before.strip()) > 0  # the counters survived down/up
+
+
+EXECUTOR_IMAGE = "localhost/alise-executor:latest"
+# As the compose stack runs them here: podman cannot raise the limits past the host's.
+RUN = ["podman", "run", "--rm", "--network", "none", "--no-healthcheck"]
+LIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+CUDA_CHECK = (
+    "import pathlib, subprocess, torch, triton\n"
+    "from triton.backends.nvidia import compiler\n"
+    "ptxas = pathlib.Path(compiler.__file__).parent / 'bin' / 'ptxas'\n"
+    "version = subprocess.run([str(ptxas), '--version'], capture_output=True, text=True)\n"
+    "print(torch.version.cuda, triton.__version__, torch.cuda.is_available())\n"
+    "print(' '.join(version.stdout.split()))\n"
+)
+
+
+def test_the_cuda_executor_image_without_a_gpu():
+    """docker/Dockerfile.executor on a plain Debian base: PyPI's CUDA build of torch (it carries
+    the CUDA runtime), Triton with the ptxas it compiles kernels with, and the entrypoint, asked
+    for CUDA where there is no GPU, ending with the one-line reason (exit 1), not a traceback."""
+    out = podman(*RUN[1:], *LIMITS, EXECUTOR_IMAGE, "python", "-c", CUDA_CHECK)
+    versions, ptxas = out.strip().splitlines()
+    cuda, _triton, available = versions.split()
+    assert cuda.split(".")[0].isdigit() and available == "False", versions
+    assert "Cuda compilation tools" in ptxas, ptxas
+    run = subprocess.run(
+        [*RUN, *LIMITS, "-e", "ALISE_DEVICE=cuda", EXECUTOR_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    logs = run.stdout + run.stderr
+    assert run.returncode == 1, logs
+    assert "executor start-up failed" in logs and "CUDA is not available" in logs, logs
+    assert "Traceback" not in logs, logs
