@@ -17,6 +17,9 @@ from services.common.redis_runner import free_port
 from tests.integration.test_gateway_protocol import sse_events, stats, wait_for
 
 
+DRAIN_S = 2.5  # ALISE_DRAIN_S, not the 5 s default: the setting is read
+
+
 def test_sigterm_ends_open_streams_with_an_error_and_aborts_them(tmp_path, redis_server):
     with inprocess_backend(tmp_path, None, redis_server.url) as backend:  # requests stay queued
         port = free_port()
@@ -25,6 +28,7 @@ def test_sigterm_ends_open_streams_with_an_error_and_aborts_them(tmp_path, redis
             "ALISE_GATEWAY_PORT": str(port),
             "ALISE_SCHEDULER_ADDRESS": backend["address"],
             "ALISE_PREDICTOR_ADDRESSES": f"127.0.0.1:{free_port()}",
+            "ALISE_DRAIN_S": str(DRAIN_S),
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "gateway", "serve"],
@@ -46,7 +50,9 @@ def test_sigterm_ends_open_streams_with_an_error_and_aborts_them(tmp_path, redis
             assert payloads[-1] == b"[DONE]"
             error = json.loads(payloads[-2])["error"]
             assert error["code"] == "shutting_down" and "shutting down" in error["message"]
-            assert time.monotonic() - started >= 4.0  # the drain period came first
+            drained = time.monotonic() - started
+            assert drained >= DRAIN_S - 0.5  # the drain period came first
+            assert drained < 5.0  # ALISE_DRAIN_S, not the 5 s default
             assert wait_for(lambda: stats(backend).aborted >= 1 and stats(backend).waiting == 0)
             assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
         finally:
