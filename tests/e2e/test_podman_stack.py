@@ -161,7 +161,10 @@ def test_the_users_model_directory_is_served(stack):
     other = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}]}
     reply = httpx.post(f"{URL}/v1/chat/completions", json=other, timeout=30)
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
-    logs = podman("logs", container("predictor"))
+    # podman logs: the container's stdout on its stdout, stderr (the log records) on stderr
+    logs = subprocess.run(
+        ["podman", "logs", container("predictor")], capture_output=True, text=True, timeout=60
+    ).stderr
     assert f"no calibration file for {MODEL}" in logs
 
 

@@ -16,7 +16,6 @@ from lab.gateway.testing import inprocess_backend
 from services.common.redis_runner import free_port
 from tests.integration.test_gateway_protocol import sse_events, stats, wait_for
 
-
 DRAIN_S = 2.5  # ALISE_DRAIN_S, not the 5 s default: the setting is read
 
 
