@@ -172,7 +172,13 @@ def test_both_predictor_replicas_answer(stack):
     for i in range(8):
         chat(f"Tell me one fact about the number {i}.", max_tokens=4)
     counts = [predictions(container("predictor", index)) for index in (1, 2)]
-    assert all(counts), f"predictions per replica: {counts}"
+    assert all(counts), f"predictions per replica: {counts}; the gateway's: {gateway_sources()}"
+
+
+def gateway_sources() -> list[str]:
+    """The gateway's predictions by source (`none`: no replica answered in time)."""
+    text = httpx.get(f"{URL}/metrics", timeout=10).text
+    return [line for line in text.splitlines() if line.startswith("alise:gateway_predictions_t")]
 
 
 def predictions(name: str) -> float:
