@@ -191,6 +191,16 @@ class Injector:
 
     def _strike(self, fault: Fault) -> None:
         stack, kind = self.stack, fault.kind
+        if kind.startswith("redis") and getattr(stack, "supervises_redis", False):
+            fault.target = "redis"  # a child of `alise serve`: its launcher restarts it
+            if kind == "redis_kill":
+                stack.signal("redis", signal.SIGKILL)
+                time.sleep(1.0)
+            else:
+                stack.signal("redis", signal.SIGSTOP)
+                time.sleep(3.0)
+                stack.signal("redis", signal.SIGCONT)
+            return
         if kind.startswith("redis"):
             fault.target = "redis"
             if kind == "redis_kill":
@@ -227,14 +237,14 @@ def leftovers(stack, timeout_s: float = 120.0) -> dict[str, int]:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        leader = stack.scheduler_addresses[int(stack.leader().rsplit("-", 1)[1])]
+        leader = stack.scheduler_address_of(stack.leader())
         with sync_channel(leader) as channel:
             stats = scheduler_pb2_grpc.SchedulerStub(channel).Stats(
                 scheduler_pb2.StatsRequest(), timeout=5
             )
         blocks = sum(e.num_device_blocks - e.free_device_blocks for e in stats.executors if e.up)
         queued = stats.waiting + stats.running + stats.swapped
-        client = redis.Redis.from_url(stack.redis.url)
+        client = redis.Redis.from_url(stack.redis_url())
         try:
             keys = {k.decode() for k in client.keys("alise:*")}
             queue = sum(client.zcard(k) for k in keys if k.startswith("alise:q:"))
@@ -248,19 +258,33 @@ def leftovers(stack, timeout_s: float = 120.0) -> dict[str, int]:
         time.sleep(0.5)
 
 
-def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
+def make_stack(args: argparse.Namespace, run_dir: Path):
+    """`--topology serve`: the exact `alise serve` stack, whose launcher alone restarts what
+    dies (Redis included); `processes`: the same services started one by one here, with
+    Redis restarted by the benchmark itself."""
+    env = {"ALISE_RESUME_TIMEOUT_S": "60", "ALISE_HEALTH_POLL_S": "0.2"}
+    if args.dtype:
+        env["ALISE_DTYPE"] = args.dtype
+    if args.topology == "serve":
+        from lab.launcher.serve_stack import ServeStack
+
+        return ServeStack(run_dir, args.model, num_executors=2, num_schedulers=2, env=env)
     from lab.gateway.testing import ProcessStack
 
-    env = {"ALISE_RESUME_TIMEOUT_S": "60", "ALISE_HEALTH_POLL_S": "0.2"}
-    with ProcessStack(
+    return ProcessStack(
         run_dir,
         args.model,
         num_executors=2,
         num_schedulers=2,
         with_predictor=not args.no_predictor,
         env=env,
-    ) as stack:
-        stack.watch()
+    )
+
+
+def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
+    with make_stack(args, run_dir) as stack:
+        if hasattr(stack, "watch"):
+            stack.watch()  # ProcessStack: restart crashed children as `alise serve` does
         run = lambda: asyncio.run(  # noqa: E731
             run_requests(
                 stack.url, stack.model_id, args.requests, args.max_tokens, args.concurrency
@@ -291,6 +315,8 @@ def summary(args, reference, outcomes, faults, tally, left, errors, duration) ->
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "seed": args.seed,
+        "topology": args.topology,
+        "dtype": args.dtype or "auto",
         "reference_errors": sum(1 for r in reference if r.error),
         "reference_run_s": round(duration, 1),
         "faults": per_kind,
@@ -352,6 +378,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--seed", type=int, default=0, help="fault times, kinds and targets")
     p.add_argument("--no-predictor", action="store_true", help="run without the predictor")
+    p.add_argument(
+        "--topology",
+        choices=("processes", "serve"),
+        default="processes",
+        help="serve: the exact `alise serve` stack, only its launcher restarts what dies",
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        help="ALISE_DTYPE of the executors (the text comparison needs fp32 on CPU; '' = auto)",
+    )
     p.add_argument(
         "--kinds", default="", help=f"comma-separated fault kinds (default all: {','.join(KINDS)})"
     )

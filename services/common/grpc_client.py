@@ -59,6 +59,10 @@ ACCEPTED_KEY = "alise-accepted"
 # The scheduler's gRPC service: its health is SERVING only on the leading scheduler (a standby
 # reports the overall status "" SERVING).
 SCHEDULER_SERVICE = "alise.v1.Scheduler"
+# Readiness of a leading scheduler, one health name per dependency, so a caller can say why
+# it is not ready: SERVING while it reaches Redis / while some executor is up.
+SCHEDULER_REDIS = "alise.v1.Scheduler.redis"
+SCHEDULER_EXECUTORS = "alise.v1.Scheduler.executors"
 
 
 def split_host_port(address: str) -> tuple[str, int]:

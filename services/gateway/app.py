@@ -123,23 +123,33 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
 
 def _add_service_routes(app: FastAPI, metrics: GatewayMetrics) -> None:
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """200 while this process answers (a liveness probe: restart it only when this fails;
+        an unreachable dependency is readiness's business)."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health/ready")
     @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        """200 while the scheduler serves; the predictor is optional (reported only)."""
+    async def ready(request: Request) -> JSONResponse:
+        """200 while a request can be served: a leading scheduler that reaches Redis and some
+        executor; else 503 with the reason. The predictor is optional (reported only)."""
         gw: GatewayState = request.app.state.gateway
-        up, predictor = await asyncio.gather(gw.upstream.scheduler_up(), gw.upstream.predictor_up())
-        if up and not gw.upstream.max_model_len:
-            await gw.upstream.stats()
-        return JSONResponse(
-            {
-                "status": "ok" if up else "unavailable",
-                "scheduler": up,
-                "predictor": predictor,
-                "model": gw.model_id,
-                "max_model_len": gw.max_model_len(),
-            },
-            status_code=200 if up else 503,
+        reason, predictor = await asyncio.gather(
+            gw.upstream.not_ready(), gw.upstream.predictor_up()
         )
+        if not reason and not gw.upstream.max_model_len:
+            await gw.upstream.stats()
+        body = {
+            "status": "unavailable" if reason else "ok",
+            "scheduler": not reason.startswith("no scheduler"),
+            "predictor": predictor,
+            "model": gw.model_id,
+            "max_model_len": gw.max_model_len(),
+        }
+        if reason:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=503 if reason else 200)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:

@@ -35,10 +35,10 @@ def _overrides(args: argparse.Namespace, policy: str) -> dict[str, str]:
 def _serve(args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
     from services.common.models import served_model_id
-    from services.common.redis_runner import EmbeddedRedis
+    from services.common.redis_runner import free_port, generate_password
     from services.common.settings import GatewaySettings, LauncherSettings, SchedulerSettings
     from services.launcher.supervisor import Supervisor, base_env
-    from services.launcher.topology import local_topology
+    from services.launcher.topology import RedisPlan, local_topology
 
     settings = LauncherSettings()
     gateway = GatewaySettings()
@@ -55,11 +55,20 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    redis_server = None if settings.redis_url else EmbeddedRedis(settings.data_dir / "redis")
-    redis_url = redis_server.start().url if redis_server else settings.redis_url
+    # the embedded Redis: loopback, a password of its own per start, supervised as a child
+    redis = (
+        None
+        if settings.redis_url
+        else RedisPlan(str(settings.data_dir / "redis"), free_port(), generate_password())
+    )
     supervisor = Supervisor(
         local_topology(
-            executors, redis_url, gateway_host=host, gateway_port=port, num_schedulers=schedulers
+            executors,
+            settings.redis_url,
+            gateway_host=host,
+            gateway_port=port,
+            num_schedulers=schedulers,
+            redis=redis,
         ),
         run_dir,
         base_env(overrides),
@@ -85,10 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", flush=True)
         return 1
     finally:
-        print("stopping: draining the gateway, then scheduler, executors, predictor...", flush=True)
+        print(
+            "stopping: draining the gateway, then scheduler, executors, predictor, redis...",
+            flush=True,
+        )
         supervisor.stop_all()
-        if redis_server:
-            redis_server.stop()
         print("stopped.", flush=True)
     return 0
 
@@ -123,3 +133,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="dummy: random weights of the model's shapes (ALISE_LOAD_FORMAT, default auto)",
     )
     serve.set_defaults(func=_serve)
+    _register_redis(subparsers)
+
+
+def _redis_serve(args: argparse.Namespace) -> int:
+    from services.common.redis_runner import exec_server
+    from services.launcher.topology import REDIS_PASSWORD_ENV
+
+    exec_server(Path(args.dir), args.host, args.port, REDIS_PASSWORD_ENV)
+    return 1  # not reached: the process is now redis-server
+
+
+def _register_redis(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    group = subparsers.add_parser(
+        "redis", help="the embedded Redis that `alise serve` supervises"
+    ).add_subparsers(dest="redis_command", metavar="COMMAND")
+    serve = group.add_parser(
+        "serve",
+        help="exec the bundled redis-server (append-only file in --dir; the password, if any, "
+        "from ALISE_EMBEDDED_REDIS_PASSWORD)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--dir", required=True, help="data directory (append-only file)")
+    serve.set_defaults(func=_redis_serve)
