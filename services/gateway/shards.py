@@ -13,7 +13,6 @@ request), so a burst between two refreshes spreads instead of landing on one sha
 from __future__ import annotations
 
 import asyncio
-
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
