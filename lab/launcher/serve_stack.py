@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.redis_runner import free_port
+from services.common.internal_auth import TOKEN_ENV
+from services.common.redis_runner import free_port, generate_password
 from services.launcher.topology import scheduler_names, scheduler_ports
 
 
@@ -70,9 +71,15 @@ class ServeStack:
             "ALISE_SWAP_MEMORY_GB": "0.1",
             "ALISE_DEVICE": "cpu",
             "PYTHONUNBUFFERED": "1",
+            # the launcher stops the stack when this process dies, however it dies
+            "ALISE_DIE_WITH_PARENT": str(os.getpid()),
             **self.extra_env,
         }
         env.pop("ALISE_REDIS_URL", None)
+        # the internal plane's secret: given to the stack and kept here, so this process's
+        # gRPC channels (Stats, say) carry it
+        os.environ.setdefault(TOKEN_ENV, generate_password())
+        env[TOKEN_ENV] = os.environ[TOKEN_ENV]
         with open(self.out_path, "wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "serve"],

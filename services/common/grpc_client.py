@@ -35,6 +35,8 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.internal_auth import SyncTokenAdder, aio_token_interceptors, internal_token
+
 log = logging.getLogger(__name__)
 
 _Req = TypeVar("_Req")
@@ -250,12 +252,13 @@ def aio_channel(
     and get `timeout_s` when they set no deadline (None = no default)."""
     _check_timeout(timeout_s)
     target, options = _target_and_options(addresses, idempotent_services)
-    interceptors = (
+    interceptors: list = (
         [_AioDefaultTimeout(idempotent_services, timeout_s)]
         if idempotent_services and timeout_s is not None
-        else None
+        else []
     )
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    interceptors += aio_token_interceptors()
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors or None)
 
 
 def sync_channel(
@@ -271,6 +274,8 @@ def sync_channel(
         channel = grpc.intercept_channel(
             channel, _SyncDefaultTimeout(idempotent_services, timeout_s)
         )
+    if token := internal_token():
+        channel = grpc.intercept_channel(channel, SyncTokenAdder(token))
     return channel
 
 

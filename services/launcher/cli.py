@@ -33,6 +33,7 @@ def _overrides(args: argparse.Namespace, policy: str) -> dict[str, str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from services.common.internal_auth import TOKEN_ENV, internal_token
     from services.common.logs import setup_logging
     from services.common.models import served_model_id
     from services.common.redis_runner import free_port, generate_password
@@ -51,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings.run_dir or settings.data_dir / "runs" / datetime.now().strftime("%Y%m%d-%H%M%S")
     )
     overrides = _overrides(args, SchedulerSettings().policy)
+    # the internal plane's shared secret: the given one, else one of its own per start
+    overrides[TOKEN_ENV] = internal_token() or generate_password()
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -23,7 +23,9 @@ STREAMS = 8
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with ServeStack(tmp_path_factory.mktemp("serve-faults")) as st:
+    # two executors: while one restarts (loading its model takes ~10 s on a busy 2-core
+    # host) the other serves new requests
+    with ServeStack(tmp_path_factory.mktemp("serve-faults"), num_executors=2) as st:
         yield st
 
 
@@ -59,9 +61,20 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, first: asynci
     return out
 
 
+def _wait_ready(stack: ServeStack, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (
+        httpx.get(f"{stack.url}/health/ready", timeout=5).status_code == 200
+        and _new_request_ok(stack.url, stack.model_id)
+    ):
+        assert time.monotonic() < deadline, "the stack did not become ready"
+        time.sleep(0.5)
+
+
 def _kill_under_load(stack: ServeStack, name: str) -> dict:
     """8 streams in flight; SIGKILL `name` once every stream has tokens; poll readiness and
     new requests until one succeeds."""
+    _wait_ready(stack)  # each fault strikes a healthy stack
     done: dict = {}
     started = threading.Event()
 
@@ -110,4 +123,49 @@ def test_streams_survive_sigkill_and_new_requests_succeed_within_10s(stack, name
     assert got["recovered_s"] is not None and got["recovered_s"] < 10, got
     if name in ("redis", "scheduler", "executor-0"):
         assert 503 in got["ready"], got["ready"]  # not ready while it was down
-    assert httpx.get(f"{stack.url}/health/ready", timeout=5).status_code == 200
+    deadline = time.monotonic() + 30  # the restarted process warms up
+    while (ready := httpx.get(f"{stack.url}/health/ready", timeout=5)).status_code != 200:
+        assert time.monotonic() < deadline, ready.text
+        time.sleep(0.5)
+
+
+def test_internal_ports_refuse_strangers(stack):
+    """Under `alise serve` the scheduler, executor and predictor ports answer a call without
+    the launcher's secret UNAUTHENTICATED, and Redis (loopback, generated password) refuses
+    a client without the password."""
+    import grpc
+    import redis
+
+    from services.common.pb import (
+        executor_pb2,
+        executor_pb2_grpc,
+        predictor_pb2,
+        predictor_pb2_grpc,
+        scheduler_pb2,
+        scheduler_pb2_grpc,
+    )
+    from services.launcher.topology import EXECUTOR_BASE_PORT, PREDICTOR_PORT, SCHEDULER_PORT
+
+    calls = {
+        SCHEDULER_PORT: lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Stats(
+            scheduler_pb2.StatsRequest(), timeout=5
+        ),
+        EXECUTOR_BASE_PORT: lambda ch: executor_pb2_grpc.ExecutorStub(ch).Describe(
+            executor_pb2.DescribeRequest(), timeout=5
+        ),
+        PREDICTOR_PORT: lambda ch: predictor_pb2_grpc.PredictorStub(ch).Predict(
+            predictor_pb2.PredictRequest(), timeout=5
+        ),
+    }
+    _wait_ready(stack)
+    for port, call in calls.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                call(channel)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, port
+    url = redis.connection.parse_url(stack.redis_url())
+    assert url.get("password")
+    anonymous = redis.Redis(host=url["host"], port=url["port"])
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
