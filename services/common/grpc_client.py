@@ -252,7 +252,7 @@ def aio_channel(
     and get `timeout_s` when they set no deadline (None = no default)."""
     _check_timeout(timeout_s)
     target, options = _target_and_options(addresses, idempotent_services)
-    interceptors: list = (
+    interceptors: list[grpc.aio.ClientInterceptor] = (
         [_AioDefaultTimeout(idempotent_services, timeout_s)]
         if idempotent_services and timeout_s is not None
         else []

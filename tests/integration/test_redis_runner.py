@@ -10,6 +10,7 @@ import redis
 
 from services.common.redis_runner import (
     EmbeddedRedis,
+    async_client,
     free_port,
     generate_password,
     pid_alive,
@@ -84,3 +85,26 @@ def test_supervised_redis_is_restarted_from_its_append_only_file(tmp_path):
         client.close()
     finally:
         supervisor.stop_all(10)
+
+
+def test_pooled_async_connections_survive_a_redis_restart(tmp_path):
+    """Every connection pooled before a restart is closed by the server; the next call on
+    each is retried on a new connection instead of failing (it refused admissions)."""
+    import asyncio
+
+    server = EmbeddedRedis(tmp_path / "redis", password=generate_password()).start()
+
+    async def run() -> list:
+        client = async_client(server.url)
+        try:
+            await asyncio.gather(*[client.set(f"k{i}", i) for i in range(8)])  # 8 pooled
+            server.kill()
+            server.start()
+            return await asyncio.gather(*[client.exists(f"k{i}") for i in range(8)])
+        finally:
+            await client.aclose()
+
+    try:
+        assert len(asyncio.run(run())) == 8  # no ConnectionError
+    finally:
+        server.stop()
