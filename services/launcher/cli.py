@@ -14,6 +14,7 @@ import signal
 import threading
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 
 def _curl_example(url: str, model: str) -> str:
@@ -32,10 +33,10 @@ def _overrides(args: argparse.Namespace, policy: str) -> dict[str, str]:
     return out
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _supervisor(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The stack `alise serve` runs, and what it prints about it."""
     from services.common.internal_auth import TOKEN_ENV, internal_token
     from services.common.logs import setup_logging
-    from services.common.models import served_model_id
     from services.common.redis_runner import free_port, generate_password
     from services.common.settings import GatewaySettings, LauncherSettings, SchedulerSettings
     from services.launcher.supervisor import Supervisor, base_env
@@ -44,50 +45,57 @@ def _serve(args: argparse.Namespace) -> int:
     settings = LauncherSettings()
     gateway = GatewaySettings()
     setup_logging("launcher", settings.log_level, settings.log_format)
-    executors = args.executors or settings.num_executors
-    schedulers = args.schedulers or settings.num_schedulers
-    port = args.port if args.port is not None else gateway.gateway_port
-    host = args.host or gateway.gateway_host
     run_dir = Path(
         settings.run_dir or settings.data_dir / "runs" / datetime.now().strftime("%Y%m%d-%H%M%S")
     )
+    info = {
+        "executors": args.executors or settings.num_executors,
+        "schedulers": args.schedulers or settings.num_schedulers,
+        "port": args.port if args.port is not None else gateway.gateway_port,
+        "host": args.host or gateway.gateway_host,
+        "run_dir": run_dir,
+        "settings": settings,
+    }
     overrides = _overrides(args, SchedulerSettings().policy)
     # the internal plane's shared secret: the given one, else one of its own per start
     overrides[TOKEN_ENV] = internal_token() or generate_password()
-
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # the embedded Redis: loopback, a password of its own per start, supervised as a child
     redis = (
         None
         if settings.redis_url
         else RedisPlan(str(settings.data_dir / "redis"), free_port(), generate_password())
     )
-    supervisor = Supervisor(
-        local_topology(
-            executors,
-            settings.redis_url,
-            gateway_host=host,
-            gateway_port=port,
-            num_schedulers=schedulers,
-            redis=redis,
-        ),
-        run_dir,
-        base_env(overrides),
+    specs = local_topology(
+        info["executors"],
+        settings.redis_url,
+        gateway_host=info["host"],
+        gateway_port=info["port"],
+        num_schedulers=info["schedulers"],
+        redis=redis,
     )
+    info["policy"] = overrides["ALISE_POLICY"]
+    return Supervisor(specs, run_dir, base_env(overrides)), info
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.common.models import served_model_id
+
+    supervisor, info = _supervisor(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         print(
-            f"starting ALISE ({executors} executor(s), {schedulers} scheduler(s), "
-            f"policy {overrides['ALISE_POLICY']}); "
-            f"logs in {run_dir}",
+            f"starting ALISE ({info['executors']} executor(s), {info['schedulers']} "
+            f"scheduler(s), policy {info['policy']}); logs in {info['run_dir']}",
             flush=True,
         )
-        supervisor.start_all(settings.health_timeout_s)
-        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+        supervisor.start_all(info["settings"].health_timeout_s)
+        host = info["host"]
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{info['port']}"
         print(
             f"\nALISE is ready at {url}  (playground: {url}/ , metrics: {url}/metrics)\n"
-            f"Try:\n  {_curl_example(url, served_model_id(settings.model))}\n",
+            f"Try:\n  {_curl_example(url, served_model_id(info['settings'].model))}\n",
             flush=True,
         )
         while not stop.wait(0.5):
