@@ -43,7 +43,7 @@ def async_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> aioredis.Redis
         url,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
-        retry=AsyncRetry(NoBackoff(), 1),
+        retry=AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         retry_on_error=[redis.ConnectionError],
     )
 
