@@ -7,9 +7,15 @@ are sent again while `--faults` faults strike at random times (seeded): SIGKILL 
 SIGCONT) of the leading scheduler, of an executor, of the predictor, and of Redis (killed and
 restarted on its data, or paused). Killed services are restarted as `alise serve` does.
 
-Per request the client's text is compared with the reference: intact, a clean error (an HTTP
-error or an SSE error event; the design allows one only where a request's state is lost), or
-corrupted (a different text without an error: a repeated or missing token). After the run
+Per request two checks. First, the token-exact invariant, which needs no identical numerics:
+the token ids the client received (`return_token_ids`) must equal the scheduler's committed
+output for that request, read from Redis afterwards (none repeated, none missing, none after
+the end; a request that ended in an error received a prefix of it). Second, the stronger one,
+binding only with `--dtype fp32` (bf16 greedy depends on the batch's composition): the text
+is compared with the reference run's: intact, a clean error (an HTTP error or an SSE error
+event; the design allows one only where a request's state is lost), or corrupted (a
+different text without an error). `--topology serve` runs the exact `alise serve` stack,
+where only the launcher restarts what dies (Redis included). After the run
 drains, nothing may be left behind: every executor's KV blocks free, no request waiting or
 running, no Redis queue member or held entry. The table gives faults per kind, the outcome
 counts, what leaked, and the p99 added latency of requests in flight during each kind of fault.
@@ -59,6 +65,8 @@ class Outcome:
     error: str | None = None
     start_s: float = 0.0
     end_s: float = 0.0
+    request_id: str = ""  # the scheduler's key (the first chunk's `alise.request_id`)
+    token_ids: list[int] = field(default_factory=list)  # as received, in order
 
 
 @dataclass
@@ -99,6 +107,60 @@ def compare(outcomes: list[Outcome], reference: list[Outcome]) -> Tally:
     return tally
 
 
+@dataclass
+class TokenTally:
+    exact: int = 0  # every committed token received once, in order, nothing after the end
+    clean_errors: int = 0  # ended with an error after a prefix of the committed output
+    violations: int = 0  # a token repeated, missing, different or after the end
+    unverifiable: int = 0  # no committed output to compare with (refused before admission)
+    violation_ids: list[int] = field(default_factory=list)
+
+
+def check_tokens(
+    outcomes: list[Outcome], committed: dict[str, list[int]], max_tokens: int
+) -> TokenTally:
+    """The invariant that needs no identical numerics: what each client received equals the
+    scheduler's committed output for its request (a complete answer: all of it, `max_tokens`
+    long with `ignore_eos`; one that ended in an error: a prefix of it)."""
+    tally = TokenTally()
+    for i, got in enumerate(outcomes):
+        ref = committed.get(got.request_id)
+        if ref is None:
+            if got.token_ids:
+                tally.violations += 1  # tokens nobody committed
+                tally.violation_ids.append(i)
+            else:
+                tally.unverifiable += 1
+        elif got.error is None and got.token_ids == ref and len(ref) == max_tokens:
+            tally.exact += 1
+        elif got.error is not None and got.token_ids == ref[: len(got.token_ids)]:
+            tally.clean_errors += 1
+        else:
+            tally.violations += 1
+            tally.violation_ids.append(i)
+    return tally
+
+
+def committed_outputs(redis_url: str, request_ids: list[str]) -> dict[str, list[int]]:
+    """Each request's output token ids as the scheduler committed them to Redis."""
+    from services.common.settings import SchedulerSettings
+    from services.scheduler.store import Store
+
+    async def load() -> dict[str, list[int]]:
+        store = Store(redis_url, SchedulerSettings().state_namespace, 3600)
+        try:
+            out = {}
+            for rid in request_ids:
+                loaded = await store.load(rid)
+                if loaded is not None:
+                    out[rid] = [t[0] for t in loaded[1]]
+            return out
+        finally:
+            await store.close()
+
+    return asyncio.run(load())
+
+
 def added_latency_p99(
     outcomes: list[Outcome], reference: list[Outcome], faults: list[Fault]
 ) -> dict[str, float]:
@@ -127,6 +189,7 @@ def request_body(model: str, i: int, max_tokens: int) -> dict:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "return_token_ids": True,
     }
 
 
@@ -145,8 +208,12 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, t0: float)
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         out.error = str(chunk["error"].get("message"))
+                    out.request_id = out.request_id or (chunk.get("alise") or {}).get(
+                        "request_id", ""
+                    )
                     for choice in chunk.get("choices") or []:
                         parts.append((choice.get("delta") or {}).get("content") or "")
+                        out.token_ids += choice.get("token_ids") or []
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     out.text = "".join(parts)
@@ -191,6 +258,16 @@ class Injector:
 
     def _strike(self, fault: Fault) -> None:
         stack, kind = self.stack, fault.kind
+        if kind.startswith("redis") and getattr(stack, "supervises_redis", False):
+            fault.target = "redis"  # a child of `alise serve`: its launcher restarts it
+            if kind == "redis_kill":
+                stack.signal("redis", signal.SIGKILL)
+                time.sleep(1.0)
+            else:
+                stack.signal("redis", signal.SIGSTOP)
+                time.sleep(3.0)
+                stack.signal("redis", signal.SIGCONT)
+            return
         if kind.startswith("redis"):
             fault.target = "redis"
             if kind == "redis_kill":
@@ -227,14 +304,14 @@ def leftovers(stack, timeout_s: float = 120.0) -> dict[str, int]:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        leader = stack.scheduler_addresses[int(stack.leader().rsplit("-", 1)[1])]
+        leader = stack.scheduler_address_of(stack.leader())
         with sync_channel(leader) as channel:
             stats = scheduler_pb2_grpc.SchedulerStub(channel).Stats(
                 scheduler_pb2.StatsRequest(), timeout=5
             )
         blocks = sum(e.num_device_blocks - e.free_device_blocks for e in stats.executors if e.up)
         queued = stats.waiting + stats.running + stats.swapped
-        client = redis.Redis.from_url(stack.redis.url)
+        client = redis.Redis.from_url(stack.redis_url())
         try:
             keys = {k.decode() for k in client.keys("alise:*")}
             queue = sum(client.zcard(k) for k in keys if k.startswith("alise:q:"))
@@ -248,19 +325,38 @@ def leftovers(stack, timeout_s: float = 120.0) -> dict[str, int]:
         time.sleep(0.5)
 
 
-def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
+def make_stack(args: argparse.Namespace, run_dir: Path):
+    """`--topology serve`: the exact `alise serve` stack, whose launcher alone restarts what
+    dies (Redis included); `processes`: the same services started one by one here, with
+    Redis restarted by the benchmark itself."""
+    # finished requests stay in Redis long enough for the committed-output check
+    env = {
+        "ALISE_RESUME_TIMEOUT_S": "60",
+        "ALISE_HEALTH_POLL_S": "0.2",
+        "ALISE_RETENTION_S": "7200",
+    }
+    if args.dtype:
+        env["ALISE_DTYPE"] = args.dtype
+    if args.topology == "serve":
+        from lab.launcher.serve_stack import ServeStack
+
+        return ServeStack(run_dir, args.model, num_executors=2, num_schedulers=2, env=env)
     from lab.gateway.testing import ProcessStack
 
-    env = {"ALISE_RESUME_TIMEOUT_S": "60", "ALISE_HEALTH_POLL_S": "0.2"}
-    with ProcessStack(
+    return ProcessStack(
         run_dir,
         args.model,
         num_executors=2,
         num_schedulers=2,
         with_predictor=not args.no_predictor,
         env=env,
-    ) as stack:
-        stack.watch()
+    )
+
+
+def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
+    with make_stack(args, run_dir) as stack:
+        if hasattr(stack, "watch"):
+            stack.watch()  # ProcessStack: restart crashed children as `alise serve` does
         run = lambda: asyncio.run(  # noqa: E731
             run_requests(
                 stack.url, stack.model_id, args.requests, args.max_tokens, args.concurrency
@@ -277,8 +373,22 @@ def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
         outcomes = run()
         injector.thread.join()
         left = leftovers(stack)
+        committed = committed_outputs(
+            stack.redis_url(), [o.request_id for o in reference + outcomes if o.request_id]
+        )
     tally = compare(outcomes, reference)
-    return summary(args, reference, outcomes, faults, tally, left, injector.errors, duration)
+    tokens = check_tokens(outcomes, committed, args.max_tokens)
+    ref_tokens = check_tokens(reference, committed, args.max_tokens)
+    out = summary(args, reference, outcomes, faults, tally, left, injector.errors, duration)
+    out["token_exact"] = {
+        "exact": tokens.exact,
+        "clean_errors": tokens.clean_errors,
+        "violations": tokens.violations,
+        "violation_ids": tokens.violation_ids[:20],
+        "unverifiable": tokens.unverifiable,
+        "reference_violations": ref_tokens.violations,
+    }
+    return out
 
 
 def summary(args, reference, outcomes, faults, tally, left, errors, duration) -> dict:
@@ -291,6 +401,8 @@ def summary(args, reference, outcomes, faults, tally, left, errors, duration) ->
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "seed": args.seed,
+        "topology": args.topology,
+        "dtype": args.dtype or "auto",
         "reference_errors": sum(1 for r in reference if r.error),
         "reference_run_s": round(duration, 1),
         "faults": per_kind,
@@ -326,6 +438,7 @@ def print_table(out: dict) -> None:
         f"requests: {out['requests']}  intact: {out['intact']}  clean errors: "
         f"{out['clean_errors']}  corrupted (duplicate/missing tokens): {out['corrupted']}"
     )
+    print(f"token-exact vs the scheduler's committed output: {out['token_exact']}")
     print(f"leaked: {out['leaked']}")
     print(f"p99 added latency per fault kind (s): {out['p99_added_latency_s']}")
     print(f"added latency, all requests (s): {out['added_latency_s']}")
@@ -336,7 +449,15 @@ def _run(args: argparse.Namespace) -> int:
         out = chaos(args, Path(tmp))
     print_table(out)
     emit_json(out, args.json)
-    ok = out["corrupted"] == 0 and out["reference_errors"] == 0 and not any(out["leaked"].values())
+    tokens = out["token_exact"]
+    ok = (
+        tokens["violations"] == 0
+        and tokens["reference_violations"] == 0
+        and out["reference_errors"] == 0
+        and not any(out["leaked"].values())
+        # the text comparison binds only where recomputation is bit-exact (fp32 on CPU)
+        and (out["corrupted"] == 0 or out["dtype"] != "fp32")
+    )
     return 0 if ok else 1
 
 
@@ -352,6 +473,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--seed", type=int, default=0, help="fault times, kinds and targets")
     p.add_argument("--no-predictor", action="store_true", help="run without the predictor")
+    p.add_argument(
+        "--topology",
+        choices=("processes", "serve"),
+        default="processes",
+        help="serve: the exact `alise serve` stack, only its launcher restarts what dies",
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        help="ALISE_DTYPE of the executors (the text comparison needs fp32 on CPU; '' = auto)",
+    )
     p.add_argument(
         "--kinds", default="", help=f"comma-separated fault kinds (default all: {','.join(KINDS)})"
     )

@@ -225,6 +225,12 @@ class ProcessStack:
                 raise TimeoutError(f"no scheduler leads after {timeout_s:g}s")
             time.sleep(0.1)
 
+    def scheduler_address_of(self, name: str) -> str:
+        return self.scheduler_addresses[int(name.rsplit("-", 1)[1])]
+
+    def redis_url(self) -> str:
+        return self.redis.url
+
     def signal(self, name: str, sig: int) -> None:
         """Send `sig` (e.g. signal.SIGKILL, SIGSTOP, SIGCONT) to one child."""
         os.kill(self.pid(name), sig)

@@ -35,6 +35,8 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.internal_auth import SyncTokenAdder, aio_token_interceptors, internal_token
+
 log = logging.getLogger(__name__)
 
 _Req = TypeVar("_Req")
@@ -59,6 +61,10 @@ ACCEPTED_KEY = "alise-accepted"
 # The scheduler's gRPC service: its health is SERVING only on the leading scheduler (a standby
 # reports the overall status "" SERVING).
 SCHEDULER_SERVICE = "alise.v1.Scheduler"
+# Readiness of a leading scheduler, one health name per dependency, so a caller can say why
+# it is not ready: SERVING while it reaches Redis / while some executor is up.
+SCHEDULER_REDIS = "alise.v1.Scheduler.redis"
+SCHEDULER_EXECUTORS = "alise.v1.Scheduler.executors"
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -246,12 +252,13 @@ def aio_channel(
     and get `timeout_s` when they set no deadline (None = no default)."""
     _check_timeout(timeout_s)
     target, options = _target_and_options(addresses, idempotent_services)
-    interceptors = (
+    interceptors: list[grpc.aio.ClientInterceptor] = (
         [_AioDefaultTimeout(idempotent_services, timeout_s)]
         if idempotent_services and timeout_s is not None
-        else None
+        else []
     )
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    interceptors += aio_token_interceptors()
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors or None)
 
 
 def sync_channel(
@@ -267,6 +274,8 @@ def sync_channel(
         channel = grpc.intercept_channel(
             channel, _SyncDefaultTimeout(idempotent_services, timeout_s)
         )
+    if token := internal_token():
+        channel = grpc.intercept_channel(channel, SyncTokenAdder(token))
     return channel
 
 

@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.internal_auth import TokenCheck, internal_token
+
 log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -170,11 +172,18 @@ async def start_server(
     """Start an aio server on `address` (host:port, port 0 = pick a free one).
 
     `registrations` holds (add_XServicer_to_server, servicer, full service name) triples.
+    With ALISE_INTERNAL_TOKEN set, every call but health's must carry it (internal_auth.py).
     Health is SERVING for every service once started (`serving=False`: NOT_SERVING until
     `set_serving`); reflection lists them all.
     """
+    token = internal_token()
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor(), *interceptors], options=SERVER_OPTIONS
+        interceptors=[
+            *([TokenCheck(token)] if token else []),
+            ErrorMappingInterceptor(),
+            *interceptors,
+        ],
+        options=SERVER_OPTIONS,
     )
     names: list[str] = []
     for add, servicer, name in registrations:

@@ -354,6 +354,15 @@ class GatewaySettings(CommonSettings):
     api_keys: StrList = Field(
         default_factory=list, description="Accepted API keys; empty = no auth."
     )
+    key_max_concurrent: int = Field(
+        0, ge=0, description="Concurrent /v1 requests (streams included) per API key; 0 = any."
+    )
+    key_rate_per_s: float = Field(
+        0.0, ge=0, description="Sustained /v1 requests per second per API key; 0 = any."
+    )
+    key_burst: int = Field(
+        0, ge=0, description="Requests a key may send at once above its rate (0 = the rate)."
+    )
     cors_origins: StrList = Field(default_factory=list, description="Allowed CORS origins.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Request body size limit.")
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one request.")

@@ -15,13 +15,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from services.common.metrics import CONTENT_TYPE_LATEST
 from services.common.settings import GatewaySettings
 from services.gateway.errors import install_error_handlers
+from services.gateway.key_limits import KeyLimitMiddleware
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import (
     BodyLimitMiddleware,
@@ -31,7 +32,7 @@ from services.gateway.middleware import (
 from services.gateway.prompts import PromptBuilder
 from services.gateway.response_routes import router as responses_router
 from services.gateway.response_store import ResponseStore
-from services.gateway.routes import router
+from services.gateway.routes import require_api_key, router
 from services.gateway.state import GatewayState
 from services.gateway.upstream import Upstream
 from services.gateway.utility import router as utility_router
@@ -109,6 +110,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     # The last added is the outermost: every error response (500s and the body limit's 413
     # included) passes through CORS, and the request id wraps them all.
     app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(
+        KeyLimitMiddleware,
+        keys=settings.api_keys,
+        max_concurrent=settings.key_max_concurrent,
+        rate_per_s=settings.key_rate_per_s,
+        burst=settings.key_burst,
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(
@@ -123,26 +131,38 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
 
 def _add_service_routes(app: FastAPI, metrics: GatewayMetrics) -> None:
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        """200 while the scheduler serves; the predictor is optional (reported only)."""
-        gw: GatewayState = request.app.state.gateway
-        up, predictor = await asyncio.gather(gw.upstream.scheduler_up(), gw.upstream.predictor_up())
-        if up and not gw.upstream.max_model_len:
-            await gw.upstream.stats()
-        return JSONResponse(
-            {
-                "status": "ok" if up else "unavailable",
-                "scheduler": up,
-                "predictor": predictor,
-                "model": gw.model_id,
-                "max_model_len": gw.max_model_len(),
-            },
-            status_code=200 if up else 503,
-        )
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """200 while this process answers (a liveness probe: restart it only when this fails;
+        an unreachable dependency is readiness's business)."""
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get("/health/ready")
+    @app.get("/health")
+    async def ready(request: Request) -> JSONResponse:
+        """200 while a request can be served: a leading scheduler that reaches Redis and some
+        executor; else 503 with the reason. The predictor is optional (reported only)."""
+        gw: GatewayState = request.app.state.gateway
+        reason, predictor = await asyncio.gather(
+            gw.upstream.not_ready(), gw.upstream.predictor_up()
+        )
+        if not reason and not gw.upstream.max_model_len:
+            await gw.upstream.stats()
+        body = {
+            "status": "unavailable" if reason else "ok",
+            "scheduler": not reason.startswith("no scheduler"),
+            "predictor": predictor,
+            "model": gw.model_id,
+            "max_model_len": gw.max_model_len(),
+        }
+        if reason:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=503 if reason else 200)
+
+    @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require_api_key)])
     async def prometheus() -> Response:
+        """Behind the API keys when there are any (Prometheus: `authorization` in the scrape
+        config); the playground page stays open (it holds no data and asks for a key)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", include_in_schema=False)

@@ -62,6 +62,7 @@ class Plan:
     tools_mode: str = ""  # "" | "auto" | "forced": parse tool calls out of the answer
     tool_parser: str = "hermes"  # services/gateway/tools.py PARSERS: the model family's
     prompt_index: int = 0  # which prompt of a batched completion request
+    return_token_ids: bool = False  # each piece carries its token ids
 
     def to_pb(self, prediction: common_pb2.Prediction | None) -> scheduler_pb2.GenerateRequest:
         request = scheduler_pb2.GenerateRequest(
@@ -88,6 +89,7 @@ class Piece:
     text: str
     time: float  # scheduler time of the last token in this piece (unix s)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # this piece's tokens (if asked)
+    token_ids: list[int] = field(default_factory=list)  # this piece's ids (return_token_ids)
 
 
 class Generation:
@@ -115,6 +117,7 @@ class Generation:
         self.cached_tokens = 0  # prompt tokens the prefix cache served (from the final usage)
         self.usage: scheduler_pb2.Usage | None = None
         self.text_parts: list[str] = []
+        self.token_ids: list[int] = []  # every output token id received, in order
         self.closed = False  # set by the route once close() bookkeeping ran
         self.group = upstream.place()  # the scheduler shard that serves the request
         self.scheduler_index = 0  # which of the shard's schedulers serves the stream
@@ -175,7 +178,7 @@ class Generation:
             if not event.finished and event.index < self.received:
                 continue  # already sent (a re-attach never repeats one; kept for safety)
             piece = self._apply(event)
-            if piece is not None and (piece.text or piece.logprobs):
+            if piece is not None and (piece.text or piece.logprobs or piece.token_ids):
                 self.text_parts.append(piece.text)
                 yield piece
 
@@ -254,20 +257,23 @@ class Generation:
             return self._finish(event)
         self.completion_tokens = self.received = event.index + 1
         self.cumulative_logprob += event.logprob
+        self.token_ids.append(event.token_id)
+        ids = [event.token_id] if self.plan.return_token_ids else []
         prompt = self._prompt_logprobs(event)
         if event.token_id in self.plan.stop_token_ids and not self.plan.include_stop:
-            return Piece("", event.time, prompt)  # a stop token ends the answer without its text
+            # a stop token ends the answer without its text
+            return Piece("", event.time, prompt, ids)
         text, matched = self.stops.push(self.detok.push(event.token_id))
         if matched:
             self.finish_reason = "stop"
             self._cancel_upstream()
         if self.logprob_decoder is None:
-            return Piece(text, event.time)
+            return Piece(text, event.time, [], ids)
         entry = self.logprob_decoder.entry(event.token_id, event.logprob, event.top_logprobs)
         if entry is None:
-            return Piece(text, event.time, prompt)
+            return Piece(text, event.time, prompt, ids)
         self.logprobs.append(entry)
-        return Piece(text, event.time, [*prompt, entry])
+        return Piece(text, event.time, [*prompt, entry], ids)
 
     def _prompt_logprobs(self, event: scheduler_pb2.TokenEvent) -> list[TokenLogprob]:
         """Completions `echo` with `logprobs`: the prompt's entries, which come with the

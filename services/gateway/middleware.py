@@ -30,6 +30,8 @@ ROUTES = {
     "/detokenize",
     "/version",
     "/health",
+    "/health/live",
+    "/health/ready",
     "/metrics",
     "/",
 }

@@ -208,6 +208,7 @@ class PromptBuilder:
             slo=_slo(body, headers),
             logprobs=_logprobs(body),
             echo=isinstance(body, CompletionRequest) and body.echo,
+            return_token_ids=body.return_token_ids,
         )
 
     def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:

@@ -155,7 +155,11 @@ class ChunkMaker:
         return None
 
     def piece(
-        self, text: str, token_time: float, logprobs: list[TokenLogprob] | None = None
+        self,
+        text: str,
+        token_time: float,
+        logprobs: list[TokenLogprob] | None = None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
         """One piece's chunk (b"" while an answer that may hold tool calls is held back)."""
         if self.gen.plan.tools_mode:
@@ -164,7 +168,10 @@ class ChunkMaker:
             self.echo_later = False
             text = self.gen.plan.prompt_text + text
         ext = {"time": token_time} if self.token_times else None
-        return self._chunk(self._choice(text, None, logprobs=logprobs), ext)
+        choice = self._choice(text, None, logprobs=logprobs)
+        if self.gen.plan.return_token_ids:
+            choice["token_ids"] = token_ids or []
+        return self._chunk(choice, ext)
 
     def finish(self) -> bytes:
         """This choice's last chunk: its finish reason (after the held-back answer's content
@@ -240,6 +247,7 @@ def _full_choice(gen: Generation, chat: bool, index: int) -> dict:
             "message": message,
             "logprobs": chat_logprobs(gen.logprobs) if asked else None,
             "finish_reason": _finish_reason(gen, calls),
+            **({"token_ids": gen.token_ids} if plan.return_token_ids else {}),
         }
     prefix = plan.prompt_text if plan.echo else ""
     shaped = None
@@ -252,6 +260,7 @@ def _full_choice(gen: Generation, chat: bool, index: int) -> dict:
         "text": prefix + gen.text,
         "logprobs": shaped,
         "finish_reason": gen.finish_reason,
+        **({"token_ids": gen.token_ids} if plan.return_token_ids else {}),
     }
 
 

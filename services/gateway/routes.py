@@ -233,7 +233,7 @@ async def _stream_many(
             if piece is None:
                 _record(gw, gens[i], arrival)
                 yield makers[i].finish()
-            elif chunk := makers[i].piece(piece.text, piece.time, piece.logprobs):
+            elif chunk := makers[i].piece(piece.text, piece.time, piece.logprobs, piece.token_ids):
                 yield chunk
     for chunk in makers[0].tail(gens):
         yield chunk
@@ -273,7 +273,7 @@ async def _stream(
                 if not first_sent:
                     gw.metrics.ttft.observe(time.perf_counter() - arrival)
                     first_sent = True
-                if chunk := maker.piece(piece.text, piece.time, piece.logprobs):
+                if chunk := maker.piece(piece.text, piece.time, piece.logprobs, piece.token_ids):
                     yield chunk
         _record(gw, gen, arrival)
         for chunk in maker.last():

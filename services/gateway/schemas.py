@@ -96,6 +96,11 @@ class _GenerationParams(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
     top_k: int = Field(0, ge=0, le=1_000_000, description="0 = disabled (vLLM extension).")
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM extension.")
+    return_token_ids: bool = Field(
+        False,
+        description="vLLM's extension: each choice (each stream chunk's choice) carries "
+        "`token_ids`, the ids of the tokens it covers, as the scheduler committed them.",
+    )
     return_token_times: bool = Field(
         False,
         description="Each chunk carries `alise.time`, the scheduler's time of its last "

@@ -12,6 +12,7 @@ request), so a burst between two refreshes spreads instead of landing on one sha
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.common.grpc_client import SCHEDULER_SERVICE, aio_channel, check_health
+from services.common.grpc_client import (
+    SCHEDULER_EXECUTORS,
+    SCHEDULER_REDIS,
+    SCHEDULER_SERVICE,
+    aio_channel,
+    check_health,
+)
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 
 if TYPE_CHECKING:
@@ -88,6 +95,21 @@ class SchedulerGroup:
                 return True
             self.failover(self.leader)
         return False
+
+    async def not_ready(self) -> str:
+        """'' when this shard can serve now, else why not."""
+        if not await self.up():
+            return "no scheduler leads (unreachable or standing by)"
+        channel = self.channels[self.leader]
+        redis_ok, executors_ok = await asyncio.gather(
+            check_health(channel, SCHEDULER_REDIS, 1.0),
+            check_health(channel, SCHEDULER_EXECUTORS, 1.0),
+        )
+        if not redis_ok:
+            return "the leading scheduler cannot reach Redis"
+        if not executors_ok:
+            return "no executor is reachable"
+        return ""
 
     async def stats(self, now: float) -> scheduler_pb2.StatsResponse | None:
         """Stats of the shard's leader (following failover); records its load."""

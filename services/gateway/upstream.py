@@ -86,6 +86,14 @@ class Upstream:
         self._health["scheduler"] = (time.monotonic(), up)
         return up
 
+    async def not_ready(self) -> str:
+        """'' while some shard can serve (a leading scheduler that reaches Redis and some
+        executor), else the first shard's reason; not cached (readiness probes are rare)."""
+        reasons = await asyncio.gather(*(g.not_ready() for g in self.shards))
+        if any(not r for r in reasons):
+            return ""
+        return "; ".join(sorted(set(reasons)))
+
     async def predictor_up(self) -> bool:
         """Health check, cached for HEALTH_CACHE_S so /health polling stays cheap."""
         checked_at, up = self._health.get("predictor", (0.0, False))

@@ -14,6 +14,7 @@ import signal
 import threading
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 
 def _curl_example(url: str, model: str) -> str:
@@ -32,50 +33,69 @@ def _overrides(args: argparse.Namespace, policy: str) -> dict[str, str]:
     return out
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _supervisor(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The stack `alise serve` runs, and what it prints about it."""
+    from services.common.internal_auth import TOKEN_ENV, internal_token
     from services.common.logs import setup_logging
-    from services.common.models import served_model_id
-    from services.common.redis_runner import EmbeddedRedis
+    from services.common.redis_runner import free_port, generate_password
     from services.common.settings import GatewaySettings, LauncherSettings, SchedulerSettings
     from services.launcher.supervisor import Supervisor, base_env
-    from services.launcher.topology import local_topology
+    from services.launcher.topology import RedisPlan, local_topology
 
     settings = LauncherSettings()
     gateway = GatewaySettings()
     setup_logging("launcher", settings.log_level, settings.log_format)
-    executors = args.executors or settings.num_executors
-    schedulers = args.schedulers or settings.num_schedulers
-    port = args.port if args.port is not None else gateway.gateway_port
-    host = args.host or gateway.gateway_host
     run_dir = Path(
         settings.run_dir or settings.data_dir / "runs" / datetime.now().strftime("%Y%m%d-%H%M%S")
     )
+    info = {
+        "executors": args.executors or settings.num_executors,
+        "schedulers": args.schedulers or settings.num_schedulers,
+        "port": args.port if args.port is not None else gateway.gateway_port,
+        "host": args.host or gateway.gateway_host,
+        "run_dir": run_dir,
+        "settings": settings,
+    }
     overrides = _overrides(args, SchedulerSettings().policy)
+    # the internal plane's shared secret: the given one, else one of its own per start
+    overrides[TOKEN_ENV] = internal_token() or generate_password()
+    # the embedded Redis: loopback, a password of its own per start, supervised as a child
+    redis = (
+        None
+        if settings.redis_url
+        else RedisPlan(str(settings.data_dir / "redis"), free_port(), generate_password())
+    )
+    specs = local_topology(
+        info["executors"],
+        settings.redis_url,
+        gateway_host=info["host"],
+        gateway_port=info["port"],
+        num_schedulers=info["schedulers"],
+        redis=redis,
+    )
+    info["policy"] = overrides["ALISE_POLICY"]
+    return Supervisor(specs, run_dir, base_env(overrides)), info
 
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.common.models import served_model_id
+
+    supervisor, info = _supervisor(args)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    redis_server = None if settings.redis_url else EmbeddedRedis(settings.data_dir / "redis")
-    redis_url = redis_server.start().url if redis_server else settings.redis_url
-    supervisor = Supervisor(
-        local_topology(
-            executors, redis_url, gateway_host=host, gateway_port=port, num_schedulers=schedulers
-        ),
-        run_dir,
-        base_env(overrides),
-    )
     try:
         print(
-            f"starting ALISE ({executors} executor(s), {schedulers} scheduler(s), "
-            f"policy {overrides['ALISE_POLICY']}); "
-            f"logs in {run_dir}",
+            f"starting ALISE ({info['executors']} executor(s), {info['schedulers']} "
+            f"scheduler(s), policy {info['policy']}); logs in {info['run_dir']}",
             flush=True,
         )
-        supervisor.start_all(settings.health_timeout_s)
-        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+        supervisor.start_all(info["settings"].health_timeout_s)
+        host = info["host"]
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{info['port']}"
         print(
             f"\nALISE is ready at {url}  (playground: {url}/ , metrics: {url}/metrics)\n"
-            f"Try:\n  {_curl_example(url, served_model_id(settings.model))}\n",
+            f"Try:\n  {_curl_example(url, served_model_id(info['settings'].model))}\n",
             flush=True,
         )
         while not stop.wait(0.5):
@@ -85,10 +105,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", flush=True)
         return 1
     finally:
-        print("stopping: draining the gateway, then scheduler, executors, predictor...", flush=True)
+        print(
+            "stopping: draining the gateway, then scheduler, executors, predictor, redis...",
+            flush=True,
+        )
         supervisor.stop_all()
-        if redis_server:
-            redis_server.stop()
         print("stopped.", flush=True)
     return 0
 
@@ -123,3 +144,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="dummy: random weights of the model's shapes (ALISE_LOAD_FORMAT, default auto)",
     )
     serve.set_defaults(func=_serve)
+    _register_redis(subparsers)
+
+
+def _redis_serve(args: argparse.Namespace) -> int:
+    from services.common.redis_runner import exec_server
+    from services.launcher.topology import REDIS_PASSWORD_ENV
+
+    exec_server(Path(args.dir), args.host, args.port, REDIS_PASSWORD_ENV)
+    return 1  # not reached: the process is now redis-server
+
+
+def _register_redis(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    group = subparsers.add_parser(
+        "redis", help="the embedded Redis that `alise serve` supervises"
+    ).add_subparsers(dest="redis_command", metavar="COMMAND")
+    serve = group.add_parser(
+        "serve",
+        help="exec the bundled redis-server (append-only file in --dir; the password, if any, "
+        "from ALISE_EMBEDDED_REDIS_PASSWORD)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--dir", required=True, help="data directory (append-only file)")
+    serve.set_defaults(func=_redis_serve)

@@ -11,6 +11,7 @@ Logs go to `<run_dir>/<service>.log`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from services.common.grpc_client import check_health_sync
+from services.common.redis_runner import ping
 from services.launcher.topology import ServiceSpec
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ def healthy(spec: ServiceSpec, timeout: float = 2.0) -> bool:
     kind, target = spec.health
     if kind == "grpc":
         return check_health_sync(target, timeout=timeout)
+    if kind == "redis":
+        return ping(target, timeout=timeout)
     try:
         return httpx.get(target, timeout=timeout).status_code == 200
     except httpx.HTTPError:
@@ -88,6 +92,7 @@ class Supervisor:
         max_backoff: float = 30.0,
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
         self.children = [Child(s, run_dir / f"{s.name}.log") for s in specs]
         self.env = env
         self.max_backoff = max_backoff
@@ -103,6 +108,7 @@ class Supervisor:
             child.start(self.env)
         for child in self.children:
             self.wait_healthy(child, health_timeout)
+        self.write_pids()
 
     def wait_healthy(self, child: Child, timeout: float, attempts: int = 3) -> None:
         """Wait for `child` to pass its health check. A child that exits while starting is
@@ -160,6 +166,8 @@ class Supervisor:
                 child.restarts += 1
                 child.start(self.env)
                 restarted.append(child.spec.name)
+        if restarted:
+            self.write_pids()
         return restarted
 
     def stop_all(self, timeout: float = 20.0) -> None:
@@ -169,6 +177,13 @@ class Supervisor:
 
     def pids(self) -> dict[str, int]:
         return {c.spec.name: c.process.pid for c in self.children if c.process}
+
+    def write_pids(self) -> None:
+        """`<run_dir>/pids.json`: each service's current process id (rewritten after every
+        restart), for operators and the chaos benchmark."""
+        tmp = self.run_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(self.pids()))
+        tmp.replace(self.run_dir / "pids.json")
 
 
 def base_env(overrides: dict[str, str]) -> dict[str, str]:

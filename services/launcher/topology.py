@@ -22,6 +22,35 @@ class ServiceSpec:
     depends_on: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class RedisPlan:
+    """The embedded Redis `alise serve` supervises: a fixed loopback port (a restart comes back
+    on it), its data directory (the append-only file a restart replays) and its password."""
+
+    data_dir: str
+    port: int
+    password: str
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        from services.common.redis_runner import redis_url
+
+        return redis_url(self.host, self.port, self.password)
+
+
+def redis_spec(plan: RedisPlan) -> ServiceSpec:
+    return ServiceSpec(
+        "redis",
+        ("redis", "serve", "--host", plan.host, "--port", str(plan.port), "--dir", plan.data_dir),
+        {REDIS_PASSWORD_ENV: plan.password},
+        ("redis", plan.url),
+    )
+
+
+REDIS_PASSWORD_ENV = "ALISE_EMBEDDED_REDIS_PASSWORD"
+
+
 def executor_names(num_executors: int) -> list[str]:
     return [f"executor-{i}" for i in range(num_executors)]
 
@@ -43,13 +72,19 @@ def local_topology(
     gateway_port: int = GATEWAY_PORT,
     base_port: int = EXECUTOR_BASE_PORT,
     num_schedulers: int = 1,
+    redis: RedisPlan | None = None,
 ) -> list[ServiceSpec]:
     """Services in start order for one machine (loopback addresses, one port each). With
-    several schedulers the first leads and the others stand by (leader lease in Redis)."""
+    several schedulers the first leads and the others stand by (leader lease in Redis). With
+    `redis`, the embedded Redis is the first service (supervised like the others) and
+    `redis_url` is ignored."""
+    if redis is not None:
+        redis_url = redis.url
     executors = [
         (name, f"{host}:{base_port + i}") for i, name in enumerate(executor_names(num_executors))
     ]
-    specs = [
+    specs = [redis_spec(redis)] if redis is not None else []
+    specs += [
         ServiceSpec(
             "predictor",
             ("predictor", "serve"),
@@ -79,7 +114,7 @@ def local_topology(
                     "ALISE_REDIS_URL": redis_url,
                 },
                 ("grpc", address),
-                tuple(n for n, _ in executors),
+                tuple(n for n, _ in executors) + (("redis",) if redis is not None else ()),
             )
         )
     specs.append(_gateway_spec(host, gateway_host, gateway_port, schedulers, redis_url))

@@ -17,6 +17,7 @@ import asyncio
 import grpc
 
 from services.common.grpc_client import CHANNEL_OPTIONS
+from services.common.internal_auth import aio_token_interceptors
 from services.common.pb import executor_pb2, executor_pb2_grpc
 
 # A restarted executor must be found again within about a second, not grpc's default minutes.
@@ -35,7 +36,9 @@ class ExecutorClient:
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(
-            address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS
+            address,
+            options=CHANNEL_OPTIONS + RECONNECT_OPTIONS,
+            interceptors=aio_token_interceptors() or None,  # ALISE_INTERNAL_TOKEN
         )
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self._stream = None

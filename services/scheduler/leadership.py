@@ -51,6 +51,7 @@ class Leadership:
         self.lease = Lease(self.client, settings.state_namespace, address, timing)
         self.service: SchedulerService | None = None
         self.terms = 0  # times this process became leader
+        self.redis_ok = True  # the last lease call reached Redis
         self._on_change = on_change
         self._lost = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -92,18 +93,33 @@ class Leadership:
 
     async def _acquire(self) -> bool:
         try:
-            return await self.lease.try_acquire()
+            acquired = await self.lease.try_acquire()
         except (RedisError, OSError) as exc:
+            self.redis_ok = False
             log.debug("leader lease: redis unreachable", extra={"error": str(exc)})
             return False
+        self.redis_ok = True
+        return acquired
 
     async def _renew(self) -> bool:
         """False only when another holder has the lease; an unreachable Redis keeps us."""
         try:
-            return await self.lease.renew()
+            renewed = await self.lease.renew()
         except (RedisError, OSError) as exc:
+            self.redis_ok = False
             log.warning("leader lease not renewed: redis unreachable", extra={"error": str(exc)})
             return True
+        self.redis_ok = True
+        return renewed
+
+    def readiness(self) -> tuple[bool, bool]:
+        """(reaches Redis, some executor is up), as this process sees them now: Redis through
+        the last lease call and the store writer's last commit."""
+        service = self.service
+        if service is None:
+            return self.redis_ok, False
+        redis_ok = self.redis_ok and service.writer.healthy
+        return redis_ok, any(loop.up for loop in service.loops.values())
 
     async def _lead(self) -> None:
         service = SchedulerService(self.settings, self.metrics)

@@ -21,12 +21,13 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from services.common.grpc_client import SCHEDULER_SERVICE
+from services.common.grpc_client import SCHEDULER_EXECUTORS, SCHEDULER_REDIS, SCHEDULER_SERVICE
 from services.common.grpc_server import NOT_SERVING, SERVING, GrpcServer, start_server
 from services.common.models import served_model_id
 from services.common.pb import scheduler_pb2_grpc
 from services.common.redis_runner import EmbeddedRedis
 from services.common.settings import SchedulerSettings
+from services.common.tasks import cancel_and_wait
 from services.scheduler.core.policies import make_policy
 from services.scheduler.leadership import Leadership, holder_address
 from services.scheduler.metrics import SchedulerMetrics
@@ -43,6 +44,7 @@ class SchedulerHandle:
     grpc_server: GrpcServer
     metrics_server: object | None = None
     embedded_redis: EmbeddedRedis | None = None
+    readiness: asyncio.Task[None] | None = None
 
     @property
     def service(self) -> SchedulerService:
@@ -63,6 +65,7 @@ class SchedulerHandle:
         """Stop serving; unfinished requests stay in Redis for the next leader."""
         if self.leadership.service is not None:
             self.leadership.service.stopping = True
+        await cancel_and_wait(self.readiness)
         await self.grpc_server.stop(grace)
         await self.leadership.stop()
         if self.metrics_server is not None:
@@ -95,6 +98,7 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
         leadership = Leadership(settings, metrics, holder_address(server.port), leading)
         servicer.leadership = leadership
         await leadership.start()
+        readiness = asyncio.create_task(_report_readiness(server, leadership), name="readiness")
     except BaseException:
         if leadership is not None:
             await leadership.stop()
@@ -118,4 +122,20 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
             "leading": leadership.service is not None,
         },
     )
-    return SchedulerHandle(server.port, leadership, server, metrics_server, embedded)
+    return SchedulerHandle(server.port, leadership, server, metrics_server, embedded, readiness)
+
+
+READINESS_POLL_S = 0.25
+
+
+async def _report_readiness(server: GrpcServer, leadership: Leadership) -> None:
+    """Keep the readiness health names (SCHEDULER_REDIS, SCHEDULER_EXECUTORS) true to what
+    this scheduler sees; a standby reports NOT_SERVING for executors (it drives none)."""
+    last: tuple[bool, bool] | None = None
+    while True:
+        now = leadership.readiness()
+        if now != last:
+            await server.health.set(SCHEDULER_REDIS, SERVING if now[0] else NOT_SERVING)
+            await server.health.set(SCHEDULER_EXECUTORS, SERVING if now[1] else NOT_SERVING)
+            last = now
+        await asyncio.sleep(READINESS_POLL_S)

@@ -197,7 +197,8 @@ class SchedulerService:
             raise _redis_down()
         try:
             exists = rid in self.entries or await self.store.exists(rid)
-        except (RedisError, OSError):
+        except (RedisError, OSError) as exc:
+            log.warning("admission refused: redis failed", extra={"error": repr(exc)})
             raise _redis_down() from None
         if exists or rid in self.entries:
             raise ServiceError(
@@ -222,7 +223,8 @@ class SchedulerService:
             self._created(entry, create, client_gone=False)
             self.writer.fence(str(exc))
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{NOT_LEADER}: {exc}") from None
-        except (RedisError, OSError):
+        except (RedisError, OSError) as exc:
+            log.warning("admission refused: redis failed", extra={"error": repr(exc)})
             self._created(entry, create, client_gone=False)
             raise _redis_down() from None
         except Exception:

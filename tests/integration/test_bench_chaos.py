@@ -16,6 +16,8 @@ def test_a_small_chaos_run_loses_nothing(tmp_path):
         seed=1,
         no_predictor=True,
         kinds="scheduler_kill,executor_kill",
+        topology="processes",
+        dtype="fp32",
     )
     out = chaos(args, tmp_path)
     assert out["reference_errors"] == 0

@@ -51,6 +51,13 @@ def test_health_is_503_while_the_scheduler_is_down(client):
     assert response.json()["scheduler"] is False and response.json()["predictor"] is False
 
 
+def test_live_is_200_and_ready_is_503_with_the_reason_while_the_scheduler_is_down(client):
+    assert client.get("/health/live").status_code == 200
+    response = client.get("/health/ready")
+    assert response.status_code == 503
+    assert response.json()["reason"].startswith("no scheduler leads")
+
+
 def test_generate_is_503_while_the_scheduler_is_down(client):
     error = assert_error(client.post("/v1/chat/completions", json=CHAT), 503)
     assert error["code"] == "scheduler_unavailable"

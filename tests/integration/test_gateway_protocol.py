@@ -141,6 +141,36 @@ def test_openai_client_chat_streaming_matches_non_streaming(openai_client, model
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_return_token_ids_streams_every_id_once_and_decodes_to_the_text(stack, model, tiny_model):
+    """vLLM's `return_token_ids`: each chunk's choice carries the ids it covers (a chunk whose
+    text is held back by the detokenizer still carries its id), so the ids add up to
+    exactly the answer: max_tokens of them with ignore_eos, the same as the full response's,
+    and the tokenizer decodes them to the streamed text."""
+    from transformers import AutoTokenizer
+
+    body = {
+        "model": model,
+        "messages": CHAT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    full = httpx.post(stack["url"] + "/v1/chat/completions", json=body, timeout=60).json()
+    ids, text = [], ""
+    with httpx.stream(
+        "POST", stack["url"] + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    ids += choice.get("token_ids") or []
+                    text += (choice.get("delta") or {}).get("content") or ""
+    assert len(ids) == 16 and ids == full["choices"][0]["token_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
 def test_openai_client_completions(openai_client, model):
     full = openai_client.completions.create(
         model=model,

@@ -173,9 +173,9 @@ def test_containers_services_and_probes_use_each_service_port(objects: list[dict
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= labels.items(), name
         if name == "gateway":
-            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
-            # Liveness must not follow /health: a gateway is alive while the scheduler is down.
-            assert c["livenessProbe"]["tcpSocket"]["port"] == port
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": port}
+            # Liveness must not follow readiness: a gateway is alive while the scheduler is down.
+            assert c["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": port}
             continue
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             grpc = c[probe]["grpc"]
