@@ -76,8 +76,9 @@ class ServeStack:
             **self.extra_env,
         }
         env.pop("ALISE_REDIS_URL", None)
-        # the internal plane's secret: given to the stack and kept here, so this process's
-        # gRPC channels (Stats, say) carry it
+        # the internal plane's secret: given to the stack and kept here while it runs, so this
+        # process's gRPC channels (Stats, say) carry it; __exit__ takes it back out
+        self._own_token = TOKEN_ENV not in os.environ
         os.environ.setdefault(TOKEN_ENV, generate_password())
         env[TOKEN_ENV] = os.environ[TOKEN_ENV]
         with open(self.out_path, "wb") as out:
@@ -152,6 +153,9 @@ class ServeStack:
         raise KeyError("ALISE_REDIS_URL not in the scheduler's environment")
 
     def __exit__(self, *exc: object) -> None:
+        if getattr(self, "_own_token", False):
+            os.environ.pop(TOKEN_ENV, None)  # later servers in this process check no token
+            self._own_token = False
         proc = self.process
         if proc is None or proc.poll() is not None:
             return
