@@ -13,12 +13,12 @@ median at B = 256.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from bench.bench_engine import _emit
 
 CONTEXT, BLOCK, MAX_LEN = 512, 16, 8192
 
@@ -83,11 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     result["batches"] = {b: time_prep(b, args.reps) for b in (1, 32, 256)}
     result["b256_ms"] = result["batches"][256]["median_ms"]
     result["cpu"] = os.cpu_count()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
+    return _emit(result, args.json)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
