@@ -263,7 +263,12 @@ async def test_abort_disconnect_resume_and_metrics(redis_server, executor):
             assert stats.aborted == 2 and stats.finished == 1
             assert stats.executors[0].free_device_blocks == stats.executors[0].num_device_blocks
         async with httpx.AsyncClient() as client:
-            text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+            # the gauges are refreshed every 0.2 s (SchedulerService._sweep): wait for one
+            for _ in range(50):
+                text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+                if "vllm:kv_cache_usage_perc{executor=" in text:
+                    break
+                await asyncio.sleep(0.1)
     for name in (
         "vllm:num_requests_waiting{model_name=",
         "vllm:num_requests_running{model_name=",
