@@ -7,6 +7,7 @@ volume (components/model, components/model-copy) is mounted read-only where it i
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,6 +27,10 @@ from tests.unit.test_k8s import (
     render,
     role,
     workloads,
+)
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (with kustomize) is not installed"
 )
 
 REGISTRY = "registry.example.com/team"
