@@ -118,7 +118,9 @@ def reference_run(
         if out.is_empty:
             break
         result = engine.step(out)
-        sched.update(StepOutcome(out.step_id, result.sampled, result.timings.total_s), now)
+        sched.update(
+            StepOutcome(out.step_id, result.sampled, result.timings.total_s, result.forecasts), now
+        )
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 

@@ -59,11 +59,27 @@ class SchedulerOutput:
         )
 
 
+@dataclass(frozen=True)
+class RemainingForecast:
+    """The served model's own estimate of how many more output tokens a running request will
+    produce, made by the executor's probe after the request had `generated` output tokens.
+    Quantiles are in tokens, counted from `generated`; `p_cap` is the probability that the
+    request runs until its `max_tokens` rather than ending on EOS or a stop."""
+
+    generated: int
+    q10: float
+    q50: float
+    q90: float
+    p_cap: float
+
+
 @dataclass
 class StepOutcome:
     step_id: int
     sampled: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (token, logprob)
     elapsed_s: float = 0.0
+    # request_id -> the probe's new forecast (only requests at a checkpoint this step)
+    forecasts: dict[str, RemainingForecast] = field(default_factory=dict)
 
 
 @dataclass

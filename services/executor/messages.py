@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.sampling import SamplingParams
+from services.common.step import RemainingForecast
 
 
 @dataclass
@@ -30,6 +31,8 @@ class StepOutput:
     top: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # top_logprobs rows
     # request_id -> (first prompt position, [(token, logprob, alternatives)]): prompt_logprobs
     prompt: dict[str, tuple[int, list]] = field(default_factory=dict)
+    # request_id -> the remaining-length probe's forecast (requests at a checkpoint this step)
+    forecasts: dict[str, RemainingForecast] = field(default_factory=dict)
 
 
 @dataclass

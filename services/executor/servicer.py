@@ -67,6 +67,11 @@ def result_to_pb(out: StepOutput) -> executor_pb2.StepResult:
         for sampled in pb.sampled:
             for tid, value in out.top.get(sampled.request_id, ()):
                 sampled.top.add(token_id=tid, logprob=value)
+    add_forecast = pb.forecasts.add
+    for rid, f in out.forecasts.items():
+        add_forecast(
+            request_id=rid, generated=f.generated, q10=f.q10, q50=f.q50, q90=f.q90, p_cap=f.p_cap
+        )
     for rid, (start, entries) in out.prompt.items():
         rows = pb.prompt_logprobs.add(request_id=rid, start=start)
         for tid, value, top in entries:

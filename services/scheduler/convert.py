@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from services.common import sampling_pb
 from services.common.pb import common_pb2, executor_pb2, scheduler_pb2
-from services.common.step import SchedulerOutput, StepOutcome
+from services.common.step import RemainingForecast, SchedulerOutput, StepOutcome
 from services.scheduler.core.request import Slo
 
 
@@ -49,11 +49,16 @@ def step_request(out: SchedulerOutput) -> executor_pb2.StepRequest:
 
 
 def step_outcome(result: executor_pb2.StepResult) -> StepOutcome:
-    """The core's view of a StepResult: sampled (token, logprob) per request, step time."""
+    """The core's view of a StepResult: sampled (token, logprob) per request, step time, and
+    the remaining-length forecasts made this step."""
     return StepOutcome(
         step_id=result.step_id,
         sampled={s.request_id: (s.token_id, s.logprob) for s in result.sampled},
         elapsed_s=result.timings.total_s,
+        forecasts={
+            f.request_id: RemainingForecast(f.generated, f.q10, f.q50, f.q90, f.p_cap)
+            for f in result.forecasts
+        },
     )
 
 

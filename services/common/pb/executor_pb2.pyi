@@ -128,20 +128,38 @@ class StepTimings(_message.Message):
     def __init__(self, forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., swap_wait_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "timings", "num_prefill_tokens", "num_decode_tokens", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled", "timings", "num_prefill_tokens", "num_decode_tokens", "prompt_logprobs", "forecasts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORECASTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     timings: StepTimings
     num_prefill_tokens: int
     num_decode_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    forecasts: _containers.RepeatedCompositeFieldContainer[RemainingForecast]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forecasts: _Optional[_Iterable[_Union[RemainingForecast, _Mapping]]] = ...) -> None: ...
+
+class RemainingForecast(_message.Message):
+    __slots__ = ("request_id", "generated", "q10", "q50", "q90", "p_cap")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    Q10_FIELD_NUMBER: _ClassVar[int]
+    Q50_FIELD_NUMBER: _ClassVar[int]
+    Q90_FIELD_NUMBER: _ClassVar[int]
+    P_CAP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generated: int
+    q10: float
+    q50: float
+    q90: float
+    p_cap: float
+    def __init__(self, request_id: _Optional[str] = ..., generated: _Optional[int] = ..., q10: _Optional[float] = ..., q50: _Optional[float] = ..., q90: _Optional[float] = ..., p_cap: _Optional[float] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("request_id", "start", "tokens")

@@ -44,7 +44,7 @@ def _request(item: TraceItem, tokenizer) -> Request:
 def _step(engine, sched, out, start: float) -> None:
     result = engine.step(out)
     sched.update(
-        StepOutcome(out.step_id, result.sampled, result.timings.total_s),
+        StepOutcome(out.step_id, result.sampled, result.timings.total_s, result.forecasts),
         time.perf_counter() - start,
     )
 
