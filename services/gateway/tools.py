@@ -99,14 +99,25 @@ def system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
+def _arguments(args: Any) -> Any:
+    """A past call's arguments as the template writes them: parsed when they are JSON, else the
+    string as sent (a model may have produced malformed JSON and the client echoes it back;
+    OpenAI's API accepts that too)."""
+    if not isinstance(args, str):
+        return args
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args
+
+
 def history_text(role: str, content: str, extra: dict[str, Any]) -> tuple[str, str]:
     """(role, text) of one message with its tool calls or tool result written out."""
     if role == "assistant" and extra.get("tool_calls"):
         calls = []
         for call in extra["tool_calls"]:
             fn = call.get("function") or {}
-            args = fn.get("arguments") or "{}"
-            args = json.loads(args) if isinstance(args, str) else args
+            args = _arguments(fn.get("arguments") or "{}")
             calls.append(json.dumps({"name": fn.get("name"), "arguments": args}))
         blocks = "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
         return role, (content + "\n" if content else "") + blocks

@@ -590,6 +590,14 @@ def test_tool_round_trip_renders_calls_and_results(stack, client):
     text = httpx.post(stack["url"] + "/detokenize", json={"tokens": rendered["tokens"]}).json()
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text["prompt"]
     assert '<tool_response>\n{"sky": "sunny", "temp_c": 24}\n</tool_response>' in text["prompt"]
+    # a call whose arguments are not JSON (a model can write that; clients echo it back) is
+    # rendered as sent, not refused with a 500
+    broken = [dict(history[1], tool_calls=[dict(history[1]["tool_calls"][0])])]
+    broken[0]["tool_calls"][0]["function"] = {"name": "get_weather", "arguments": '{"city": "Par'}
+    rendered = httpx.post(stack["url"] + "/tokenize", json={"messages": history[:1] + broken})
+    assert rendered.status_code == 200, rendered.text
+    text = httpx.post(stack["url"] + "/detokenize", json={"tokens": rendered.json()["tokens"]})
+    assert '"arguments": "{\\"city\\": \\"Par"}' in text.json()["prompt"]
     for bad, field in (
         ({"tools": [{"type": "function"}]}, "tools.0"),
         ({"tools": [WEATHER], "tool_choice": {"function": {"name": "nope"}}}, "tool_choice"),
