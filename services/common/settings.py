@@ -100,6 +100,12 @@ class ExecutorSettings(CommonSettings):
         description="auto = triton on CUDA; on CPU the compiled decode kernel (cpu) where it "
         "builds and the head dim is 64 or 128, else torch.",
     )
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant numerics: greedy output independent of batch composition, "
+        "chunking and preemption (CPU attention kernels, full-precision KV; see "
+        "docs/executor.md for its cost).",
+    )
     max_model_len: int = Field(0, ge=0, description="0 = the model's own maximum.")
     num_threads: int = Field(
         0, ge=0, description="torch intra-op threads (0 = all cores but one, at least 1)."

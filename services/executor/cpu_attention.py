@@ -14,7 +14,7 @@ from services.executor import cpu_kernels
 from services.executor.attention import TorchAttention
 from services.executor.int8_kv import Int8PagedKV
 from services.executor.kv_cache import PagedKV
-from services.executor.ragged_batch import Group
+from services.executor.ragged_batch import Group, StepBatch
 
 HEAD_DIMS = (64, 128)  # the head sizes the kernel is built for
 
@@ -30,6 +30,34 @@ class CpuAttention(TorchAttention):
     # fp32, 2 threads: 160 ms as one group against 168 ms split, mixed_context_decode in
     # bench/results/engine_kernel_split_decodes.json); prefill chunks still split by context
     split_decodes = False
+    # deterministic mode (batch_invariant.py): prefill chunk queries run the decode kernel too
+    deterministic = False
+
+    def prepare(self, batch: StepBatch) -> None:
+        if not self.deterministic:
+            super().prepare(batch)
+            return
+        for g in batch.groups:
+            if g.q_max > 1:  # each chunk query a "decode" over the keys up to its position
+                valid = g.q_valid
+                g.extra["q_rows"] = g.q_rows[valid]
+                g.extra["q_tables"] = g.tables.repeat_interleave(valid.sum(1), dim=0)
+                g.extra["q_lens"] = g.q_pos[valid] + 1
+
+    def _chunks(
+        self, layer: int, q: torch.Tensor, cache: PagedKV | Int8PagedKV, g: Group
+    ) -> torch.Tensor:
+        """Prefill chunks: SDPA over the padded group, or (deterministic) the decode kernel per
+        query, [Tg, H*D]."""
+        if not self.deterministic:
+            return super()._chunks(layer, q, cache, g)
+        assert isinstance(cache, PagedKV)
+        qg = q.index_select(0, g.extra["q_rows"])  # [Tg, H, D]
+        k, v = cache.tensors["k"][layer], cache.tensors["v"][layer]
+        o = cpu_kernels.paged_decode(
+            qg, k, v, g.extra["q_tables"], g.extra["q_lens"], self.scale
+        )
+        return o.view(qg.shape[0], self.h * self.d)
 
     def _prepare_decodes(self, g: Group) -> None:
         """The kernel reads each request's own context length: no mask to build."""

@@ -85,6 +85,7 @@ class Engine:
         profile_path: str | Path | None = None,
         runtime: RuntimeOptions | None = None,
         load_format: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -94,6 +95,9 @@ class Engine:
         self.kv_dtype, self.block_size = kv_dtype, block_size
         self.max_model_len = self._max_len(max_model_len)
         self.attn = make_attention(self.spec, attention_backend, self.device, self.dtype)
+        self.deterministic = deterministic
+        if deterministic:
+            self._make_deterministic(swap_compress)
         # padded query-key pairs one more attention group must save (batch.split_by_context),
         # set by the backend; None: one group per kind (decodes, prefill chunks)
         self.attention_group_cost: int | None = self.attn.group_cost
@@ -121,6 +125,16 @@ class Engine:
         self.owners = self.book.owners
         self._lock = threading.RLock()
         self._tables: dict[str, tuple[list[int], np.ndarray]] = {}  # _block_array's cache
+
+    def _make_deterministic(self, swap_compress: bool) -> None:
+        """Batch-invariant products and attention (batch_invariant.py), or ValueError."""
+        from services.executor import batch_invariant
+
+        batch_invariant.check_supported(
+            self.device, self.attn.name, self.kv_dtype, swap_compress
+        )
+        batch_invariant.make_deterministic(self.runner)
+        self.attn.deterministic = True  # type: ignore[union-attr]
 
     def _make_runtime(self, packed: bool, graphs: bool) -> DeviceRuntime | None:
         """The CUDA step path (also the packed path off CUDA, under Triton's interpreter);
@@ -203,6 +217,7 @@ class Engine:
             profile_path=settings.profile_path,
             runtime=runtime_options(settings),
             load_format=settings.load_format,
+            deterministic=settings.deterministic,
         )
 
     def _max_len(self, requested: int) -> int:
@@ -247,6 +262,7 @@ class Engine:
             "profile_json": self.profile_json(),
             "instance_id": self.instance_id,
             "attention_backend": self.attn.name,
+            "deterministic": self.deterministic,
             "gpu_memory": self.memory.as_dict() if self.memory else None,
             "cuda_graph_buckets": sorted(self.runtime.graphs.replays) if self.runtime else [],
         }

@@ -94,6 +94,7 @@ class LlamaRunner:
         # with contiguous q/k/v, SiLU-and-multiply; tests set it under the interpreter
         self.fused = device.type == "cuda"
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.linear = F.linear  # batch_invariant.tiled_linear in deterministic mode
 
     @staticmethod
     def _layer(state, i: int) -> LlamaLayer:
@@ -165,16 +166,16 @@ class LlamaRunner:
     ) -> torch.Tensor:
         s, t = self.spec, x.shape[0]
         h = rms_norm(x, layer.ln1, self.eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
+        qkv = self.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
         heads = s.num_heads + s.num_kv_heads
         qk = apply_rope(qkv[:, : heads * s.head_dim].view(t, heads, s.head_dim), *rope)
         q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = qkv[:, heads * s.head_dim :].view(t, s.num_kv_heads, s.head_dim)
         o = attn.forward(i, q, k, v, cache, batch)  # [T, H*D]
-        x = x + F.linear(o, layer.o)
+        x = x + self.linear(o, layer.o)
         h = rms_norm(x, layer.ln2, self.eps)
-        act = cpu_kernels.silu_and_mul(F.linear(h, layer.gate_up))  # [T, 2I] -> [T, I]
-        return x + F.linear(act, layer.down)
+        act = cpu_kernels.silu_and_mul(self.linear(h, layer.gate_up))  # [T, 2I] -> [T, I]
+        return x + self.linear(act, layer.down)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, V]."""

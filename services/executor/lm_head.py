@@ -25,9 +25,14 @@ class LmHead:
             if weight.device.type == "cpu" and weight.dtype == torch.float32
             else None
         )
+        self.tiled = False  # deterministic mode: fixed row tiles (batch_invariant.py)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]."""
+        if self.tiled:
+            from services.executor.batch_invariant import tiled_linear
+
+            return tiled_linear(hidden, self.weight).float()
         if self.transposed is not None and hidden.shape[0] <= SMALL_ROWS:
             return torch.mm(hidden, self.transposed)
         return F.linear(hidden, self.weight).float()

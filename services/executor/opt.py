@@ -59,6 +59,7 @@ class OptRunner:
         lm_head = take(state, "lm_head.weight", required=False)
         self.lm_head = self.embed if lm_head is None else lm_head
         self.head = LmHead(self.lm_head)
+        self.linear = F.linear  # batch_invariant.tiled_linear in deterministic mode
         self.layers = [self._layer(state, f"{d}layers.{i}.") for i in range(spec.num_layers)]
 
     @staticmethod
@@ -90,12 +91,12 @@ class OptRunner:
         s = self.spec
         x = F.embedding(batch.token_ids, self.embed)  # [T, E_in]
         if self.project_in is not None:
-            x = F.linear(x, self.project_in)
+            x = self.linear(x, self.project_in)
         x = x + F.embedding(batch.positions + POSITION_OFFSET, self.pos_embed)  # [T, E]
         t = x.shape[0]
         for i, ly in enumerate(self.layers):
             h = self._ln(x, ly.ln1_w, ly.ln1_b) if self.pre_norm else x
-            q, k, v = F.linear(h, ly.qkv, ly.qkv_bias).chunk(3, dim=-1)  # [T, E] each
+            q, k, v = self.linear(h, ly.qkv, ly.qkv_bias).chunk(3, dim=-1)  # [T, E] each
             o = attn.forward(
                 i,
                 q.view(t, s.num_heads, s.head_dim),
@@ -104,18 +105,18 @@ class OptRunner:
                 cache,
                 batch,
             )
-            x = x + F.linear(o, ly.out, ly.out_bias)
+            x = x + self.linear(o, ly.out, ly.out_bias)
             if not self.pre_norm:
                 x = self._ln(x, ly.ln1_w, ly.ln1_b)
             h = self._ln(x, ly.ln2_w, ly.ln2_b) if self.pre_norm else x
-            h = F.linear(self.act(F.linear(h, ly.fc1, ly.fc1_bias)), ly.fc2, ly.fc2_bias)
+            h = self.linear(self.act(self.linear(h, ly.fc1, ly.fc1_bias)), ly.fc2, ly.fc2_bias)
             x = x + h
             if not self.pre_norm:
                 x = self._ln(x, ly.ln2_w, ly.ln2_b)
         if self.final_w is not None:
             x = self._ln(x, self.final_w, self.final_b)
         if self.project_out is not None:
-            x = F.linear(x, self.project_out)
+            x = self.linear(x, self.project_out)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
