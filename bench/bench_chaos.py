@@ -11,8 +11,9 @@ Per request two checks. First, the token-exact invariant, which needs no identic
 the token ids the client received (`return_token_ids`) must equal the scheduler's committed
 output for that request, read from Redis afterwards (none repeated, none missing, none after
 the end; a request that ended in an error received a prefix of it). Second, the stronger one,
-binding only with `--dtype fp32` (bf16 greedy depends on the batch's composition): the text
-is compared with the reference run's: intact, a clean error (an HTTP error or an SSE error
+binding only with `--dtype fp32` or `--deterministic` (otherwise bf16 greedy depends on the
+batch's composition; `--deterministic` also runs the reference twice and compares the two): the
+text is compared with the reference run's: intact, a clean error (an HTTP error or an SSE error
 event; the design allows one only where a request's state is lost), or corrupted (a
 different text without an error). `--topology serve` runs the exact `alise serve` stack,
 where only the launcher restarts what dies (Redis included). After the run
@@ -337,6 +338,8 @@ def make_stack(args: argparse.Namespace, run_dir: Path):
     }
     if args.dtype:
         env["ALISE_DTYPE"] = args.dtype
+    if args.deterministic:
+        env["ALISE_DETERMINISTIC"] = "true"
     if args.topology == "serve":
         from lab.launcher.serve_stack import ServeStack
 
@@ -365,6 +368,7 @@ def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
         started = time.monotonic()
         reference = run()
         duration = time.monotonic() - started
+        repeat = run() if args.deterministic else None  # a second undisturbed run
         kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
         kinds = tuple(k for k in kinds if not (args.no_predictor and k.startswith("predictor")))
         faults = fault_schedule(args.faults, duration, args.seed, kinds)
@@ -388,6 +392,14 @@ def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
         "unverifiable": tokens.unverifiable,
         "reference_violations": ref_tokens.violations,
     }
+    if repeat is not None:
+        again = compare(repeat, reference)
+        out["repeat"] = {
+            "intact": again.intact,
+            "errors": again.clean_errors,
+            "different": again.corrupted,
+            "different_ids": again.corrupted_ids[:20],
+        }
     return out
 
 
@@ -403,6 +415,7 @@ def summary(args, reference, outcomes, faults, tally, left, errors, duration) ->
         "seed": args.seed,
         "topology": args.topology,
         "dtype": args.dtype or "auto",
+        "deterministic": args.deterministic,
         "reference_errors": sum(1 for r in reference if r.error),
         "reference_run_s": round(duration, 1),
         "faults": per_kind,
@@ -439,6 +452,8 @@ def print_table(out: dict) -> None:
         f"{out['clean_errors']}  corrupted (duplicate/missing tokens): {out['corrupted']}"
     )
     print(f"token-exact vs the scheduler's committed output: {out['token_exact']}")
+    if "repeat" in out:
+        print(f"second undisturbed run vs the first: {out['repeat']}")
     print(f"leaked: {out['leaked']}")
     print(f"p99 added latency per fault kind (s): {out['p99_added_latency_s']}")
     print(f"added latency, all requests (s): {out['added_latency_s']}")
@@ -455,8 +470,10 @@ def _run(args: argparse.Namespace) -> int:
         and tokens["reference_violations"] == 0
         and out["reference_errors"] == 0
         and not any(out["leaked"].values())
-        # the text comparison binds only where recomputation is bit-exact (fp32 on CPU)
-        and (out["corrupted"] == 0 or out["dtype"] != "fp32")
+        # the text comparison binds where recomputation is bit-exact: fp32 on CPU, or
+        # deterministic mode (whose second undisturbed run must match the first too)
+        and (out["corrupted"] == 0 or not (out["dtype"] == "fp32" or out["deterministic"]))
+        and out.get("repeat", {}).get("intact", args.requests) == args.requests
     )
     return 0 if ok else 1
 
@@ -483,6 +500,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dtype",
         default="fp32",
         help="ALISE_DTYPE of the executors (the text comparison needs fp32 on CPU; '' = auto)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="ALISE_DETERMINISTIC executors: the reference runs twice, and both texts checks "
+        "bind in any dtype",
     )
     p.add_argument(
         "--kinds", default="", help=f"comma-separated fault kinds (default all: {','.join(KINDS)})"

@@ -57,10 +57,12 @@ def tiled_linear(
 def make_deterministic(runner: ModelRunner) -> None:
     """Switch a model runner's products (layers and LM head) to fixed row tiles."""
     runner.linear = tiled_linear
-    runner.head.tiled = True
+    runner.head.product = tiled_linear
 
 
-def check_supported(device: torch.device, attention: str, kv_dtype: str, swap_compress: bool):
+def check_supported(
+    device: torch.device, attention: str, kv_dtype: str, swap_compress: bool
+) -> None:
     """ValueError naming what deterministic mode cannot cover in this configuration."""
     if device.type != "cpu":
         raise ValueError(

@@ -54,9 +54,7 @@ class CpuAttention(TorchAttention):
         assert isinstance(cache, PagedKV)
         qg = q.index_select(0, g.extra["q_rows"])  # [Tg, H, D]
         k, v = cache.tensors["k"][layer], cache.tensors["v"][layer]
-        o = cpu_kernels.paged_decode(
-            qg, k, v, g.extra["q_tables"], g.extra["q_lens"], self.scale
-        )
+        o = cpu_kernels.paged_decode(qg, k, v, g.extra["q_tables"], g.extra["q_lens"], self.scale)
         return o.view(qg.shape[0], self.h * self.d)
 
     def _prepare_decodes(self, g: Group) -> None:

@@ -130,9 +130,7 @@ class Engine:
         """Batch-invariant products and attention (batch_invariant.py), or ValueError."""
         from services.executor import batch_invariant
 
-        batch_invariant.check_supported(
-            self.device, self.attn.name, self.kv_dtype, swap_compress
-        )
+        batch_invariant.check_supported(self.device, self.attn.name, self.kv_dtype, swap_compress)
         batch_invariant.make_deterministic(self.runner)
         self.attn.deterministic = True  # type: ignore[union-attr]
 

@@ -10,6 +10,8 @@ decoder layers' weights fit in cache and show no such difference, so only the he
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,14 +27,13 @@ class LmHead:
             if weight.device.type == "cpu" and weight.dtype == torch.float32
             else None
         )
-        self.tiled = False  # deterministic mode: fixed row tiles (batch_invariant.py)
+        # deterministic mode: batch_invariant.tiled_linear (fixed row tiles)
+        self.product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]."""
-        if self.tiled:
-            from services.executor.batch_invariant import tiled_linear
-
-            return tiled_linear(hidden, self.weight).float()
+        if self.product is not None:
+            return self.product(hidden, self.weight).float()
         if self.transposed is not None and hidden.shape[0] <= SMALL_ROWS:
             return torch.mm(hidden, self.transposed)
         return F.linear(hidden, self.weight).float()
