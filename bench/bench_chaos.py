@@ -338,7 +338,7 @@ def make_stack(args: argparse.Namespace, run_dir: Path):
     }
     if args.dtype:
         env["ALISE_DTYPE"] = args.dtype
-    if args.deterministic:
+    if getattr(args, "deterministic", False):
         env["ALISE_DETERMINISTIC"] = "true"
     if args.topology == "serve":
         from lab.launcher.serve_stack import ServeStack
@@ -368,7 +368,7 @@ def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
         started = time.monotonic()
         reference = run()
         duration = time.monotonic() - started
-        repeat = run() if args.deterministic else None  # a second undisturbed run
+        repeat = run() if getattr(args, "deterministic", False) else None  # a second undisturbed run
         kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
         kinds = tuple(k for k in kinds if not (args.no_predictor and k.startswith("predictor")))
         faults = fault_schedule(args.faults, duration, args.seed, kinds)
@@ -415,7 +415,7 @@ def summary(args, reference, outcomes, faults, tally, left, errors, duration) ->
         "seed": args.seed,
         "topology": args.topology,
         "dtype": args.dtype or "auto",
-        "deterministic": args.deterministic,
+        "deterministic": getattr(args, "deterministic", False),
         "reference_errors": sum(1 for r in reference if r.error),
         "reference_run_s": round(duration, 1),
         "faults": per_kind,
