@@ -368,7 +368,9 @@ def chaos(args: argparse.Namespace, run_dir: Path) -> dict:
         started = time.monotonic()
         reference = run()
         duration = time.monotonic() - started
-        repeat = run() if getattr(args, "deterministic", False) else None  # a second undisturbed run
+        repeat = (
+            run() if getattr(args, "deterministic", False) else None
+        )  # a second undisturbed run
         kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
         kinds = tuple(k for k in kinds if not (args.no_predictor and k.startswith("predictor")))
         faults = fault_schedule(args.faults, duration, args.seed, kinds)
