@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
 .PHONY: setup run test test-gpu gpu-check lint proto clean-venv k8s-check base-image images \
-	image-cpu image-executor test-containers
+	image-cpu image-executor test-containers k8s-server-check
 
 setup: $(STAMP)
 
@@ -68,7 +68,8 @@ clean-venv:
 	rm -rf $(VENV)
 
 # Render the Kubernetes overlays, validate every object against the 1.32 schemas and run
-# checkov, with both tools in a venv of their own (deploy/k8s, docs/kubernetes.md).
+# checkov, with both tools in a venv of their own (deploy/k8s, docs/kubernetes.md); then, where
+# kube-apiserver and etcd are at hand, apply them to a real API server (k8s-server-check).
 K8S_VENV := .venv-k8s
 k8s-check:
 	test -x $(K8S_VENV)/bin/checkov || ($(PY) -m venv $(K8S_VENV) && \
@@ -79,6 +80,23 @@ k8s-check:
 		$(K8S_VENV)/bin/checkov --quiet --compact --skip-download -f $(K8S_VENV)/$$o.yaml --framework kubernetes \
 			|| exit 1; \
 	done
+	if $(K8S_VENV)/bin/python -c 'import sys; from lab.k8s_apiserver import missing_binaries as m; sys.exit(bool(m()))'; \
+	then $(K8S_VENV)/bin/python -m lab.k8s_check > $(K8S_VENV)/server-check.json || \
+		{ cat $(K8S_VENV)/server-check.json; exit 1; }; \
+	else echo "k8s-check: no API server check (make k8s-server-check says what is missing)"; fi
+
+# Every overlay applied to a real kube-apiserver with etcd on loopback (lab/k8s_check.py,
+# docs/kubernetes.md "Checks"): server-side dry run, apply, re-apply, the pods under Pod
+# Security and RuntimeClass admission, the upgrade paths between overlays. Needs a Kubernetes
+# 1.32 kube-apiserver ($$KUBE_APISERVER, PATH or ~/.cache/alise-k8s/bin; nothing downloads it)
+# and etcd (Debian's etcd-server, installed here when missing and we are root).
+k8s-server-check:
+	@if ! command -v etcd >/dev/null && [ -z "$$ETCD" ] && [ "$$(id -u)" = 0 ] && \
+	    command -v apt-get >/dev/null; then apt-get install -y -q etcd-server; fi
+	test -x $(K8S_VENV)/bin/python || $(PY) -m venv $(K8S_VENV)
+	$(K8S_VENV)/bin/python -c 'import yaml' 2>/dev/null || \
+		$(K8S_VENV)/bin/pip install --disable-pip-version-check -q pyyaml
+	$(K8S_VENV)/bin/python -m lab.k8s_check
 
 # Container images, with podman (or docker). `make images` builds on the official bases;
 # `make images LOCAL=1` builds on a Debian base bootstrapped here (`make base-image`, no
