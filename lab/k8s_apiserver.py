@@ -18,6 +18,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -120,11 +121,11 @@ def apiserver_args(workdir: Path, etcd_url: str, port: int) -> list[str]:
     ]
 
 
-def etcd_args(workdir: Path, client: int, peer: int) -> list[str]:
+def etcd_args(data: Path, client: int, peer: int) -> list[str]:
     client_url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     return [
         "--name=check",
-        f"--data-dir={workdir / 'etcd'}",
+        f"--data-dir={data}",
         f"--listen-client-urls={client_url}",
         f"--advertise-client-urls={client_url}",
         f"--listen-peer-urls={peer_url}",
@@ -200,8 +201,11 @@ def api_server(workdir: Path) -> Iterator[ApiServer]:
     (workdir / "tokens.csv").write_text(f'{token},alise-check,alise-check,"system:masters"\n')
     client, peer, port = free_port(), free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
+    # etcd syncs every write to disk: in memory (/dev/shm) where there is one, as CI runs do
+    shm = Path("/dev/shm")
+    data = Path(tempfile.mkdtemp(prefix="alise-etcd-", dir=shm if shm.is_dir() else workdir))
     try:
-        etcd = _start("etcd", etcd_args(workdir, client, peer), workdir / "etcd.log")
+        etcd = _start("etcd", etcd_args(data, client, peer), workdir / "etcd.log")
         procs.append(etcd)
         wait_until(f"http://127.0.0.1:{client}/health", etcd, None)
         args = apiserver_args(workdir, f"http://127.0.0.1:{client}", port)
@@ -214,3 +218,4 @@ def api_server(workdir: Path) -> Iterator[ApiServer]:
     finally:
         for proc in reversed(procs):
             _stop(proc)
+        shutil.rmtree(data, ignore_errors=True)

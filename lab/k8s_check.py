@@ -45,7 +45,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 # (from, to, objects the server must refuse to change in place, remedy: delete them first)
 UPGRADES: tuple[tuple[str, str, frozenset[str], bool], ...] = (
     ("cpu", "gpu", frozenset(), False),
-    ("gpu", "gpu-shards", frozenset({"statefulset.apps/scheduler"}), True),
+    ("gpu", "gpu-shards", frozenset({"statefulset/scheduler"}), True),
     ("gpu", "gpu-model-copy", frozenset({"persistentvolumeclaim/alise-model"}), False),
 )
 WORKLOADS = ("Deployment", "StatefulSet")
@@ -135,20 +135,48 @@ def refused(errors: list[str]) -> set[str]:
 def prepare_namespace(server: ApiServer, docs: list[dict[str, Any]]) -> None:
     """The namespace with its `default` ServiceAccount, as the controller manager makes it."""
     (namespace,) = [d for d in docs if d["kind"] == "Namespace"]
-    server.kubectl("apply", "-f", "-", stdin=dump([namespace]))
     name = namespace["metadata"]["name"]
-    server.kubectl("create", "serviceaccount", "default", "-n", name)
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "default", "namespace": name},
+    }
+    server.kubectl("apply", "-f", "-", stdin=dump([namespace, account]))
+
+
+def reference(doc: dict[str, Any]) -> str:
+    """`kind.group/name`, as kubectl names an object."""
+    group = doc["apiVersion"].rpartition("/")[0]
+    return f"{doc['kind'].lower()}{'.' + group if group else ''}/{doc['metadata']['name']}"
+
+
+def versions(server: ApiServer, docs: list[dict[str, Any]], namespace: str) -> dict[str, str]:
+    """Each object's resourceVersion on the server (it changes with every write)."""
+    refs = [reference(d) for d in docs if d["kind"] != "Namespace"]
+    items = json.loads(server.kubectl("get", "-n", namespace, "-o", "json", *refs).stdout)
+    return {
+        f"{i['kind']}/{i['metadata']['name']}": i["metadata"]["resourceVersion"]
+        for i in items["items"]
+    }
 
 
 def apply_fresh(server: ApiServer, docs: list[dict[str, Any]]) -> dict[str, Any]:
     """Dry run, apply, apply again and the workloads' pods; the report, with its failures."""
     prepare_namespace(server, docs)
+    (namespace,) = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
     manifest = dump(docs)
     report: dict[str, Any] = {"objects": len(docs)}
+    report["unplaced"] = [
+        reference(d) for d in docs if d["kind"] != "Namespace" and "namespace" not in d["metadata"]
+    ]
     dry_run = server.kubectl("apply", "--dry-run=server", "-f", "-", stdin=manifest, check=False)
     report["dry_run"] = outcome(dry_run)
     report["apply"] = outcome(server.kubectl("apply", "-f", "-", stdin=manifest, check=False))
+    before = versions(server, docs, namespace)
     report["reapply"] = outcome(server.kubectl("apply", "-f", "-", stdin=manifest, check=False))
+    after = versions(server, docs, namespace)
+    report["rewritten"] = sorted(k for k in after if before.get(k) != after[k])
+    report["on_server"] = len(after)
     pods = [pod_of(d) for d in docs if d["kind"] in WORKLOADS]
     pod_run = server.kubectl("create", "--dry-run=server", "-f", "-", stdin=dump(pods), check=False)
     report["pods"] = outcome(pod_run)
@@ -157,21 +185,25 @@ def apply_fresh(server: ApiServer, docs: list[dict[str, Any]]) -> dict[str, Any]
 
 
 def fresh_failures(report: dict[str, Any], pods: int) -> list[str]:
-    failures = []
+    failures = [f"no namespace (lands in kubectl's current one): {r}" for r in report["unplaced"]]
+    failures += [f"a second apply rewrote {r}" for r in report["rewritten"]]
+    if report["on_server"] != report["objects"] - 1:
+        failures.append(f"{report['on_server']} objects found, {report['objects'] - 1} applied")
     for step in ("dry_run", "apply", "reapply", "pods"):
         result = report[step]
         failures += [f"{step}: {line}" for line in result["errors"] + result["warnings"]]
         if result["rc"] != 0 and not result["errors"]:
             failures.append(f"{step}: kubectl exited with {result['rc']}")
+    # the namespace exists before (prepare_namespace): every other object is new
+    created = report["objects"] - 1
     expected = {
-        "dry_run": ("created", report["objects"]),
-        "apply": ("created", report["objects"]),
-        "reapply": ("unchanged", report["objects"]),
-        "pods": ("created", pods),
+        "dry_run": {"created": created, "unchanged": 1},
+        "apply": {"created": created, "unchanged": 1},
+        "pods": {"created": pods},
     }
-    for step, (verb, count) in expected.items():
-        if report[step]["verbs"] != {verb: count}:
-            failures.append(f"{step}: {report[step]['verbs']}, expected {count} {verb}")
+    for step, verbs in expected.items():
+        if report[step]["verbs"] != verbs:
+            failures.append(f"{step}: {report[step]['verbs']}, expected {verbs}")
     return failures
 
 

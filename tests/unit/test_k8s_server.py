@@ -55,7 +55,7 @@ def test_upgrades_are_refused_where_kubernetes_forbids_the_change(report: dict[s
     assert upgrades["cpu -> gpu"]["refused"] == []
     # gpu-shards labels shard 0's selector: delete the StatefulSet first (docs/kubernetes.md)
     shards = upgrades["gpu -> gpu-shards"]
-    assert shards["refused"] == ["statefulset.apps/scheduler"]
+    assert shards["refused"] == ["statefulset/scheduler"]
     assert "Forbidden" in shards["errors"][0]
     assert shards["after_delete"].get("created") == 1, shards
     # model-copy turns the model claim ReadWriteMany: a claim's access modes are immutable
