@@ -56,12 +56,23 @@ class ApiServer:
     kubeconfig: Path
     workdir: Path
 
+    @property
+    def cache(self) -> Path:
+        return self.workdir / "kube-cache"
+
     def kubectl(
         self, *args: str, stdin: str | None = None, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         """kubectl against this server; raises with kubectl's stderr when `check` and it fails."""
         done = subprocess.run(
-            ["kubectl", "--kubeconfig", str(self.kubeconfig), *args],
+            [
+                "kubectl",
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--cache-dir",
+                str(self.cache),
+                *args,
+            ],
             input=stdin,
             capture_output=True,
             text=True,

@@ -91,6 +91,20 @@ def test_every_image_follows_the_images_list(overlay: str, tmp_path: Path) -> No
     assert images[("qdrant", "qdrant")].startswith("qdrant/qdrant:v1.")
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_names_the_namespace(overlay: str, tmp_path: Path) -> None:
+    """Shipped and with a user's overlay adding the model components: every object but the
+    Namespace names `alise` (an object without a namespace lands in kubectl's current one, as
+    the model claim of the gpu overlay once did, away from the pods that mount it)."""
+    for objects in (render(overlay), render_custom(tmp_path, overlay, EXTRA[overlay])):
+        elsewhere = [
+            (o["kind"], o["metadata"]["name"])
+            for o in objects
+            if o["kind"] != "Namespace" and o["metadata"].get("namespace") != "alise"
+        ]
+        assert elsewhere == []
+
+
 def test_the_gateway_drains_longer_than_it_resumes_within_its_grace_period() -> None:
     """A rollout or scale-down: the pod leaves the endpoints during preStop, then open streams
     run for ALISE_DRAIN_S (at least ALISE_RESUME_TIMEOUT_S, how long a stream may wait for a

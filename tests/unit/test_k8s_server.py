@@ -19,10 +19,13 @@ import pytest
 from lab.k8s_apiserver import ApiServer, api_server, missing_binaries
 from lab.k8s_check import UPGRADES, VARIANTS, dump, pod_of, render, retarget, run_check
 
-pytestmark = pytest.mark.skipif(
-    bool(missing_binaries()),
-    reason=f"no API server to apply to: {', '.join(missing_binaries())} missing",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        bool(missing_binaries()),
+        reason=f"no API server to apply to: {', '.join(missing_binaries())} missing",
+    ),
+    pytest.mark.slow,  # ~30 s of CPU time, 66 s on the shared development machine
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +44,16 @@ def test_every_overlay_applies_to_a_real_api_server(report: dict[str, Any]) -> N
     assert report["failures"] == 0, json.dumps(report, indent=1)
     assert set(report["overlays"]) == set(VARIANTS)
     for name, overlay in report["overlays"].items():
-        objects = overlay["objects"]
-        assert objects >= 24, name
-        assert overlay["dry_run"]["verbs"] == {"created": objects}, name
-        assert overlay["apply"]["verbs"] == {"created": objects}, name
-        assert overlay["reapply"]["verbs"] == {"unchanged": objects}, name
+        objects = overlay["objects"]  # the namespace first (made beforehand), then the rest
+        assert objects >= 28, name
+        created = {"created": objects - 1, "unchanged": 1}
+        assert overlay["dry_run"]["verbs"] == created, name
+        assert overlay["apply"]["verbs"] == created, name
+        assert overlay["on_server"] == objects - 1, name
+        # kubectl reports a few objects "configured" on every apply (the Secret's stringData,
+        # StatefulSets' claim templates, ...), but a second apply writes nothing
+        assert overlay["rewritten"] == [], name
+        assert overlay["unplaced"] == [], name
         assert overlay["pods"]["verbs"]["created"] >= 6, name
 
 
