@@ -44,6 +44,16 @@ def missing_binaries() -> list[str]:
     return names + [t for t in ("kubectl", "openssl") if shutil.which(t) is None]
 
 
+def tool_versions() -> dict[str, str]:
+    """etcd's and kubectl's versions, for the check's report."""
+    etcd = subprocess.run([str(find_binary("etcd")), "--version"], capture_output=True, text=True)
+    kubectl = subprocess.run(["kubectl", "version", "--client", "-o", "json"], capture_output=True)
+    return {
+        "etcd": etcd.stdout.split("\n")[0].removeprefix("etcd Version: "),
+        "kubectl": json.loads(kubectl.stdout)["clientVersion"]["gitVersion"],
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from lab.k8s_apiserver import ApiServer, api_server, missing_binaries
+from lab.k8s_apiserver import ApiServer, api_server, missing_binaries, tool_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -163,9 +163,10 @@ def versions(server: ApiServer, docs: list[dict[str, Any]], namespace: str) -> d
 def apply_fresh(server: ApiServer, docs: list[dict[str, Any]]) -> dict[str, Any]:
     """Dry run, apply, apply again and the workloads' pods; the report, with its failures."""
     prepare_namespace(server, docs)
-    (namespace,) = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
-    manifest = dump(docs)
+    (meta,) = [d["metadata"] for d in docs if d["kind"] == "Namespace"]
+    namespace, manifest = meta["name"], dump(docs)
     report: dict[str, Any] = {"objects": len(docs)}
+    report["pod_security"] = meta.get("labels", {}).get("pod-security.kubernetes.io/enforce")
     report["unplaced"] = [
         reference(d) for d in docs if d["kind"] != "Namespace" and "namespace" not in d["metadata"]
     ]
@@ -187,6 +188,8 @@ def apply_fresh(server: ApiServer, docs: list[dict[str, Any]]) -> dict[str, Any]
 def fresh_failures(report: dict[str, Any], pods: int) -> list[str]:
     failures = [f"no namespace (lands in kubectl's current one): {r}" for r in report["unplaced"]]
     failures += [f"a second apply rewrote {r}" for r in report["rewritten"]]
+    if report["pod_security"] != "restricted":
+        failures.append(f"the namespace enforces {report['pod_security']}, not restricted")
     if report["on_server"] != report["objects"] - 1:
         failures.append(f"{report['on_server']} objects found, {report['objects'] - 1} applied")
     for step in ("dry_run", "apply", "reapply", "pods"):
@@ -272,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="alise-k8s-") as tmp, api_server(Path(tmp)) as server:
         report = run_check(server)
     report["seconds_with_startup"] = round(time.monotonic() - started, 1)
+    report.update(tool_versions(), date=time.strftime("%Y-%m-%d"), cpus=os.cpu_count())
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
