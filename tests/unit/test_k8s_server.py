@@ -24,7 +24,7 @@ pytestmark = [
         bool(missing_binaries()),
         reason=f"no API server to apply to: {', '.join(missing_binaries())} missing",
     ),
-    pytest.mark.slow,  # ~30 s of CPU time, 66 s on the shared development machine
+    pytest.mark.slow,  # ~30 s of CPU time; 40-70 s on the shared development machine
 ]
 
 
