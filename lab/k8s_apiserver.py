@@ -3,9 +3,9 @@ kube-apiserver started in a temporary directory (a generated CA and serving cert
 service-account signing key, one static token in `system:masters`, RBAC, the default
 admission plugins with PodSecurity and RuntimeClass), and a kubeconfig for kubectl.
 
-`python -m lab.k8s_apiserver` (`make k8s-server-check`) applies every overlay of deploy/k8s to
-it (lab/k8s_check.py). The binaries are looked up in $KUBE_APISERVER and $ETCD, then on PATH,
-then in ~/.cache/alise-k8s/bin; nothing is downloaded.
+lab/k8s_check.py (`make k8s-server-check`) applies every overlay of deploy/k8s to it. The
+binaries are looked up in $KUBE_APISERVER and $ETCD, then on PATH, then in
+~/.cache/alise-k8s/bin; nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def outcome(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 
 def refused(errors: list[str]) -> set[str]:
-    """`kind.group/name` of each object an apply's errors name."""
+    """`kind/name` (lower case) of each object an apply's errors name."""
     names = set()
     for error in errors:
         names.update(f"{kind}/{name}".lower() for kind, name in _REFUSED.findall(error))
