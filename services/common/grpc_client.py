@@ -58,6 +58,9 @@ _SCHEMES = ("unix:", "ipv4:", "ipv6:", "dns:")
 # Initial metadata a scheduler sends when it accepts a Generate (or a re-attach): a call that
 # fails after it was accepted is resumed, one that fails before is submitted again.
 ACCEPTED_KEY = "alise-accepted"
+# Initial metadata of a scheduler's Subscribe stream: the subscription is open (Generate
+# calls may name it from then on).
+SUBSCRIBED_KEY = "alise-subscribed"
 # The scheduler's gRPC service: its health is SERVING only on the leading scheduler (a standby
 # reports the overall status "" SERVING).
 SCHEDULER_SERVICE = "alise.v1.Scheduler"

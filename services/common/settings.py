@@ -341,6 +341,12 @@ class GatewaySettings(CommonSettings):
         description="When a scheduler's stream breaks, keep re-attaching (with backoff) for "
         "this long before the client gets an error.",
     )
+    batch_events: bool = Field(
+        True,
+        description="Receive token events on one Subscribe stream per scheduler, batched (one "
+        "message per scheduler commit for all this gateway's requests); false: one Generate "
+        "stream message per token.",
+    )
     drain_s: float = Field(
         5.0,
         ge=0,

@@ -236,7 +236,11 @@ class Generation:
         waiter.add_done_callback(_consume)
         await asyncio.wait([waiter], timeout=timeout_s)
         if not call.done() or await call.code() == grpc.StatusCode.OK:
-            self.call, self.scheduler_index = call, index
+            previous, self.call, self.scheduler_index = self.call, call, index
+            if previous is not None and not previous.done():
+                # still open (a batched call whose subscription broke): cancelled only now
+                # that the new one counts as the request's reader, so nothing is aborted
+                previous.cancel()
             return None, fresh
         code = await call.code()
         error = _call_error(code, await call.details(), await call.trailing_metadata())

@@ -28,6 +28,7 @@ from services.common.grpc_client import (
     check_health,
 )
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.events import EventMux
 
 if TYPE_CHECKING:
     from services.common.settings import GatewaySettings
@@ -72,6 +73,7 @@ class SchedulerGroup:
             for address in self.addresses
         ]
         self.stubs = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in self.channels]
+        self.muxes = [EventMux(stub) for stub in self.stubs]  # batched events, per scheduler
         self.leader = 0  # index of the scheduler believed to lead
         self.load = Load()
 
@@ -79,12 +81,18 @@ class SchedulerGroup:
     def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         return self.stubs[self.leader]
 
+    @property
+    def mux(self) -> EventMux:
+        return self.muxes[self.leader]
+
     def failover(self, failed: int) -> None:
         """The scheduler at index `failed` is down or stands by: try the next one."""
         if self.leader == failed:
             self.leader = (failed + 1) % len(self.stubs)
 
     async def close(self) -> None:
+        for mux in self.muxes:
+            await mux.close()
         for channel in self.channels:
             await channel.close()
 

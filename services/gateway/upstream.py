@@ -22,13 +22,16 @@ import grpc
 from services.common.grpc_client import aio_channel, check_health
 from services.common.pb import common_pb2, predictor_pb2, predictor_pb2_grpc, scheduler_pb2
 from services.common.settings import GatewaySettings
+from services.gateway.events import BatchedCall
 from services.gateway.shards import REFRESH_S, SchedulerGroup, pick, shard_addresses
 
 if TYPE_CHECKING:
-    # The Generate stream: an async iterator of TokenEvents, with .cancel().
-    GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall[
-        scheduler_pb2.GenerateRequest, scheduler_pb2.TokenEvent
-    ]
+    # The Generate stream: an async iterator of TokenEvents, with .cancel() (or its batched
+    # stand-in, services/gateway/events.py).
+    GenerateCall: TypeAlias = (
+        grpc.aio.UnaryStreamCall[scheduler_pb2.GenerateRequest, scheduler_pb2.TokenEvent]
+        | BatchedCall
+    )
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +132,11 @@ class Upstream:
         timeout_s: float | None = None,
     ) -> tuple[GenerateCall, int]:
         """Start a Generate stream on the shard's current scheduler: (the call, that
-        scheduler's index). The call is an async iterator of TokenEvent with .cancel()."""
+        scheduler's index). The call is an async iterator of TokenEvent with .cancel(); with
+        `batch_events` its events come on the gateway's subscription to that scheduler."""
         timeout = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        if self.settings.batch_events:
+            return BatchedCall(group.mux, group.stub, request, timeout), group.leader
         return group.stub.Generate(request, timeout=timeout), group.leader
 
     def abort(self, group: SchedulerGroup, request_id: str) -> asyncio.Task[None]:

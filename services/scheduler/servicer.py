@@ -1,4 +1,5 @@
-"""gRPC Scheduler servicer: Generate (submit or re-attach, then stream), Abort, Stats.
+"""gRPC Scheduler servicer: Generate (submit or re-attach, then stream), Subscribe (one
+batched event stream per client connection, subscriptions.py), Abort, Stats.
 
 Thin: validate -> service -> stream. Errors are raised as exceptions and mapped to status codes
 by the shared interceptor (ValueError / ServiceError(INVALID_ARGUMENT) -> INVALID_ARGUMENT).
@@ -12,12 +13,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.common.grpc_client import ACCEPTED_KEY
+from services.common.grpc_client import ACCEPTED_KEY, SUBSCRIBED_KEY
 from services.common.grpc_server import ServiceError, invalid
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.convert import usage_pb
 from services.scheduler.lease import NOT_LEADER
 from services.scheduler.streams import RequestStream, final_event
+from services.scheduler.subscriptions import Subscription, Subscriptions
 from services.scheduler.validation import request_from_pb, request_id_of
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self, leadership: Leadership | None = None) -> None:
         self.leadership = leadership
+        self.subscriptions = Subscriptions()
 
     @property
     def service(self) -> SchedulerService:
@@ -47,7 +50,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         service = self.service
+        subscription = self._subscription(request)
         stream, start = await self._open(service, request)
+        if subscription is not None:
+            await _deliver(service, subscription, stream, start, context)
+            return
         # Accepted: tell the client now (headers), so it can start its response before the
         # first token while refusals above stay proper status codes.
         await context.send_initial_metadata(((ACCEPTED_KEY, stream.request_id),))
@@ -59,6 +66,32 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             if not completed:
                 service.client_gone(stream)
+
+    async def Subscribe(
+        self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.EventBatch]:
+        """The batched events of every request whose Generate names this subscription; the
+        initial metadata says it is open (Generate may name it from then on)."""
+        try:
+            subscription = self.subscriptions.add(request.subscription)
+        except ValueError as exc:
+            raise invalid(str(exc)) from exc
+        try:
+            await context.send_initial_metadata(((SUBSCRIBED_KEY, subscription.id),))
+            async for batch in subscription.batches():
+                yield batch
+        finally:
+            self.subscriptions.remove(subscription)
+
+    def _subscription(self, pb: scheduler_pb2.GenerateRequest) -> Subscription | None:
+        if not pb.subscription:
+            return None
+        subscription = self.subscriptions.get(pb.subscription)
+        if subscription is None:  # closed (its connection broke): the client opens another
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"subscription {pb.subscription!r} is not open"
+            )
+        return subscription
 
     async def _open(
         self, service: SchedulerService, pb: scheduler_pb2.GenerateRequest
@@ -110,6 +143,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 reply.running += loop.sched.num_running
                 reply.swapped += loop.sched.num_swapped
         return reply
+
+
+async def _deliver(
+    service: SchedulerService,
+    subscription: Subscription,
+    stream: RequestStream,
+    start: int,
+    context: grpc.aio.ServicerContext,
+) -> None:
+    """Generate with a subscription: the events go out on it; this call counts as the
+    request's reader (its cancellation is the client going away) and ends once the request
+    has ended (UNAVAILABLE when this scheduler lost its leadership: re-attach)."""
+    stream.readers += 1  # before the client hears it was accepted
+    attachment = subscription.attach(stream, start)
+    completed = False
+    try:
+        await context.send_initial_metadata(((ACCEPTED_KEY, stream.request_id),))
+        await stream.ended()
+        if stream.final is None:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                "this scheduler is no longer the leader; re-attach with resume_from",
+            )
+        completed = True
+    finally:
+        stream.readers -= 1
+        if not completed:
+            subscription.detach(attachment)
+            service.client_gone(stream)
 
 
 async def _reattach(service: SchedulerService, rid: str) -> RequestStream:

@@ -5,17 +5,24 @@ request's `max_tokens`) and wakes readers. Each reader keeps its own cursor into
 slow client only falls behind, it never fills a buffer or blocks anyone, and a client that
 re-attaches with `resume_from` reads the same log from that index: no duplicates, no gaps.
 Only tokens already committed to Redis are published (the store writer publishes after commit).
+A reader is either a `Generate` call of its own (`events`: one message per token) or an
+attachment to a client's subscription (subscriptions.py: every attached request's new events
+in one message per commit); a publish wakes per-request readers only while one waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from services.common.grpc_server import ServiceError
 from services.common.pb import common_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from services.scheduler.subscriptions import Subscription
 
 
 class RequestStream:
@@ -33,7 +40,9 @@ class RequestStream:
         self.prediction = prediction
         self.readers = 0
         self.abandoned = False  # the scheduler lost its leadership: readers must re-attach
-        self._wake = asyncio.Event()
+        self.listeners: set[Subscription] = set()  # subscriptions this request is attached to
+        self._wake: asyncio.Event | None = None  # set while a per-request reader waits
+        self._end = asyncio.Event()  # the final event is in, or the stream was abandoned
 
     @property
     def done(self) -> bool:
@@ -65,28 +74,48 @@ class RequestStream:
         """Publish the final event (only the first one counts)."""
         if self.final is None:
             self.final = event
+            self._end.set()
             self._notify()
 
     def abandon(self) -> None:
         """End every reader that has caught up with UNAVAILABLE (they re-attach elsewhere)."""
         self.abandoned = True
+        self._end.set()
         self._notify()
 
+    async def ended(self) -> None:
+        """Wait for the final event (or the stream's abandonment); not woken by tokens."""
+        await self._end.wait()
+
     def _notify(self) -> None:
-        self._wake.set()
-        self._wake = asyncio.Event()
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = None
+        for subscription in self.listeners:
+            subscription.changed(self)
+
+    async def _wait(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        await self._wake.wait()
+
+    def fill_event(self, event: scheduler_pb2.TokenEvent, index: int) -> None:
+        """Write token `index`'s event into `event` (a fresh message)."""
+        token_id, logprob, t = self.tokens[index]
+        event.request_id = self.request_id
+        event.index = index
+        event.token_id = token_id
+        event.logprob = logprob
+        event.time = t
+        if index in self.tops:
+            event.top_logprobs.extend(self.tops[index])
+        if index == 0 and self.prompt:
+            event.prompt_logprobs.extend(self.prompt[p] for p in sorted(self.prompt))
 
     def _event(self, index: int) -> scheduler_pb2.TokenEvent:
-        token_id, logprob, t = self.tokens[index]
-        return scheduler_pb2.TokenEvent(
-            request_id=self.request_id,
-            index=index,
-            token_id=token_id,
-            logprob=logprob,
-            time=t,
-            top_logprobs=self.tops.get(index, ()),
-            prompt_logprobs=[self.prompt[p] for p in sorted(self.prompt)] if index == 0 else (),
-        )
+        event = scheduler_pb2.TokenEvent()
+        self.fill_event(event, index)
+        return event
 
     async def events(self, start: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         """Token events from output index `start`, then the final event; ends after it."""
@@ -113,7 +142,7 @@ class RequestStream:
                         grpc.StatusCode.UNAVAILABLE,
                         "this scheduler is no longer the leader; re-attach with resume_from",
                     )
-                await self._wake.wait()
+                await self._wait()
         finally:
             self.readers -= 1
 

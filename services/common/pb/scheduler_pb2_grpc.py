@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/alise.v1.Scheduler/Subscribe',
+                request_serializer=scheduler__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=scheduler__pb2.EventBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/alise.v1.Scheduler/Abort',
                 request_serializer=scheduler__pb2.AbortRequest.SerializeToString,
@@ -56,6 +61,15 @@ class SchedulerServicer:
 
     def Generate(self, request, context):
         """Submit a request (or re-attach to one with resume_from) and stream its token events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """One stream per client connection (a gateway's): the token events of every request
+        attached to it (GenerateRequest.subscription), batched: one EventBatch per Redis commit
+        (a step's tokens), instead of one message per request and token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +94,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=scheduler__pb2.SubscribeRequest.FromString,
+                    response_serializer=scheduler__pb2.EventBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -119,6 +138,33 @@ class Scheduler:
             '/alise.v1.Scheduler/Generate',
             scheduler__pb2.GenerateRequest.SerializeToString,
             scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/alise.v1.Scheduler/Subscribe',
+            scheduler__pb2.SubscribeRequest.SerializeToString,
+            scheduler__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,
