@@ -45,6 +45,7 @@ class SchedulerHandle:
     metrics_server: object | None = None
     embedded_redis: EmbeddedRedis | None = None
     readiness: asyncio.Task[None] | None = None
+    servicer: SchedulerServicer | None = None  # its subscriptions, for assertions
 
     @property
     def service(self) -> SchedulerService:
@@ -122,7 +123,9 @@ async def start_scheduler(settings: SchedulerSettings) -> SchedulerHandle:
             "leading": leadership.service is not None,
         },
     )
-    return SchedulerHandle(server.port, leadership, server, metrics_server, embedded, readiness)
+    return SchedulerHandle(
+        server.port, leadership, server, metrics_server, embedded, readiness, servicer
+    )
 
 
 READINESS_POLL_S = 0.25
