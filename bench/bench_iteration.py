@@ -4,8 +4,10 @@ One steady-state decode iteration of N running requests on one executor, as the 
 does it, each part timed: the core's `schedule` (fcfs), encoding the StepRequest, the stub
 executor's Step (not counted), decoding the StepResult and the core's `update`, the recorder
 (the iteration's Redis write, token events, metrics), the Redis commit's arguments (the Lua
-script's JSON and token blobs, not sent), and publishing the token events to the requests'
-streams (no reader). What is left of the scheduler's CPU per iteration in the fleet benchmark
+script's JSON and token blob, packed as redis-py sends them, not sent), publishing the token
+events to the requests' streams, and delivering them: every request attached to one gateway
+subscription, the step's events as one EventBatch, serialized (services/scheduler/
+subscriptions.py). What is left of the scheduler's CPU per iteration in the fleet benchmark
 is I/O: gRPC to the executor and to the gateway, and the Redis round trip.
 """
 
@@ -15,7 +17,11 @@ import argparse
 import statistics
 import time
 
-PARTS = ("schedule", "encode", "decode_update", "record", "commit_args", "publish")
+from redis.asyncio import Connection
+
+_PACKER = Connection()  # never connects: packs a command as the store's client does
+
+PARTS = ("schedule", "encode", "decode_update", "record", "commit_args", "publish", "deliver")
 
 
 class _Writer:
@@ -39,6 +45,7 @@ def _setup(requests: int):
     from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.recorder import StepRecorder
     from services.scheduler.streams import RequestStream
+    from services.scheduler.subscriptions import Subscription
 
     engine = StubEngine(0.0)
     sched = make_scheduler("fcfs", {}, info_to_pb(engine.describe()))
@@ -50,10 +57,13 @@ def _setup(requests: int):
         req = Request(f"r{i}", [5 + i % 900] * 16, 1_000_000, 0.0, ignore_eos=True)
         entries[req.request_id] = Entry(req, RequestStream(req.request_id), executor="x")
         sched.admit(req)
-    return engine, sched, recorder
+    subscription = Subscription("bench")
+    for entry in entries.values():
+        subscription.attach(entry.stream, 0)
+    return engine, sched, recorder, subscription
 
 
-def _iteration(engine, sched, recorder) -> list[float]:
+def _iteration(engine, sched, recorder, subscription) -> list[float]:
     """One iteration; the seconds of each part of PARTS."""
     from services.executor.servicer import result_to_pb, step_from_pb
     from services.scheduler.convert import step_outcome, step_request
@@ -70,19 +80,23 @@ def _iteration(engine, sched, recorder) -> list[float]:
     t4 = time.perf_counter()
     write = recorder.record("x", out, updates, {})
     t5 = time.perf_counter()
-    script_args("alise", 300_000, [write], 1)
+    _PACKER.pack_command("EVALSHA", "0" * 40, 0, *script_args("alise", 300_000, [write], 1))
     t6 = time.perf_counter()
     for callback in write.callbacks:
         callback()
     t7 = time.perf_counter()
-    return [t1 - t0, t2 - t1, t4 - t3, t5 - t4, t6 - t5, t7 - t6]
+    batch = subscription.take()
+    if batch is not None:
+        batch.SerializeToString()
+    t8 = time.perf_counter()
+    return [t1 - t0, t2 - t1, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t8 - t7]
 
 
 def measure(requests: int, iterations: int, warmup: int = 50) -> dict:
-    engine, sched, recorder = _setup(requests)
+    parts_of = _setup(requests)
     samples: list[list[float]] = [[] for _ in PARTS]
     for i in range(warmup + iterations):
-        parts = _iteration(engine, sched, recorder)
+        parts = _iteration(*parts_of)
         if i >= warmup:
             for column, seconds in zip(samples, parts, strict=True):
                 column.append(seconds * 1e6)

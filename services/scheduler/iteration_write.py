@@ -32,13 +32,16 @@ class IterationWrite:
         self.fields[rid].update(values)
 
     def add_token(self, rid: str, index: int, token_id: int, logprob: float, t: float) -> None:
-        """Append output token `index`; consecutive indices of one request must be added."""
-        start, buf = self.tokens.get(rid, (index, bytearray()))
+        """Append output token `index`; consecutive indices of one request must be added.
+        The commit sets the record's n_out with the tokens (store_script.py)."""
+        got = self.tokens.get(rid)
+        if got is None:
+            self.tokens[rid] = (index, bytearray(TOKEN.pack(token_id, logprob, t)))
+            return
+        start, buf = got
         if start + len(buf) // TOKEN.size != index:
             raise ValueError(f"token {index} of {rid} is not contiguous")
         buf += TOKEN.pack(token_id, logprob, t)
-        self.tokens[rid] = (start, buf)
-        self.fields[rid]["n_out"] = index + 1
 
     def move(self, rid: str, queue: str | None, score: float) -> None:
         """Put `rid` in one queue (None = in none: finished)."""

@@ -7,6 +7,7 @@ committed them.
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ from services.scheduler.iteration_write import IterationWrite
 from services.scheduler.records import queue_of
 from services.scheduler.streams import final_event
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.step_trace import StepTrace
     from services.scheduler.store import StoreWriter
+    from services.scheduler.streams import RequestStream
 
 
 def executor_fields(loop: ExecutorLoop) -> dict[str, str | int | float]:
@@ -56,6 +60,18 @@ def write_status(entry: Entry, w: IterationWrite) -> None:
         w.set(req.request_id, status=req.status.value)
         w.move(req.request_id, queue_of(req.status), req.arrival_time)
         entry.written_status = req.status
+
+
+def publish_tokens(
+    published: list[tuple[RequestStream, int, tuple[int, float, float], dict | None]],
+) -> None:
+    """Publish a committed step's tokens, each request's on its own (one failing does not
+    keep the others from their readers)."""
+    for stream, index, item, top in published:
+        try:
+            stream.publish(index, [item], top)
+        except Exception:
+            log.exception("publishing a token failed", extra={"request_id": stream.request_id})
 
 
 class StepRecorder:
@@ -150,6 +166,7 @@ class StepRecorder:
 
     def _tokens(self, w: IterationWrite, updates: list[RequestUpdate], tops: dict) -> None:
         m, gained, itl = self.metrics, 0, []
+        published: list[tuple[RequestStream, int, tuple[int, float, float], dict | None]] = []
         for u in updates:
             entry = self.entries.get(u.request_id)
             if u.token is None or entry is None or entry.final:
@@ -160,12 +177,14 @@ class StepRecorder:
             w.add_token(u.request_id, index, token_id, logprob, t)
             entry.n_out = index + 1
             top = {index: tops[u.request_id]} if u.request_id in tops else None
-            w.callbacks.append(partial(entry.stream.publish, index, [(token_id, logprob, t)], top))
+            published.append((entry.stream, index, (token_id, logprob, t), top))
             gained += 1
             if index == 0:
                 m.ttft.observe(max(0.0, t - entry.req.arrival_time))
             elif index - 1 < len(times):
                 itl.append(max(0.0, t - times[index - 1]))
+        if published:  # one callback for the step's tokens, not one per request
+            w.callbacks.append(partial(publish_tokens, published))
         observe_many(m.itl, itl)  # one increment per bucket, not two per running request
         m.generation_tokens.inc(gained)
 

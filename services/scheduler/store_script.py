@@ -2,8 +2,10 @@
 reply instead of ~2 per request, which keeps the client-side cost of a 64-request iteration
 small (parsing a reply per command dominated the pipeline version).
 
-ARGV[1] is JSON: [ns, ttl_ms, queues, writes, epoch]; each write is
-    {"t": [[rid, start, blob_index], ...],          output tokens (blob = ARGV[blob_index])
+ARGV[1] is JSON: [ns, ttl_ms, queues, writes, epoch], ARGV[2] every output token of the
+commit as one blob (one argument to pack instead of one per request); each write is
+    {"t": [[rid, start, offset, count], ...],       output tokens start..start+count-1 (at
+                                                    `offset` in the blob); sets n_out too
      "f": [[rid, k1, v1, k2, v2, ...], ...],         record fields (values as strings)
      "q": [[rid, queue or "", score], ...],          queue moves ("" = finished: in none)
      "x": [rid, ...],                                finished: expire after ttl_ms
@@ -35,9 +37,12 @@ if epoch ~= 0 then
   if stored < epoch then redis.call('SET', ns .. ':epoch', epoch) end
 end
 local function k(kind, id) return ns .. ':' .. kind .. ':' .. id end
+local blob = ARGV[2]
 for _, w in ipairs(writes) do
   for _, t in ipairs(w.t) do
-    redis.call('SETRANGE', k('out', t[1]), t[2] * TOKEN_SIZE, ARGV[t[3]])
+    local chunk = string.sub(blob, t[3] + 1, t[3] + t[4] * TOKEN_SIZE)
+    redis.call('SETRANGE', k('out', t[1]), t[2] * TOKEN_SIZE, chunk)
+    redis.call('HSET', k('req', t[1]), 'n_out', t[2] + t[4])
   end
   for _, f in ipairs(w.f) do
     redis.call('HSET', k('req', f[1]), unpack(f, 2))
@@ -84,11 +89,11 @@ def _flat(key: str, mapping: dict) -> list:
     return out
 
 
-def _write_json(w: IterationWrite, blobs: list[bytes]) -> dict:
+def _write_json(w: IterationWrite, blob: bytearray) -> dict:
     tokens = []
     for rid, (start, buf) in w.tokens.items():
-        blobs.append(bytes(buf))
-        tokens.append([rid, start, len(blobs) + 1])  # ARGV index (ARGV[1] is the JSON)
+        tokens.append([rid, start, len(blob), len(buf) // TOKEN.size])
+        blob += buf
     return {
         "t": tokens,
         "f": [_flat(rid, values) for rid, values in w.fields.items() if values],
@@ -102,8 +107,8 @@ def _write_json(w: IterationWrite, blobs: list[bytes]) -> dict:
 
 
 def script_args(namespace: str, ttl_ms: int, writes: list[IterationWrite], epoch: int = 0) -> list:
-    """ARGV for LUA: the JSON head, then every token blob."""
-    blobs: list[bytes] = []
-    body = [_write_json(w, blobs) for w in writes]
+    """ARGV for LUA: the JSON head, then the token blob."""
+    blob = bytearray()
+    body = [_write_json(w, blob) for w in writes]
     head = json.dumps([namespace, ttl_ms, list(QUEUES), body, epoch], separators=(",", ":"))
-    return [head, *blobs]
+    return [head, bytes(blob)]

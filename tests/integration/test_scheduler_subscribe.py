@@ -77,7 +77,7 @@ async def test_batched_events_equal_per_request_streams_and_share_messages(stack
 
 
 async def test_reattach_on_the_subscription_resumes_from_the_cursor(stack):
-    handle, upstream = stack
+    _, upstream = stack
     group = upstream.shards[0]
     first, _ = upstream.generate(group, gen_request("r", prompt(1), MAX_TOKENS))
     head = [await first.read() for _ in range(5)]
