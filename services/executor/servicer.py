@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -20,6 +22,9 @@ if TYPE_CHECKING:
     from services.executor.engine import Engine
     from services.executor.metrics import ExecutorMetrics
     from services.executor.warmup import Startup
+
+
+T = TypeVar("T")
 
 
 def _unique(ids: list[str], what: str) -> None:
@@ -81,9 +86,7 @@ def result_to_pb(out: StepOutput) -> executor_pb2.StepResult:
     return pb
 
 
-async def _next(
-    ahead: asyncio.Queue[executor_pb2.StepRequest | None], reader: asyncio.Future
-) -> executor_pb2.StepRequest | None:
+async def _next(ahead: asyncio.Queue[T | None], reader: asyncio.Future) -> T | None:
     """The next Step read ahead; the reader's error (a broken stream) if it failed first."""
     if not ahead.empty():
         return ahead.get_nowait()
@@ -100,6 +103,30 @@ async def _next(
 def info_to_pb(info: dict) -> executor_pb2.ExecutorInfo:
     fields = set(executor_pb2.ExecutorInfo.DESCRIPTOR.fields_by_name)
     return executor_pb2.ExecutorInfo(**{k: v for k, v in info.items() if k in fields})
+
+
+class _Decoded:
+    """A streamed Step read ahead, decoded while the one before it runs (a malformed one
+    keeps its error for its turn)."""
+
+    __slots__ = ("decode_s", "error", "request", "step")
+
+    def __init__(self, request: executor_pb2.StepRequest) -> None:
+        start = time.perf_counter()
+        self.request = request
+        self.step: SchedulerOutput | None = None
+        self.error: Exception | None = None
+        try:
+            self.step = step_from_pb(request)
+        except ValueError as exc:
+            self.error = exc
+        self.decode_s = time.perf_counter() - start
+
+
+@dataclass
+class _Ran:
+    out: StepOutput
+    start: float  # perf_counter when the Step's work began (its decoding counted)
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -143,29 +170,88 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Steps in order, one result each. Steps the scheduler sends ahead (pipelined) are
-        read while the current one runs, so the next starts as soon as it ends; a result is
-        written while the next Step runs."""
-        ahead: asyncio.Queue[executor_pb2.StepRequest | None] = asyncio.Queue()
+        read and decoded while the current one runs; when a Step ends and the next is already
+        here, the next starts at once and the finished one's result is encoded and written
+        while it runs (with nothing queued, the result goes out first: the scheduler may be
+        waiting for it to plan the next)."""
+        ahead: asyncio.Queue[_Decoded | None] = asyncio.Queue()
 
         async def read_ahead() -> None:
             while (request := await context.read()) is not grpc.aio.EOF:
-                ahead.put_nowait(request)
+                ahead.put_nowait(_Decoded(request))
             ahead.put_nowait(None)
 
         reader = asyncio.ensure_future(read_ahead())
         sending: asyncio.Future | None = None
+        finished: _Ran | None = None  # the last Step's output, its result not sent yet
         try:
-            while (request := await _next(ahead, reader)) is not None:
-                result = await self._step(request)
-                if sending is not None:
-                    await sending
-                sending = asyncio.ensure_future(context.write(result))
+            while True:
+                if finished is not None and ahead.empty():
+                    sending = await self._send(context, finished, sending)
+                    finished = None
+                if (decoded := await _next(ahead, reader)) is None:
+                    break
+                try:
+                    running = await self._launch(decoded)
+                except Exception:  # refused (stale epoch, malformed): the last result first
+                    if finished is not None:
+                        await (await self._send(context, finished, sending))
+                        finished = sending = None
+                    raise
+                if finished is not None:
+                    sending = await self._send(context, finished, sending)
+                # shielded: a cancelled stream leaves the Step to end (and free the lock)
+                finished = await asyncio.shield(running)
+            if finished is not None:
+                sending = await self._send(context, finished, sending)
             if sending is not None:
                 await sending
         finally:
             for task in (reader, sending):
                 if task is not None and not task.done():
                     task.cancel()
+
+    async def _launch(self, decoded: _Decoded) -> asyncio.Future[_Ran]:
+        """Start one streamed Step on the engine now (its thread is handed the Step before
+        this returns); the returned future gives its output."""
+        engine = self.ready()
+        if decoded.error is not None:
+            raise decoded.error
+        step = decoded.step
+        assert step is not None  # decoded, or its error raised above
+        await self._stepping.acquire()  # free unless a unary Step runs
+        try:
+            start = time.perf_counter()
+            self._fence(decoded.request.epoch, step)
+            ctx = contextvars.copy_context()
+            future = asyncio.get_running_loop().run_in_executor(None, ctx.run, engine.step, step)
+        except BaseException:
+            self._stepping.release()
+            raise
+
+        async def ran() -> _Ran:
+            try:
+                return _Ran(await future, start - decoded.decode_s)
+            finally:
+                self._stepping.release()
+
+        return asyncio.ensure_future(ran())
+
+    async def _send(
+        self, context: grpc.aio.ServicerContext, ran: _Ran, sending: asyncio.Future | None
+    ) -> asyncio.Future:
+        """Encode a streamed Step's result and write it (after the previous write)."""
+        out = ran.out
+        pb = result_to_pb(out)
+        # The executor's time is its whole step, decoding the request and encoding the reply
+        # included: what the scheduler measures around a Step minus this is transport and
+        # its own work.
+        out.timings.total_s = pb.timings.total_s = time.perf_counter() - ran.start
+        if self.metrics is not None:
+            self.metrics.observe(out)
+        if sending is not None:
+            await sending
+        return asyncio.ensure_future(context.write(pb))
 
     async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResult:
         engine = self.ready()
