@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from services.common.grpc_server import ServiceError
 from services.common.pb import common_pb2, scheduler_pb2
 
-if TYPE_CHECKING:
-    from services.scheduler.subscriptions import Subscription
+
+class StreamListener(Protocol):
+    """Told when a stream has news (subscriptions.py's Subscription)."""
+
+    def changed(self, stream: RequestStream) -> None: ...
 
 
 class RequestStream:
@@ -40,7 +43,7 @@ class RequestStream:
         self.prediction = prediction
         self.readers = 0
         self.abandoned = False  # the scheduler lost its leadership: readers must re-attach
-        self.listeners: set[Subscription] = set()  # subscriptions this request is attached to
+        self.listeners: set[StreamListener] = set()  # subscriptions it is attached to
         self._wake: asyncio.Event | None = None  # set while a per-request reader waits
         self._end = asyncio.Event()  # the final event is in, or the stream was abandoned
 
