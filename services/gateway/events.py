@@ -5,6 +5,9 @@ this gateway attached (services/scheduler/subscriptions.py), instead of one mess
 request and token. `EventMux` keeps that stream open (opening it again after it breaks) and
 routes each event to its request's `BatchedCall`.
 
+A scheduler without `Subscribe` (an older version, during an upgrade) answers it
+UNIMPLEMENTED: the request then takes a plain Generate call, its events on it.
+
 A `BatchedCall` is what `Upstream.generate` returns in this mode, and behaves as the
 per-request Generate call does for `Generation`: it sends `Generate` naming the subscription
 (refusals, acceptance and the request's end come on that call; it carries no events), and
@@ -142,6 +145,9 @@ class BatchedCall:
         self._ended = False  # the final event was read
         self._call: Any = None  # the Generate call (grpc's UnaryStreamCall)
         self._subscription: _Subscription | None = None
+        self._plain = False  # the scheduler has no Subscribe: a plain Generate call
+        self._next_index = request.resume_from  # the output index the next event must have
+        self._final_queued = False
         self._starting = asyncio.ensure_future(self._start(mux, stub, request, timeout))
 
     async def _start(
@@ -154,6 +160,10 @@ class BatchedCall:
         try:
             subscription = await mux.subscription()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a scheduler without Subscribe
+                self._plain = True  # (an older version, mid-upgrade): events on the call
+                self._call = stub.Generate(request, timeout=timeout)
+                return
             self._error = exc
             return
         # routed before Generate: the scheduler attaches the request only when it accepts it
@@ -167,6 +177,17 @@ class BatchedCall:
 
     # -- the subscription's side ------------------------------------------------------------
     def deliver(self, event: scheduler_pb2.TokenEvent) -> None:
+        """Queue the next event; one already queued is dropped (after a re-attach on the same
+        subscription, events the previous attachment sent may still arrive: the same tokens,
+        from the same log)."""
+        if event.finished:
+            if self._final_queued:
+                return
+            self._final_queued = True
+        elif event.index < self._next_index:
+            return
+        else:
+            self._next_index = event.index + 1
         self._events.append(event)
         self._wake.set()
 
@@ -185,6 +206,8 @@ class BatchedCall:
         """The next event, `grpc.aio.EOF` after the final one; raises when the subscription
         broke or the Generate call failed (events received before are returned first)."""
         await self._starting
+        if self._plain:
+            return await self._call.read()
         while True:
             if self._events:
                 event = self._events.popleft()

@@ -125,3 +125,50 @@ async def test_unknown_or_duplicate_subscription_is_refused(stack):
             await twice.read()
         assert duplicate.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         opened.cancel()
+
+
+async def test_a_scheduler_without_subscribe_gets_plain_generate_calls(stack):
+    """An older scheduler (mid-upgrade) answers Subscribe UNIMPLEMENTED: the gateway's call
+    falls back to events on the Generate call itself."""
+    from services.common.grpc_client import SCHEDULER_SERVICE
+    from services.common.grpc_server import start_server
+    from services.scheduler.servicer import SchedulerServicer
+
+    class WithoutSubscribe(SchedulerServicer):
+        async def Subscribe(self, request, context):
+            raise NotImplementedError("Subscribe")  # as before the method existed
+            yield  # an async generator, as the real one
+
+    handle, _ = stack
+    servicer = WithoutSubscribe(handle.leadership)
+    server = await start_server(
+        [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, SCHEDULER_SERVICE)],
+        "127.0.0.1:0",
+    )
+    upstream = Upstream(GatewaySettings(scheduler_address=[f"127.0.0.1:{server.port}"]))
+    try:
+        group = upstream.shards[0]
+        call, _ = upstream.generate(group, gen_request("o", prompt(4), MAX_TOKENS))
+        indices, _, final = indices_and_tokens(await read_all(call))
+        assert indices == list(range(MAX_TOKENS)) and final.finish_reason == "length"
+        assert not servicer.subscriptions.open
+    finally:
+        await upstream.close()
+        await server.stop(0)
+
+
+async def test_events_the_previous_attachment_sent_are_not_delivered_twice(stack):
+    """Re-attached on the same subscription while the first attachment's events are still on
+    their way: each index reaches the new call once (the same tokens, from the same log)."""
+    _, upstream = stack
+    group = upstream.shards[0]
+    for attempt in range(5):
+        rid = f"d{attempt}"
+        first, _ = upstream.generate(group, gen_request(rid, prompt(attempt), MAX_TOKENS))
+        head = [await first.read()]
+        again = scheduler_pb2.GenerateRequest(request_id=rid, resume_from=1)
+        second, _ = upstream.generate(group, again)  # routed to it before it is accepted
+        await second.initial_metadata()
+        first.cancel()
+        indices, _, final = indices_and_tokens(head + await read_all(second))
+        assert indices == list(range(MAX_TOKENS)) and final.finish_reason == "length"
