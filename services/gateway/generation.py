@@ -131,7 +131,9 @@ class Generation:
         An unreachable scheduler passes the request to the next of the list (each is tried
         once: a new request gets a quick 503 when none answers); a stream that breaks after
         the scheduler accepted it re-attaches (`_reopen`)."""
-        self.prediction = await self.upstream.predict(self.plan.model, self.plan.prompt_text)
+        self.prediction = await self.upstream.predict(
+            self.plan.model, self.plan.prompt_text, self.plan.sampling.temperature
+        )
         for attempt in range(len(self.group.stubs)):
             pb = self.plan.to_pb(self.prediction)
             self.call, self.scheduler_index = self.upstream.generate(self.group, pb)
@@ -330,6 +332,7 @@ class Generation:
                 self.plan.prompt_text,
                 self.completion_tokens,
                 censored=cut,
+                temperature=self.plan.sampling.temperature,
             )
 
     @property

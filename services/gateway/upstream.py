@@ -144,7 +144,9 @@ class Upstream:
 
     # Predictor.
 
-    async def predict(self, model: str, prompt: str) -> common_pb2.Prediction | None:
+    async def predict(
+        self, model: str, prompt: str, temperature: float | None = None
+    ) -> common_pb2.Prediction | None:
         # Every replica unreachable: a call would fail anyway, but only after the retries'
         # backoff (~150 ms per request, measured against a closed port). gRPC keeps
         # reconnecting in the background, so predictions resume when a replica is back.
@@ -153,7 +155,9 @@ class Upstream:
             log.debug("no prediction: no predictor replica is reachable")
             return None
         timeout = self.settings.predictor_timeout_ms / 1000.0
-        request = predictor_pb2.PredictRequest(model=model, prompts=[prompt])
+        request = predictor_pb2.PredictRequest(
+            model=model, prompts=[prompt], temperature=temperature
+        )
         try:
             reply = await asyncio.wait_for(
                 self.predictor.Predict(request, timeout=timeout), timeout
@@ -164,19 +168,24 @@ class Upstream:
         return reply.predictions[0] if reply.predictions else None
 
     def observe(
-        self, model: str, request_id: str, prompt: str, true_length: int, censored: bool = False
-    ) -> None:
-        self._background(self._observe(model, request_id, prompt, true_length, censored))
-
-    async def _observe(
-        self, model: str, request_id: str, prompt: str, length: int, censored: bool
+        self,
+        model: str,
+        request_id: str,
+        prompt: str,
+        true_length: int,
+        censored: bool = False,
+        temperature: float | None = None,
     ) -> None:
         obs = predictor_pb2.Observation(
-            request_id=request_id, prompt=prompt, true_length=length, censored=censored
+            request_id=request_id, prompt=prompt, true_length=true_length, censored=censored
         )
+        request = predictor_pb2.ObserveRequest(
+            model=model, observations=[obs], temperature=temperature
+        )
+        self._background(self._observe(request))
+
+    async def _observe(self, request: predictor_pb2.ObserveRequest) -> None:
         try:
-            await self.predictor.Observe(
-                predictor_pb2.ObserveRequest(model=model, observations=[obs]), timeout=5.0
-            )
+            await self.predictor.Observe(request, timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             log.debug("observe failed: %s", exc.code().name)

@@ -5,7 +5,12 @@ fixed split the simulator uses too) with output lengths. When the served model h
 calibration file (`alise predictor calibrate`: its own answers' lengths at one cap, with
 censored flags; one is bundled for SmolLM2) those prompts and lengths are the seed, and the
 MLP learns P(runs to the cap) too. Otherwise the seed is ShareGPT's reference lengths (another
-model's answers), with a warning. The prompts' embeddings are cached on disk
+model's answers), with a warning.
+
+Per temperature regime (`services.predictor.regimes`: `t1` sampled, `t0` greedy) the service
+keeps its own collection and MLP, seeded from that regime's file (several draws per prompt:
+the median, the cut share and the spread of the draws); a regime without a file is served by
+`t1` (`services.predictor.by_regime`). The prompts' embeddings are cached on disk
 (`<data_dir>/predictor/embeddings/`, keyed by embedder and text hash), so only the first seed
 pays for embedding them.
 """
@@ -16,15 +21,18 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.common.settings import PredictorSettings
-from services.predictor.core import LengthPredictor
+from services.predictor.by_regime import RegimePredictors
+from services.predictor.core import LengthPredictor, VectorCache
 from services.predictor.embedder import Embedder, EmbeddingCache
 from services.predictor.mlp import MlpRegressor, length_feature, train
+from services.predictor.regimes import REGIMES, file_tag, regime_file
 from services.predictor.store import open_store
 from services.predictor.store_base import LengthStore, Record, point_id
 
@@ -70,13 +78,26 @@ def embedding_cache(settings: PredictorSettings, embedder: Embedder) -> Embeddin
 
 
 def seed_space(settings: PredictorSettings, embedder: Embedder) -> str:
-    """The embedder's space tagged with the seed's source, so a store or MLP seeded from
-    ShareGPT's reference lengths is not reused once the served model has a calibration file
-    (its collection and checkpoint get another name and are seeded afresh)."""
-    from services.predictor.calibration_files import DEFAULT_CAP, calibration_file
+    """The embedder's space tagged with the seed's source (the fallback regime's calibration
+    file), so a store or MLP seeded from ShareGPT's reference lengths, or from an older file,
+    is not reused once another file appears (its collections and checkpoints get other names
+    and are seeded afresh)."""
+    path = regime_file(served_models(settings)[0], Path(settings.data_dir), REGIMES[0])
+    return embedder.space if path is None else f"{embedder.space}-{file_tag(path)}"
 
-    path = calibration_file(served_models(settings)[0], Path(settings.data_dir))
-    return embedder.space if path is None else f"{embedder.space}-cal{DEFAULT_CAP}"
+
+def regime_suffix(regime: str) -> str:
+    """Appended to the model id to key a regime's collection and MLP (the fallback regime
+    keeps the names stores had before regimes)."""
+    return "" if regime == REGIMES[0] else f".{regime}"
+
+
+def seeded_regimes(settings: PredictorSettings) -> list[str]:
+    """The regimes the service keeps a store and MLP for: the fallback one always (seeded
+    from ShareGPT's reference lengths when it has no file), the others when they have a
+    calibration file."""
+    model, data_dir = served_models(settings)[0], Path(settings.data_dir)
+    return [r for r in REGIMES if r == REGIMES[0] or regime_file(model, data_dir, r)]
 
 
 def load_mlp(settings: PredictorSettings, model: str, space: str = "") -> MlpRegressor | None:
@@ -84,22 +105,43 @@ def load_mlp(settings: PredictorSettings, model: str, space: str = "") -> MlpReg
     return MlpRegressor.load(path) if path.exists() else None
 
 
-def build_predictor(
+def regime_mlp_path(settings: PredictorSettings, model: str, regime: str, space: str) -> Path:
+    """`ALISE_PREDICTOR_MLP_PATH` names the fallback regime's checkpoint only."""
+    if regime == REGIMES[0]:
+        return mlp_path(settings, model, space)
+    return predictor_dir(settings) / f"mlp-{model}{regime_suffix(regime)}-{space}.pt"
+
+
+def build_predictors(
     settings: PredictorSettings, embedder: Embedder | None = None, store: LengthStore | None = None
-) -> LengthPredictor:
+) -> RegimePredictors:
+    """One predictor per seeded regime, sharing the embedder, the store and the cache."""
     embedder = embedder or make_embedder(settings)
     space = seed_space(settings, embedder)
     store = store or open_store(settings, embedder.dim, space)
-    mlp = load_mlp(settings, served_models(settings)[0], space)
-    return LengthPredictor(
-        embedder,
-        store,
-        mlp,
-        k=settings.predictor_top_k,
-        s0=settings.predictor_threshold,
-        merge_similarity=settings.predictor_merge_similarity,
-        capacity=settings.predictor_capacity,
-    )
+    model, cache, by_regime = served_models(settings)[0], VectorCache(), {}
+    for regime in seeded_regimes(settings):
+        path = regime_mlp_path(settings, model, regime, space)
+        by_regime[regime] = LengthPredictor(
+            embedder,
+            store,
+            MlpRegressor.load(path) if path.exists() else None,
+            k=settings.predictor_top_k,
+            s0=settings.predictor_threshold,
+            merge_similarity=settings.predictor_merge_similarity,
+            capacity=settings.predictor_capacity,
+            regime=regime,
+            key_suffix=regime_suffix(regime),
+            cache=cache,
+        )
+    return RegimePredictors(by_regime)
+
+
+def build_predictor(
+    settings: PredictorSettings, embedder: Embedder | None = None, store: LengthStore | None = None
+) -> LengthPredictor:
+    """The fallback regime's predictor (temperature 1, the API default)."""
+    return build_predictors(settings, embedder, store).primary
 
 
 def train_samples(settings: PredictorSettings, limit: int | None = None) -> list[Sample]:
@@ -109,30 +151,66 @@ def train_samples(settings: PredictorSettings, limit: int | None = None) -> list
     return samples[:limit] if limit else samples
 
 
-def seed_samples(
-    settings: PredictorSettings, limit: int | None = None
-) -> tuple[list[Sample], np.ndarray | None]:
-    """(samples, censored flags) to seed from: the served model's calibrated lengths when a
-    calibration file exists, else ShareGPT's reference lengths (flags None)."""
-    from services.predictor.calibration_files import (
-        calibrated_samples,
-        calibration_file,
-        read_calibration,
-    )
+@dataclass
+class SeedSet:
+    """What a regime's store and MLP learn: per prompt the median length of its draws that
+    ended (`samples[i].output_len` rounded, `lengths` exact), the share cut at the cap
+    (`capped`, None: reference lengths, no censoring information), the spread of its draws
+    (`spread`, NaN with one draw) and how many draws (`count`)."""
+
+    samples: list[Sample]
+    lengths: np.ndarray  # [N]
+    capped: np.ndarray | None  # [N]
+    spread: np.ndarray  # [N]
+    count: np.ndarray  # [N]
+    source: str
+
+    @classmethod
+    def of(cls, samples: list[Sample], censored: np.ndarray | None, source: str) -> SeedSet:
+        """One draw per prompt (its length in `output_len`; `censored` flags or None)."""
+        n = len(samples)
+        lengths = np.array([s.output_len for s in samples], np.float64)
+        capped = None if censored is None else np.asarray(censored, np.float64)
+        return cls(samples, lengths, capped, np.full(n, np.nan), np.ones(n, np.int64), source)
+
+
+def regime_seed(settings: PredictorSettings, regime: str, limit: int | None = None) -> SeedSet:
+    """The seed of `regime`: its calibration file's prompts with the median, cut share and
+    spread of their draws; the fallback regime without a file: ShareGPT's reference lengths."""
+    from services.predictor.regimes import read_draws, summarize_draws
 
     model = served_models(settings)[0]
-    path = calibration_file(model, Path(settings.data_dir))
+    path = regime_file(model, Path(settings.data_dir), regime)
     if path is None:
+        if regime != REGIMES[0]:
+            raise FileNotFoundError(f"no calibration file for {model} in regime {regime}")
         log.warning(
             "no calibration file for %s: seeding from ShareGPT's reference lengths (another "
             "model's answers; predictions will rank poorly). Run `alise predictor calibrate`.",
             model,
         )
-        return train_samples(settings, limit), None
-    _, rows = read_calibration(path)
-    samples = calibrated_samples(train_samples(settings), rows)[:limit]
-    log.info("seeding from the calibration file %s (%d prompts)", path, len(samples))
-    return samples, np.array([bool(rows[s.id]["censored"]) for s in samples], bool)
+        return SeedSet.of(train_samples(settings, limit), None, "reference")
+    _, draws = read_draws(path)
+    kept = [s for s in train_samples(settings) if s.id in draws][:limit]
+    sums = [summarize_draws(draws[s.id]) for s in kept]
+    log.info("seeding regime %s from %s (%d prompts)", regime, path, len(kept))
+    return SeedSet(
+        [replace(s, output_len=max(1, round(d.length))) for s, d in zip(kept, sums)],
+        np.array([d.length for d in sums]),
+        np.array([d.capped for d in sums]),
+        np.array([d.spread if d.count > 1 else np.nan for d in sums]),
+        np.array([d.count for d in sums], np.int64),
+        str(path),
+    )
+
+
+def seed_samples(
+    settings: PredictorSettings, limit: int | None = None
+) -> tuple[list[Sample], np.ndarray | None]:
+    """(samples, share of cut draws per prompt) of the fallback regime's seed: the served
+    model's calibrated lengths when it has a file, else ShareGPT's reference lengths (None)."""
+    got = regime_seed(settings, REGIMES[0], limit)
+    return got.samples, got.capped
 
 
 class SeedCancelled(Exception):
@@ -166,28 +244,35 @@ def seed(
     samples: list[Sample] | None = None,
     censored: np.ndarray | None = None,
 ) -> dict:
-    """Bulk-load `samples` (default `seed_samples`) into `model`'s collection; returns
-    timings."""
+    """Bulk-load `samples` (with their `censored` flags; default the predictor's regime's
+    seed, `regime_seed`) into `model`'s collection of that regime; returns timings."""
     t0 = time.perf_counter()
-    if samples is None:
-        samples, censored = seed_samples(settings, limit)
-    cut = np.zeros(len(samples)) if censored is None else censored.astype(np.float64)
-    vectors = embed_samples(settings, predictor.embedder, samples, stop)  # [N, D]
+    got = (
+        regime_seed(settings, predictor.regime, limit)
+        if samples is None
+        else SeedSet.of(samples, censored, "given")
+    )
+    cut = np.zeros(len(got.samples)) if got.capped is None else got.capped
+    spread = np.nan_to_num(got.spread)
+    vectors = embed_samples(settings, predictor.embedder, got.samples, stop)  # [N, D]
     t_embed = time.perf_counter() - t0
-    now = time.time()
+    now, key = time.time(), predictor.key(model)
     records = [
-        Record(point_id(model, f"seed:{s.id}"), v, float(s.output_len), 1, [f"seed:{s.id}"], now, c)
-        for s, v, c in zip(samples, vectors, cut)
+        Record(point_id(key, f"seed:{s.id}"), v, float(n), int(c), [f"seed:{s.id}"], now, p, d)
+        for s, v, n, c, p, d in zip(got.samples, vectors, got.lengths, got.count, cut, spread)
     ]
-    predictor.store.upsert(model, records)
-    predictor.store.optimize(model)
+    predictor.store.upsert(key, records)
+    predictor.store.optimize(key)
     predictor.store.flush()
     return {
+        "regime": predictor.regime,
+        "source": got.source,
         "points": len(records),
-        "censored": int(cut.sum()),
+        "draws": int(got.count.sum()),
+        "censored": round(float((cut * got.count).sum())),
         "embed_s": round(t_embed, 1),
         "total_s": round(time.perf_counter() - t0, 1),
-        "store_size": predictor.store.count(model),
+        "store_size": predictor.store.count(key),
     }
 
 
@@ -199,30 +284,39 @@ def train_mlp(
     epochs: int = 60,
     samples: list[Sample] | None = None,
     censored: np.ndarray | None = None,
+    regime: str = REGIMES[0],
 ) -> tuple[MlpRegressor, Path]:
-    """Fit the MLP on `samples` (default `seed_samples`); save it where the service looks."""
-    if samples is None:
-        samples, censored = seed_samples(settings, limit)
-    vectors = embed_samples(settings, embedder, samples)
-    feats = length_feature(embedder.prepare([s.prompt for s in samples]))
-    lengths = np.array([s.output_len for s in samples], np.float32)
-    mlp = train(vectors, feats, lengths, epochs=epochs, log=log.info, censored=censored)
-    path = mlp_path(settings, model, seed_space(settings, embedder))
+    """Fit the MLP of `regime` on `samples` (default its `regime_seed`: median lengths, cut
+    shares and spreads); save it where the service looks."""
+    got = (
+        regime_seed(settings, regime, limit)
+        if samples is None
+        else SeedSet.of(samples, censored, "given")
+    )
+    vectors = embed_samples(settings, embedder, got.samples)
+    feats = length_feature(embedder.prepare([s.prompt for s in got.samples]))
+    lengths = got.lengths.astype(np.float32)
+    mlp = train(
+        vectors, feats, lengths, epochs=epochs, log=log.info, censored=got.capped, spread=got.spread
+    )
+    path = regime_mlp_path(settings, model, regime, seed_space(settings, embedder))
     mlp.save(path)
     return mlp, path
 
 
 def seed_if_empty(
-    settings: PredictorSettings, predictor: LengthPredictor, stop: threading.Event | None = None
+    settings: PredictorSettings, predictors: RegimePredictors, stop: threading.Event | None = None
 ) -> dict | None:
-    """Service start-up: seed an empty store, and train the MLP when it has no checkpoint."""
+    """Service start-up, per regime: seed an empty collection, and train the MLP when it has
+    no checkpoint. Returns the seed reports by regime (None: nothing was seeded)."""
     model = served_models(settings)[0]
-    report = None
-    if predictor.store is not None and predictor.store.count(model) == 0:
-        report = seed(settings, predictor, model, stop=stop)
-        log.info("seeded the %s store", model, extra=report)
-    if predictor.mlp is None:
-        predictor.mlp, path = train_mlp(settings, predictor.embedder, model)
-        predictor.prior = predictor.mlp.cfg.prior
-        log.info("trained the MLP fallback", extra={"path": str(path)})
-    return report
+    reports = {}
+    for regime, predictor in predictors.by_regime.items():
+        if predictor.store is not None and predictor.store.count(predictor.key(model)) == 0:
+            reports[regime] = seed(settings, predictor, model, stop=stop)
+            log.info("seeded the %s store of regime %s", model, regime, extra=reports[regime])
+        if predictor.mlp is None:
+            predictor.mlp, path = train_mlp(settings, predictor.embedder, model, regime=regime)
+            predictor.prior = predictor.mlp.cfg.prior
+            log.info("trained the MLP of regime %s", regime, extra={"path": str(path)})
+    return reports or None

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,6 +42,8 @@ class Prediction:
     similarity: float  # best neighbour similarity, 0 when the store was not searched
     neighbors: int  # neighbours averaged (retrieval), else 0
     p_capped: float = 0.0  # probability of running to the cap (0: no censoring information)
+    spread: float = 0.0  # std of log1p(length) over the prompt's draws (0: unknown)
+    regime: str = ""  # the temperature regime whose store and MLP answered ("t1" | "t0")
 
 
 @dataclass(frozen=True)
@@ -69,17 +71,29 @@ def combine(neighbors: list[Neighbor], s0: float) -> tuple[float, int, float] | 
     return float(np.dot(w_eos, lengths) / w_eos.sum()), len(used), p
 
 
+def combine_spread(neighbors: list[Neighbor], s0: float) -> float:
+    """The similarity x count weighted spread of the neighbours at or above s0 that know
+    theirs (0: none does)."""
+    used = [n for n in neighbors if n.score >= s0 and n.spread > 0]
+    if not used:
+        return 0.0
+    w = np.array([max(n.score, 1e-6) * n.count for n in used])
+    return float(np.dot(w, [n.spread for n in used]) / w.sum())
+
+
 def decide(
-    neighbors: list[Neighbor] | None, mlp: tuple[float, float] | None, prior: float, s0: float
+    neighbors: list[Neighbor] | None, mlp: tuple[float, ...] | None, prior: float, s0: float
 ) -> Prediction:
     """One prompt's prediction from its neighbours (None: store not searched) and the MLP's
-    (length, p_capped)."""
+    (length, p_capped[, spread])."""
     best = neighbors[0].score if neighbors else 0.0
     hit = combine(neighbors, s0) if neighbors else None
     if hit is not None:
-        return Prediction(max(1, round(hit[0])), "retrieval", best, hit[1], hit[2])
+        spread = combine_spread(neighbors or [], s0)
+        return Prediction(max(1, round(hit[0])), "retrieval", best, hit[1], hit[2], spread)
     if mlp is not None:
-        return Prediction(max(1, round(mlp[0])), "mlp", best, 0, mlp[1])
+        spread = mlp[2] if len(mlp) > 2 else 0.0
+        return Prediction(max(1, round(mlp[0])), "mlp", best, 0, mlp[1], spread)
     return Prediction(max(1, round(prior)), "prior", best, 0)
 
 
@@ -117,8 +131,14 @@ class LengthPredictor:
         s0: float = 0.8,
         merge_similarity: float = 0.98,
         capacity: int = 200_000,
+        regime: str = "t1",
+        key_suffix: str = "",
+        cache: VectorCache | None = None,
     ) -> None:
+        """`regime` labels the predictions; `key_suffix` is appended to the model id to name
+        this regime's collection (regimes share one store, `cache` shares embeddings)."""
         self.embedder, self.store, self.mlp = embedder, store, mlp
+        self.regime, self.key_suffix = regime, key_suffix
         self.prior = (
             prior
             if prior is not None
@@ -126,7 +146,7 @@ class LengthPredictor:
         )
         self.k, self.s0 = k, s0
         self.merge_similarity, self.capacity = merge_similarity, capacity
-        self.cache = VectorCache()
+        self.cache = cache or VectorCache()
         self._write_lock = threading.Lock()  # one observe batch at a time (merge = read+write)
 
     def embed(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -143,50 +163,58 @@ class LengthPredictor:
         vectors = np.stack(rows) if rows else np.zeros((0, self.embedder.dim), np.float32)
         return vectors, length_feature(texts)
 
+    def key(self, model: str) -> str:
+        """The store key (collection) of `model` in this regime."""
+        return model + self.key_suffix
+
     def search(self, model: str, vectors: np.ndarray) -> list[list[Neighbor]] | None:
         """Top-k per row, or None when there is no store or it cannot be reached."""
         if self.store is None:
             return None
         try:
-            return self.store.search(model, vectors, self.k)
+            return self.store.search(self.key(model), vectors, self.k)
         except StoreUnavailable as exc:
             log.warning("store unreachable, falling back to the MLP: %s", exc)
             return None
 
     def mlp_lengths(
         self, vectors: np.ndarray, feats: np.ndarray
-    ) -> list[tuple[float, float] | None]:
-        """The MLP's (length, p_capped) per row (None without an MLP)."""
+    ) -> list[tuple[float, float, float] | None]:
+        """The MLP's (length, p_capped, spread) per row (None without an MLP)."""
         if self.mlp is None:
             return [None] * len(vectors)
         lengths = self.mlp.predict(vectors, feats)
         capped = self.mlp.predict_capped(vectors, feats)
-        return [(float(n), float(p)) for n, p in zip(lengths, capped)]
+        spread = self.mlp.predict_spread(vectors, feats)
+        return [(float(n), float(p), float(v)) for n, p, v in zip(lengths, capped, spread)]
 
     def predict(self, model: str, prompts: Sequence[str]) -> list[Prediction]:
         vectors, feats = self.embed(prompts)
         found = self.search(model, vectors)
         neighbors = found if found is not None else [None] * len(prompts)
         need_mlp = [n is None or combine(n, self.s0) is None for n in neighbors]
-        mlp: list[tuple[float, float] | None] = [None] * len(prompts)
+        mlp: list[tuple[float, float, float] | None] = [None] * len(prompts)
         if any(need_mlp):
             idx = [i for i, need in enumerate(need_mlp) if need]
             for i, value in zip(idx, self.mlp_lengths(vectors[idx], feats[idx])):
                 mlp[i] = value
-        return [decide(n, m, self.prior, self.s0) for n, m in zip(neighbors, mlp)]
+        return [
+            replace(decide(n, m, self.prior, self.s0), regime=self.regime)
+            for n, m in zip(neighbors, mlp)
+        ]
 
     def observe(self, model: str, observations: Sequence[Observation]) -> int:
         """Teach the store; returns how many observations changed it (duplicates do not)."""
         if self.store is None or not observations:
             return 0
         vectors, _ = self.embed([o.prompt for o in observations])
-        changed = 0
+        changed, key = 0, self.key(model)
         with self._write_lock:  # search-then-write per observation: merges see earlier ones
             for obs, vector in zip(observations, vectors):
-                nearest = self.store.search(model, vector[None], 1)[0]
-                changed += self._absorb(model, obs, vector, nearest[0] if nearest else None)
+                nearest = self.store.search(key, vector[None], 1)[0]
+                changed += self._absorb(key, obs, vector, nearest[0] if nearest else None)
             if changed:
-                self.store.evict_if_full(model, self.capacity)
+                self.store.evict_if_full(key, self.capacity)
         return changed
 
     def _absorb(
@@ -200,7 +228,7 @@ class LengthPredictor:
                 near.length, near.count, near.capped, obs.true_length, obs.censored
             )
             rids = [*near.rids, obs.request_id]
-            rec = Record(near.id, None, length, count, rids, time.time(), capped)  # payload only
+            rec = Record(near.id, None, length, count, rids, time.time(), capped, near.spread)
         else:
             rec = Record(
                 pid,

@@ -8,6 +8,10 @@ Censored lengths (answers cut by max_tokens, `services.common.censoring`): train
 censored flag per sample, the net grows a second output, the logit of P(runs to the cap)
 (`predict_capped`), fit by cross-entropy on every sample, while the length output is fit on
 the answers that ended on their own only (a cut answer's length is not its length).
+
+Several draws per prompt (`services.predictor.regimes`): the length target is the median of
+the draws that ended, the cap head's target the share of draws cut, and a last output (the
+spread head) learns the spread of the draws, where a prompt has more than one.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class MlpConfig:
     f_std: float = 1.0
     prior: float = 0.0  # mean train length (the `prior` predictor)
     capped_head: bool = False  # a second output: logit of P(the answer runs to the cap)
+    spread_head: bool = False  # a last output: the spread of the prompt's draws (log1p std)
 
 
 def build(cfg: MlpConfig) -> nn.Sequential:
@@ -42,7 +47,7 @@ def build(cfg: MlpConfig) -> nn.Sequential:
     for _ in range(cfg.layers):
         mods += [nn.Linear(width, cfg.hidden), nn.GELU(), nn.Dropout(cfg.dropout)]
         width = cfg.hidden
-    mods.append(nn.Linear(width, 2 if cfg.capped_head else 1))
+    mods.append(nn.Linear(width, 1 + int(cfg.capped_head) + int(cfg.spread_head)))
     return nn.Sequential(*mods)
 
 
@@ -79,6 +84,13 @@ class MlpRegressor:
             return np.zeros(len(emb), np.float32)
         return torch.sigmoid(self.net(self._inputs(emb, feat))[:, 1]).numpy()
 
+    @torch.inference_mode()
+    def predict_spread(self, emb: np.ndarray, feat: np.ndarray | None = None) -> np.ndarray:
+        """[N] predicted spread of each prompt's lengths (0 without a spread head)."""
+        if len(emb) == 0 or not self.cfg.spread_head:
+            return np.zeros(len(emb), np.float32)
+        return np.maximum(self.net(self._inputs(emb, feat))[:, -1].numpy(), 0.0)
+
     def save(self, path: Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"config": asdict(self.cfg), "state_dict": self.net.state_dict()}, path)
@@ -92,13 +104,29 @@ class MlpRegressor:
         return cls(cfg, net)
 
 
-def _loss(out: torch.Tensor, t: torch.Tensor, cut: torch.Tensor | None) -> torch.Tensor:
-    """MSE on the uncensored lengths; plus cross-entropy of the cap head when there is one."""
+def _loss(
+    out: torch.Tensor, t: torch.Tensor, cut: torch.Tensor | None, spread: torch.Tensor | None
+) -> torch.Tensor:
+    """MSE on the lengths of prompts with an answer that ended; plus cross-entropy of the cap
+    head against the share of cut draws, and MSE of the spread head where it is known (not
+    NaN), when there are those heads."""
     if cut is None:
-        return nn.functional.mse_loss(out[:, 0], t)
-    ended = ~cut.bool()
-    mse = nn.functional.mse_loss(out[ended, 0], t[ended]) if ended.any() else out[:, 0].sum() * 0
-    return mse + nn.functional.binary_cross_entropy_with_logits(out[:, 1], cut)
+        loss = nn.functional.mse_loss(out[:, 0], t)
+    else:
+        ended = cut < 1.0  # at least one draw ended on its own
+        mse = (
+            nn.functional.mse_loss(out[ended, 0], t[ended]) if ended.any() else out[:, 0].sum() * 0
+        )
+        loss = mse + nn.functional.binary_cross_entropy_with_logits(out[:, 1], cut)
+    if spread is not None:
+        known = ~torch.isnan(spread)
+        if known.any():
+            loss = loss + nn.functional.mse_loss(out[known, -1], spread[known])
+    return loss
+
+
+def _at(values: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if values is None else values[idx]
 
 
 def train(
@@ -114,13 +142,17 @@ def train(
     seed: int = 0,
     log: Callable[[str], None] | None = print,
     censored: np.ndarray | None = None,
+    spread: np.ndarray | None = None,
 ) -> MlpRegressor:
-    """Fit on (embeddings [N, D], length feature [N], lengths [N], censored flags [N] or None);
-    keep the best val epoch."""
+    """Fit on (embeddings [N, D], length feature [N], lengths [N], censored [N] or None, spread
+    [N] or None); keep the best val epoch. `censored`: each prompt's flag, or the share of its
+    draws cut at the cap (`lengths` then the median of those that ended); `spread`: the spread
+    of its draws, NaN where unknown (one draw)."""
     cfg = cfg or MlpConfig(dim=emb.shape[1])
     cfg.capped_head = censored is not None
+    cfg.spread_head = spread is not None and bool(np.isfinite(spread).any())
     y = np.log1p(lengths.astype(np.float32))
-    ended = y if censored is None or censored.all() else y[~censored.astype(bool)]
+    ended = y if censored is None or (censored >= 1).all() else y[np.asarray(censored) < 1]
     cfg.y_mean, cfg.y_std = float(ended.mean()), float(ended.std() or 1.0)
     cfg.f_mean, cfg.f_std = float(feat.mean()), float(feat.std() or 1.0)
     cfg.prior = float(lengths.mean())
@@ -129,6 +161,7 @@ def train(
     x = model._inputs(emb, feat)  # [N, D(+1)]
     t = torch.from_numpy((y - cfg.y_mean) / cfg.y_std)  # [N]
     cut = None if censored is None else torch.from_numpy(censored.astype(np.float32))  # [N]
+    sd = torch.from_numpy(spread.astype(np.float32)) if cfg.spread_head else None  # [N]
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(len(x) * val_fraction))
     val, tr = perm[:n_val], perm[n_val:]
@@ -137,13 +170,13 @@ def train(
     for epoch in range(epochs):
         model.net.train()
         for idx in tr[torch.randperm(len(tr))].split(batch):
-            loss = _loss(model.net(x[idx]), t[idx], None if cut is None else cut[idx])
+            loss = _loss(model.net(x[idx]), t[idx], _at(cut, idx), _at(sd, idx))
             opt.zero_grad()
             loss.backward()
             opt.step()
         model.net.eval()
         with torch.no_grad():
-            val_loss = _loss(model.net(x[val]), t[val], None if cut is None else cut[val]).item()
+            val_loss = _loss(model.net(x[val]), t[val], _at(cut, val), _at(sd, val)).item()
         if val_loss < best - 1e-4:
             best, patience = val_loss, 0
             best_state = {k: v.clone() for k, v in model.net.state_dict().items()}

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from services.common.grpc_server import GrpcServer, start_server
 from services.common.settings import PredictorSettings
-from services.predictor.build import SeedCancelled, build_predictor, seed_if_empty, served_models
+from services.predictor.build import SeedCancelled, build_predictors, seed_if_empty, served_models
+from services.predictor.by_regime import RegimePredictors
 from services.predictor.core import LengthPredictor
 from services.predictor.embedder import Embedder
 from services.predictor.servicer import (
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class PredictorHandle:
     server: GrpcServer
-    predictor: LengthPredictor
+    predictors: RegimePredictors
     observer: ObserveQueue
     metrics: PredictorMetrics
     models: list[str]
@@ -45,6 +46,11 @@ class PredictorHandle:
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def predictor(self) -> LengthPredictor:
+        """The fallback regime's predictor (temperature 1)."""
+        return self.predictors.primary
 
     async def wait_seeded(self) -> dict | None:
         if self.seeding is not None:
@@ -62,14 +68,15 @@ class PredictorHandle:
 
 async def _seed(
     settings: PredictorSettings,
-    predictor: LengthPredictor,
+    predictors: RegimePredictors,
     metrics: PredictorMetrics,
     model: str,
     stop: threading.Event,
 ) -> dict | None:
     try:
-        report = await asyncio.to_thread(seed_if_empty, settings, predictor, stop)
-        metrics.store_size.labels(model).set(await asyncio.to_thread(predictor.store.count, model))
+        report = await asyncio.to_thread(seed_if_empty, settings, predictors, stop)
+        sizes = await asyncio.to_thread(predictors.count, model)
+        metrics.store_size.labels(model).set(sum(sizes.values()))
         return report
     except StoreUnavailable as exc:
         log.warning("could not seed the store: %s", exc)
@@ -85,12 +92,12 @@ async def start_predictor(
 
     `embedder`: an already loaded one to reuse (tests); default = load settings.embedder.
     """
-    predictor = await asyncio.to_thread(build_predictor, settings, embedder)
+    predictors = await asyncio.to_thread(build_predictors, settings, embedder)
     models = served_models(settings)
     metrics = PredictorMetrics()
-    observer = ObserveQueue(predictor, metrics)
+    observer = ObserveQueue(predictors, metrics)
     servicer = PredictorServicer(
-        predictor,
+        predictors,
         models,
         metrics,
         observer,
@@ -103,13 +110,18 @@ async def start_predictor(
     )
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
-    handle = PredictorHandle(server, predictor, observer, metrics, models)
+    handle = PredictorHandle(server, predictors, observer, metrics, models)
     if settings.predictor_seed:
         handle.seeding = asyncio.create_task(
-            _seed(settings, predictor, metrics, models[0], handle.stop_seeding)
+            _seed(settings, predictors, metrics, models[0], handle.stop_seeding)
         )
     log.info(
         "predictor serving",
-        extra={"port": server.port, "models": models, "store": predictor.store.backend},
+        extra={
+            "port": server.port,
+            "models": models,
+            "store": predictors.store.backend,
+            "regimes": sorted(predictors.by_regime),
+        },
     )
     return handle

@@ -21,7 +21,8 @@ from services.common.grpc_server import invalid
 from services.common.metrics import Metrics
 from services.common.pb import common_pb2, predictor_pb2
 from services.common.tasks import cancel_and_wait
-from services.predictor.core import LengthPredictor, Observation
+from services.predictor.by_regime import RegimePredictors
+from services.predictor.core import Observation
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "alise.v1.Predictor"
@@ -88,22 +89,25 @@ def add_to_server(servicer: PredictorServicer, server: grpc.aio.Server) -> None:
 
 
 class ObserveQueue:
-    """Background learner: batches of (model, observations), processed one at a time."""
+    """Background learner: batches of (model, temperature, observations), processed one at a
+    time by the temperature's regime."""
 
     def __init__(
         self,
-        predictor: LengthPredictor,
+        predictors: RegimePredictors,
         metrics: PredictorMetrics,
         remember: int = 100_000,
         chunk: int = 8,
     ) -> None:
-        self.predictor, self.metrics, self.chunk = predictor, metrics, chunk
-        self.queue: asyncio.Queue[tuple[str, list[Observation]]] = asyncio.Queue()
+        self.predictors, self.metrics, self.chunk = predictors, metrics, chunk
+        self.queue: asyncio.Queue[tuple[str, float | None, list[Observation]]] = asyncio.Queue()
         self.seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.remember = remember
         self.task = asyncio.create_task(self._run())
 
-    def submit(self, model: str, observations: list[Observation]) -> int:
+    def submit(
+        self, model: str, observations: list[Observation], temperature: float | None = None
+    ) -> int:
         fresh = []
         for obs in observations:
             key = (model, obs.request_id)
@@ -115,19 +119,21 @@ class ObserveQueue:
         while len(self.seen) > self.remember:
             self.seen.popitem(last=False)
         for start in range(0, len(fresh), self.chunk):
-            self.queue.put_nowait((model, fresh[start : start + self.chunk]))
+            self.queue.put_nowait((model, temperature, fresh[start : start + self.chunk]))
         self.metrics.queue_depth.inc(len(fresh))
         return len(fresh)
 
     async def _run(self) -> None:
         while True:
-            model, batch = await self.queue.get()
+            model, temperature, batch = await self.queue.get()
             try:
-                changed = await asyncio.to_thread(self.predictor.observe, model, batch)
+                changed = await asyncio.to_thread(
+                    self.predictors.observe, model, batch, temperature
+                )
                 self.metrics.observations.labels("learned").inc(changed)
                 self.metrics.observations.labels("already_stored").inc(len(batch) - changed)
-                size = await asyncio.to_thread(self.predictor.store.count, model)
-                self.metrics.store_size.labels(model).set(size)
+                sizes = await asyncio.to_thread(self.predictors.count, model)
+                self.metrics.store_size.labels(model).set(sum(sizes.values()))
             except Exception:
                 log.exception("observe batch failed")
                 self.metrics.observations.labels("failed").inc(len(batch))
@@ -145,17 +151,24 @@ class ObserveQueue:
 _Request = predictor_pb2.PredictRequest | predictor_pb2.ObserveRequest | Malformed
 
 
+def temperature_of(
+    request: predictor_pb2.PredictRequest | predictor_pb2.ObserveRequest,
+) -> float | None:
+    """The request's temperature, None when not sent (the API default, regime t1)."""
+    return request.temperature if request.HasField("temperature") else None
+
+
 class PredictorServicer:
     def __init__(
         self,
-        predictor: LengthPredictor,
+        predictors: RegimePredictors,
         models: list[str],
         metrics: PredictorMetrics,
         observer: ObserveQueue,
         max_prompt_chars: int,
         max_batch: int,
     ) -> None:
-        self.predictor, self.models, self.metrics = predictor, set(models), metrics
+        self.predictors, self.models, self.metrics = predictors, set(models), metrics
         self.observer = observer
         self.max_prompt_chars, self.max_batch = max_prompt_chars, max_batch
 
@@ -166,6 +179,9 @@ class PredictorServicer:
             raise invalid(f"unknown model id {request.model!r}; served: {sorted(self.models)}")
         if not items:
             raise invalid(f"no {what} given")
+        temperature = temperature_of(request)
+        if temperature is not None and not temperature >= 0:
+            raise invalid(f"temperature {temperature} is not >= 0")
         if len(items) > self.max_batch:
             raise invalid(f"{len(items)} {what} exceed the limit of {self.max_batch}")
 
@@ -187,7 +203,9 @@ class PredictorServicer:
         t0 = time.perf_counter()
         self.metrics.in_flight.inc()
         try:
-            preds = await asyncio.to_thread(self.predictor.predict, request.model, prompts)
+            preds = await asyncio.to_thread(
+                self.predictors.predict, request.model, prompts, temperature_of(request)
+            )
         finally:
             self.metrics.in_flight.dec()
         self.metrics.latency.observe(time.perf_counter() - t0)
@@ -201,6 +219,8 @@ class PredictorServicer:
                     similarity=p.similarity,
                     neighbors=p.neighbors,
                     p_capped=p.p_capped,
+                    spread=p.spread,
+                    regime=p.regime,
                 )
                 for p in preds
             ]
@@ -220,5 +240,6 @@ class PredictorServicer:
         accepted = self.observer.submit(
             request.model,
             [Observation(o.request_id, o.prompt, o.true_length, o.censored) for o in items],
+            temperature_of(request),
         )
         return predictor_pb2.ObserveResponse(accepted=accepted)

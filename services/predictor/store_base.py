@@ -1,9 +1,10 @@
 """The length store's interface: one vector collection per serving model, on Qdrant.
 
-A point is (prompt embedding, payload {length, count, capped, model, time, rids}). `count` is
+A point is (prompt embedding, payload {length, count, capped, spread, model, time, rids}). `count` is
 how many true output lengths were merged into the point, `capped` the share of them cut by
 `max_tokens` (censored), and `length` the running mean of those that ended on their own
-(`services.common.censoring`); `rids`
+(`services.common.censoring`), `spread` the spread of the seed's draws of its prompt
+(`services.predictor.regimes`; observations do not change it); `rids`
 holds the last request ids merged in, so a repeated Observe is recognised in the store itself
 (replicas share nothing else). Growth is bounded: an observation within `merge_similarity` of
 an existing point updates that point's running mean instead of adding one, and past
@@ -36,6 +37,7 @@ class Neighbor:
     count: int = 1
     rids: tuple[str, ...] = ()
     capped: float = 0.0  # share of the merged lengths cut by max_tokens
+    spread: float = 0.0  # std of log1p(length) over the seed's draws (0: unknown)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Record:
     rids: list[str] = field(default_factory=list)
     time: float = 0.0
     capped: float = 0.0
+    spread: float = 0.0
 
 
 class StoreUnavailable(RuntimeError):
@@ -72,6 +75,7 @@ def payload_of(model: str, rec: Record) -> dict[str, Any]:
         "length": float(rec.length),
         "count": int(rec.count),
         "capped": float(rec.capped),
+        "spread": float(rec.spread),
         "model": model,
         "time": float(rec.time or time.time()),
         "rids": list(rec.rids[-MAX_RIDS:]),
@@ -87,6 +91,7 @@ def neighbor_of(pid: object, score: float, payload: dict[str, Any] | None) -> Ne
         int(payload.get("count", 1)),
         tuple(payload.get("rids", ())),
         float(payload.get("capped", 0.0)),
+        float(payload.get("spread", 0.0)),
     )
 
 

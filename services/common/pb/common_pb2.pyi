@@ -80,15 +80,19 @@ class Slo(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class Prediction(_message.Message):
-    __slots__ = ("length", "source", "similarity", "neighbors", "p_capped")
+    __slots__ = ("length", "source", "similarity", "neighbors", "p_capped", "spread", "regime")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
     P_CAPPED_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
+    REGIME_FIELD_NUMBER: _ClassVar[int]
     length: int
     source: str
     similarity: float
     neighbors: int
     p_capped: float
-    def __init__(self, length: _Optional[int] = ..., source: _Optional[str] = ..., similarity: _Optional[float] = ..., neighbors: _Optional[int] = ..., p_capped: _Optional[float] = ...) -> None: ...
+    spread: float
+    regime: str
+    def __init__(self, length: _Optional[int] = ..., source: _Optional[str] = ..., similarity: _Optional[float] = ..., neighbors: _Optional[int] = ..., p_capped: _Optional[float] = ..., spread: _Optional[float] = ..., regime: _Optional[str] = ...) -> None: ...

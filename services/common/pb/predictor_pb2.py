@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fpredictor.proto\x12\x08\x61lise.v1\x1a\x0c\x63ommon.proto\"0\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07prompts\x18\x02 \x03(\t\"<\n\x0fPredictResponse\x12)\n\x0bpredictions\x18\x01 \x03(\x0b\x32\x14.alise.v1.Prediction\"X\n\x0bObservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x13\n\x0btrue_length\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x65nsored\x18\x04 \x01(\x08\"L\n\x0eObserveRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x0cobservations\x18\x02 \x03(\x0b\x32\x15.alise.v1.Observation\"#\n\x0fObserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x32\x8b\x01\n\tPredictor\x12>\n\x07Predict\x12\x18.alise.v1.PredictRequest\x1a\x19.alise.v1.PredictResponse\x12>\n\x07Observe\x12\x18.alise.v1.ObserveRequest\x1a\x19.alise.v1.ObserveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fpredictor.proto\x12\x08\x61lise.v1\x1a\x0c\x63ommon.proto\"Z\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07prompts\x18\x02 \x03(\t\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"<\n\x0fPredictResponse\x12)\n\x0bpredictions\x18\x01 \x03(\x0b\x32\x14.alise.v1.Prediction\"X\n\x0bObservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x13\n\x0btrue_length\x18\x03 \x01(\x05\x12\x10\n\x08\x63\x65nsored\x18\x04 \x01(\x08\"v\n\x0eObserveRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x0cobservations\x18\x02 \x03(\x0b\x32\x15.alise.v1.Observation\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"#\n\x0fObserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x32\x8b\x01\n\tPredictor\x12>\n\x07Predict\x12\x18.alise.v1.PredictRequest\x1a\x19.alise.v1.PredictResponse\x12>\n\x07Observe\x12\x18.alise.v1.ObserveRequest\x1a\x19.alise.v1.ObserveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'predictor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREDICTREQUEST']._serialized_start=43
-  _globals['_PREDICTREQUEST']._serialized_end=91
-  _globals['_PREDICTRESPONSE']._serialized_start=93
-  _globals['_PREDICTRESPONSE']._serialized_end=153
-  _globals['_OBSERVATION']._serialized_start=155
-  _globals['_OBSERVATION']._serialized_end=243
-  _globals['_OBSERVEREQUEST']._serialized_start=245
-  _globals['_OBSERVEREQUEST']._serialized_end=321
-  _globals['_OBSERVERESPONSE']._serialized_start=323
-  _globals['_OBSERVERESPONSE']._serialized_end=358
-  _globals['_PREDICTOR']._serialized_start=361
-  _globals['_PREDICTOR']._serialized_end=500
+  _globals['_PREDICTREQUEST']._serialized_end=133
+  _globals['_PREDICTRESPONSE']._serialized_start=135
+  _globals['_PREDICTRESPONSE']._serialized_end=195
+  _globals['_OBSERVATION']._serialized_start=197
+  _globals['_OBSERVATION']._serialized_end=285
+  _globals['_OBSERVEREQUEST']._serialized_start=287
+  _globals['_OBSERVEREQUEST']._serialized_end=405
+  _globals['_OBSERVERESPONSE']._serialized_start=407
+  _globals['_OBSERVERESPONSE']._serialized_end=442
+  _globals['_PREDICTOR']._serialized_start=445
+  _globals['_PREDICTOR']._serialized_end=584
 # @@protoc_insertion_point(module_scope)

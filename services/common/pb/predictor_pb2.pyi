@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PredictRequest(_message.Message):
-    __slots__ = ("model", "prompts")
+    __slots__ = ("model", "prompts", "temperature")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ...) -> None: ...
+    temperature: float
+    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("predictions",)
@@ -34,12 +36,14 @@ class Observation(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., true_length: _Optional[int] = ..., censored: _Optional[bool] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
-    __slots__ = ("model", "observations")
+    __slots__ = ("model", "observations", "temperature")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     observations: _containers.RepeatedCompositeFieldContainer[Observation]
-    def __init__(self, model: _Optional[str] = ..., observations: _Optional[_Iterable[_Union[Observation, _Mapping]]] = ...) -> None: ...
+    temperature: float
+    def __init__(self, model: _Optional[str] = ..., observations: _Optional[_Iterable[_Union[Observation, _Mapping]]] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ObserveResponse(_message.Message):
     __slots__ = ("accepted",)
