@@ -40,6 +40,8 @@ class MlpConfig:
     prior: float = 0.0  # mean train length (the `prior` predictor)
     capped_head: bool = False  # a second output: logit of P(the answer runs to the cap)
     spread_head: bool = False  # a last output: the spread of the prompt's draws (log1p std)
+    s_mean: float = 0.0  # of the known spreads (the spread head is standardised)
+    s_std: float = 1.0
 
 
 def build(cfg: MlpConfig) -> nn.Sequential:
@@ -89,7 +91,8 @@ class MlpRegressor:
         """[N] predicted spread of each prompt's lengths (0 without a spread head)."""
         if len(emb) == 0 or not self.cfg.spread_head:
             return np.zeros(len(emb), np.float32)
-        return np.maximum(self.net(self._inputs(emb, feat))[:, -1].numpy(), 0.0)
+        z = self.net(self._inputs(emb, feat))[:, -1].numpy()  # [N]
+        return np.maximum(z * self.cfg.s_std + self.cfg.s_mean, 0.0)
 
     def save(self, path: Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +126,14 @@ def _loss(
         if known.any():
             loss = loss + nn.functional.mse_loss(out[known, -1], spread[known])
     return loss
+
+
+def _standard_spread(cfg: MlpConfig, spread: np.ndarray | None) -> torch.Tensor:
+    """The spread targets standardised over the known ones (NaN stays NaN); sets cfg's."""
+    assert spread is not None
+    known = spread[np.isfinite(spread)]
+    cfg.s_mean, cfg.s_std = float(known.mean()), float(known.std() or 1.0)
+    return torch.from_numpy(((spread - cfg.s_mean) / cfg.s_std).astype(np.float32))
 
 
 def _at(values: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
@@ -161,7 +172,7 @@ def train(
     x = model._inputs(emb, feat)  # [N, D(+1)]
     t = torch.from_numpy((y - cfg.y_mean) / cfg.y_std)  # [N]
     cut = None if censored is None else torch.from_numpy(censored.astype(np.float32))  # [N]
-    sd = torch.from_numpy(spread.astype(np.float32)) if cfg.spread_head else None  # [N]
+    sd = _standard_spread(cfg, spread) if cfg.spread_head else None  # [N]
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(len(x) * val_fraction))
     val, tr = perm[:n_val], perm[n_val:]
