@@ -39,6 +39,8 @@ def prediction_dict(prediction: common_pb2.Prediction | None) -> dict | None:
         "similarity": round(prediction.similarity, 4),
         "neighbors": prediction.neighbors,
         "p_capped": round(prediction.p_capped, 4),
+        "spread": round(prediction.spread, 4),
+        "regime": prediction.regime,
     }
 
 

@@ -85,9 +85,10 @@ def silent_server() -> Iterator[tuple[int, list[socket.socket]]]:
         listener.close()
 
 
-def timed_completion(url: str, stream: bool = False) -> tuple[httpx.Response, float]:
+def timed_completion(url: str, stream: bool = False, **more) -> tuple[httpx.Response, float]:
     started = time.monotonic()
-    response = httpx.post(url + "/v1/completions", json={**BODY, "stream": stream}, timeout=60)
+    body = {**BODY, "stream": stream, **more}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     return response, time.monotonic() - started
 
 
@@ -158,6 +159,7 @@ def test_two_predictor_host_names_are_used_round_robin(tiny_model, backend, embe
         # A generous timeout: a CPU embedding on a busy host can take longer than 300 ms.
         with gateway(tiny_model, backend, addresses, timeout_ms=10_000) as url:
             responses = [timed_completion(url)[0] for _ in range(8)]
+            greedy = timed_completion(url, temperature=0.0)[0]
             health = httpx.get(url + "/health", timeout=10).json()
     finally:
         for handle in handles:
@@ -165,8 +167,11 @@ def test_two_predictor_host_names_are_used_round_robin(tiny_model, backend, embe
     for response in responses:
         assert response.status_code == 200, response.text
         assert response.headers["x-alise-prediction"].startswith("length=")
+        assert "@" not in response.headers["x-alise-prediction"]  # temperature 1: regime t1
+    # temperature 0 reaches the predictor, which has no t0 file for this model: t1 answers
+    assert greedy.headers["x-alise-prediction"].endswith("@t1"), greedy.headers
     served = [predictions_served(h) for h in handles]
-    assert sum(served) == 8
+    assert sum(served) == 9
     assert min(served) >= 2, served  # round-robin: both replicas answered
     assert health["predictor"] is True
 
