@@ -37,7 +37,8 @@ def _replay(url: str, items, max_tokens: int):
 
     model = asyncio.run(served_model(url))
     capped = [replace(i, output_len=max_tokens) for i in items]
-    return asyncio.run(run_trace(url, capped, model, ignore_eos=False))
+    # greedy: both runs (cache on, off) get the same answers, so only the cache differs
+    return asyncio.run(run_trace(url, capped, model, ignore_eos=False, temperature=0.0))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -94,16 +94,31 @@ def request_details(results) -> list[dict]:
 
 
 def run_point(
-    url: str, items, ignore_eos: bool, max_concurrency: int | None, detailed: bool = False
+    url: str,
+    items,
+    ignore_eos: bool,
+    max_concurrency: int | None,
+    detailed: bool = False,
+    temperature: float = 1.0,
+    sample_seed: int | None = None,
 ) -> dict:
+    """One trace against the gateway at `url`: the summary (plus `temperature`, and each
+    request's figures when `detailed`)."""
     from tqdm import tqdm
 
     from bench.live import run_trace, served_model
 
     model = asyncio.run(served_model(url))
     with tqdm(total=len(items), desc="requests", leave=False) as bar:
-        results = asyncio.run(run_trace(url, items, model, ignore_eos, max_concurrency, bar))
+        results = asyncio.run(
+            run_trace(
+                url, items, model, ignore_eos, max_concurrency, bar,
+                temperature=temperature, sample_seed=sample_seed,
+            )
+        )  # fmt: skip
     summary = summarize([r.record for r in results])
+    summary["temperature"] = temperature
+    summary["sample_seed"] = sample_seed
     summary["errors"] = [r.error for r in results if r.error][:5]
     summary["num_errors"] = sum(1 for r in results if r.error)
     if detailed:
@@ -134,7 +149,13 @@ def trace_for(args: argparse.Namespace, rate: float):
 def _serve_cmd(args: argparse.Namespace) -> int:
     items = trace_for(args, args.request_rate)
     summary = run_point(
-        args.url, items, ignores_eos(args), args.max_concurrency, args.save_detailed
+        args.url,
+        items,
+        ignores_eos(args),
+        args.max_concurrency,
+        args.save_detailed,
+        args.temperature,
+        args.sample_seed,
     )
     summary.update(
         rate=args.request_rate,
@@ -238,7 +259,13 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
             for rate in [float(r) for r in args.rates.split(",")]:
                 items = trace_for(args, rate)
                 summary = run_point(
-                    stack.url, items, ignores_eos(args), args.max_concurrency, args.save_detailed
+                    stack.url,
+                    items,
+                    ignores_eos(args),
+                    args.max_concurrency,
+                    args.save_detailed,
+                    args.temperature,
+                    args.sample_seed,
                 )
                 points.append(
                     {"policy": policy, "rate": rate, "max_tokens_mode": args.max_tokens_mode,
@@ -251,6 +278,7 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
                             for k in (
                                 "policy",
                                 "rate",
+                                "temperature",
                                 "mean_normalized_latency",
                                 "p99_tbt",
                                 "median_ttft",
@@ -303,6 +331,20 @@ def _trace_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-ignore-eos", action="store_true", help="reference mode: honour EOS all the same"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature every request sends: the API default 1.0 (what users "
+        "send); 0 = greedy, a second, labelled run",
+    )
+    parser.add_argument(
+        "--sample-seed",
+        type=int,
+        default=None,
+        help="send request i the seed SEED*1000003+i, so every policy gets the same draws "
+        "(default: unseeded, as users send)",
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument(

@@ -2,10 +2,15 @@
 (`vllm bench serve` conventions) and turns what the client saw into metric records.
 
 Each trace item is sent at its arrival time (optionally capped by `max_concurrency`) as a
-streaming greedy chat completion with `max_tokens` = its `output_len` (`bench serve` sets it:
-one fixed cap for every request with EOS honoured by default, or the reference length with
-`ignore_eos` in the papers' replay mode); greedy decoding gives every policy the same work. The client records the time of every streamed chunk; the usage
-chunk gives the exact token counts.
+streaming chat completion with `max_tokens` = its `output_len` (`bench serve` sets it: one
+fixed cap for every request with EOS honoured by default, or the reference length with
+`ignore_eos` in the papers' replay mode) at `temperature`: by default the API's default, 1.0,
+what users send (each request samples its own answer, so policies get the same work only in
+distribution, unless `sample_seed` pairs the draws: request i then sends the seed
+`sample_seed * 1_000_003 + i`, and the executor's seeded sampler gives it the same draw under
+every policy, up to the numerics of the batch it ran in); 0 is greedy decoding, the same
+answers for every policy. The client records the time of every streamed chunk; the usage chunk gives the
+exact token counts.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import httpx
 from services.workload.metrics import RequestRecord
 from services.workload.traces.trace import TraceItem
 
+DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default, what a client that sets none gets
+
 
 @dataclass
 class LiveResult:
@@ -29,16 +36,29 @@ class LiveResult:
     completion_tokens: int
 
 
-def _body(item: TraceItem, model: str, ignore_eos: bool) -> dict:
-    body = {
+def request_seed(sample_seed: int | None, index: int) -> int | None:
+    """The `seed` request `index` of a trace sends (None: unseeded)."""
+    return None if sample_seed is None else (sample_seed * 1_000_003 + index) % 2**63
+
+
+def _body(
+    item: TraceItem,
+    model: str,
+    ignore_eos: bool,
+    temperature: float = DEFAULT_TEMPERATURE,
+    seed: int | None = None,
+) -> dict:
+    body: dict = {
         "model": model,
         "stream": True,
         "max_tokens": item.output_len,
-        "temperature": 0.0,
+        "temperature": temperature,
         "ignore_eos": ignore_eos,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": item.prompt or "Hello"}],
     }
+    if seed is not None:
+        body["seed"] = seed
     if item.messages:  # a multi-turn history or a system prompt (traces/multiturn.py)
         body["messages"] = [{"role": role, "content": text} for role, text in item.messages]
     slo = {
@@ -56,7 +76,14 @@ def _body(item: TraceItem, model: str, ignore_eos: bool) -> dict:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, item: TraceItem, model: str, ignore_eos: bool, t0: float
+    client: httpx.AsyncClient,
+    url: str,
+    item: TraceItem,
+    model: str,
+    ignore_eos: bool,
+    t0: float,
+    temperature: float = DEFAULT_TEMPERATURE,
+    seed: int | None = None,
 ) -> LiveResult:
     """Send one request; times are seconds since the benchmark's t0."""
     arrival = time.perf_counter() - t0
@@ -71,7 +98,9 @@ async def _one(
     text, usage, error = [], None, None
     try:
         async with client.stream(
-            "POST", f"{url}/v1/chat/completions", json=_body(item, model, ignore_eos)
+            "POST",
+            f"{url}/v1/chat/completions",
+            json=_body(item, model, ignore_eos, temperature, seed),
         ) as response:
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
@@ -116,8 +145,11 @@ async def run_trace(
     max_concurrency: int | None = None,
     progress=None,
     timeout_s: float = 1800.0,
+    temperature: float = DEFAULT_TEMPERATURE,
+    sample_seed: int | None = None,
 ) -> list[LiveResult]:
-    """Replay the trace in real time; returns one result per item, in trace order."""
+    """Replay the trace in real time at `temperature` (`sample_seed`: pair the draws, see the
+    module's doc); returns one result per item, in trace order."""
     # keep idle connections for less than the server's keep-alive (uvicorn: 5 s): at equal
     # timeouts a request can go out on a connection the server is closing (httpx ReadError)
     limits = httpx.Limits(
@@ -131,15 +163,16 @@ async def run_trace(
     ) as client:
         t0 = time.perf_counter()
 
-        async def scheduled(item: TraceItem) -> LiveResult:
+        async def scheduled(index: int, item: TraceItem) -> LiveResult:
             await asyncio.sleep(max(0.0, item.arrival_s - (time.perf_counter() - t0)))
+            seed = request_seed(sample_seed, index)
             async with semaphore:
-                result = await _one(client, url, item, model, ignore_eos, t0)
+                result = await _one(client, url, item, model, ignore_eos, t0, temperature, seed)
             if progress is not None:
                 progress.update(1)
             return result
 
-        return await asyncio.gather(*(scheduled(item) for item in items))
+        return await asyncio.gather(*(scheduled(i, item) for i, item in enumerate(items)))
 
 
 async def served_model(url: str) -> str:
