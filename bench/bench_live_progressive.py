@@ -66,12 +66,12 @@ def keep_new_checkpoints(run_dir: Path, shared: Path) -> None:
 
 
 def wait_seeded(run_dir: Path, timeout_s: float) -> float:
-    """Seconds until the fresh store's seed is logged (every regime's), or TimeoutError."""
+    """Seconds until the predictor logs that every regime's store is seeded and its MLP
+    loaded or trained, or TimeoutError."""
     started = time.monotonic()
+    log = run_dir / "predictor.log"
     while time.monotonic() - started < timeout_s:
-        logs = [p.read_text(errors="replace") for p in run_dir.rglob("*.log") if p.is_file()]
-        if any("seeded the" in text for text in logs):
-            time.sleep(2.0)  # the other regimes' seeds follow within the same thread
+        if log.exists() and "seeding finished" in log.read_text(errors="replace"):
             return time.monotonic() - started
         time.sleep(1.0)
     raise TimeoutError(f"the predictor's store was not seeded within {timeout_s:.0f} s")
@@ -250,9 +250,10 @@ def _run(args: argparse.Namespace) -> int:
     print(text, flush=True)
     if args.json:
         Path(args.json).write_text(text + "\n")
-    meta = {"command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items()
-            if k != "func"}, "verdicts": verdicts(points), "machine": "shared 2-core CPU host"
-            " (nice'd; other jobs ran beside it)"}  # fmt: skip
+    config = {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")}
+    meta = {"command": "alise " + " ".join(sys.argv[1:]), "config": config,
+            "verdicts": verdicts(points), "machine": "shared 2-core CPU host (nice'd; other "
+            "jobs ran beside it)"}  # fmt: skip
     if args.json:
         Path(args.json).with_name(Path(args.json).stem + "_meta.json").write_text(
             json.dumps(meta, indent=2, default=str)

@@ -77,6 +77,7 @@ async def _seed(
         report = await asyncio.to_thread(seed_if_empty, settings, predictors, stop)
         sizes = await asyncio.to_thread(predictors.count, model)
         metrics.store_size.labels(model).set(sum(sizes.values()))
+        log.info("seeding finished", extra={"points": sizes})
         return report
     except StoreUnavailable as exc:
         log.warning("could not seed the store: %s", exc)

@@ -24,20 +24,17 @@ from services.predictor.store_base import Neighbor
 def test_regime_of_temperature():
     assert regime_of(None) == "t1"  # not sent: the API default 1.0
     assert regime_of(1.0) == regime_of(0.7) == regime_of(2.0) == "t1"
-    assert regime_of(0.0) == regime_of(1e-6) == "t0"
+    assert regime_of(0.0) == "t0"  # greedy, as the executor's sampler decides it
 
 
-def test_draws_of_both_formats_and_their_summary():
-    many = PromptDraws.from_row(
-        {"id": "a", "prompt_len": 9, "temperature": 1.0, "lengths": [30, 10, 256, 20],
-         "censored": [False, False, True, False]}
-    )  # fmt: skip
+def test_summary_of_several_draws_and_of_one():
+    many = PromptDraws("a", 9, 1.0, (30, 10, 256, 20), (False, False, True, False))
     s = summarize_draws(many)
     assert (s.length, s.capped, s.count) == (20.0, 0.25, 4)  # median of the three that ended
     assert s.spread == pytest.approx(np.log1p([30, 10, 256, 20]).std())
-    one = summarize_draws(PromptDraws.from_row({"id": "b", "length": 77, "censored": False}))
+    one = summarize_draws(PromptDraws("b", 9, 1.0, (77,), (False,)))
     assert (one.length, one.capped, one.spread, one.count) == (77.0, 0.0, 0.0, 1)
-    cut = summarize_draws(PromptDraws("c", (256, 256), (True, True)))
+    cut = summarize_draws(PromptDraws("c", 9, 1.0, (256, 256), (True, True)))
     assert (cut.length, cut.capped) == (256.0, 1.0)  # all cut: the cap, a lower bound
     assert cut.spread == 0.0
 
@@ -56,6 +53,14 @@ def test_regime_files_and_their_tags(tmp_path):
     # the older one-draw file is the t1 regime's (bundled for SmolLM2), with the older tag
     legacy = regime_file("smollm2-135m-instruct", tmp_path, "t1")
     assert legacy is not None and file_tag(legacy).startswith("cal256")
+    old = [
+        json.dumps(header),
+        json.dumps({"id": "y", "length": 9, "censored": True, "prompt_len": 2}),
+    ]
+    (cal / "m-cap256.jsonl").write_text("\n".join(old) + "\n")
+    one = regime_file("m", tmp_path, "t1")
+    assert one == cal / "m-cap256.jsonl" and file_tag(one) == "cal256"
+    assert read_draws(one)[1]["y"].lengths == (9,) and read_draws(one)[1]["y"].censored == (True,)
     assert regime_file("no-such-model", tmp_path, "t0") is None
 
 
