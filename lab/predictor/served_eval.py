@@ -145,6 +145,10 @@ def held_out(settings: PredictorSettings, args: argparse.Namespace) -> dict:
 
 
 def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
+    if getattr(args, "regime", None):  # one temperature regime against several draws
+        from lab.predictor.regime_eval import run as run_regime
+
+        return run_regime(settings, args)
     from lab.predictor.eval_common import chat_formatter
     from services.predictor.build import make_embedder, served_models
 
@@ -193,3 +197,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--limit-reference", type=int, default=None, help="first N ShareGPT reference samples"
     )
+    from lab.predictor.regime_eval import add_arguments as regime_arguments
+
+    regime_arguments(p)

@@ -243,11 +243,13 @@ def seed(
     stop: threading.Event | None = None,
     samples: list[Sample] | None = None,
     censored: np.ndarray | None = None,
+    seed_set: SeedSet | None = None,
 ) -> dict:
-    """Bulk-load `samples` (with their `censored` flags; default the predictor's regime's
-    seed, `regime_seed`) into `model`'s collection of that regime; returns timings."""
+    """Bulk-load `seed_set`, or `samples` (with their `censored` flags; default the
+    predictor's regime's seed, `regime_seed`) into `model`'s collection of that regime;
+    returns timings."""
     t0 = time.perf_counter()
-    got = (
+    got = seed_set or (
         regime_seed(settings, predictor.regime, limit)
         if samples is None
         else SeedSet.of(samples, censored, "given")
@@ -285,10 +287,11 @@ def train_mlp(
     samples: list[Sample] | None = None,
     censored: np.ndarray | None = None,
     regime: str = REGIMES[0],
+    seed_set: SeedSet | None = None,
 ) -> tuple[MlpRegressor, Path]:
-    """Fit the MLP of `regime` on `samples` (default its `regime_seed`: median lengths, cut
-    shares and spreads); save it where the service looks."""
-    got = (
+    """Fit the MLP of `regime` on `seed_set`, or `samples` (default its `regime_seed`: median
+    lengths, cut shares and spreads); save it where the service looks."""
+    got = seed_set or (
         regime_seed(settings, regime, limit)
         if samples is None
         else SeedSet.of(samples, censored, "given")
