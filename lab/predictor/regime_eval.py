@@ -38,13 +38,24 @@ if TYPE_CHECKING:
 
 
 def _auc():
-    """The AUC helper (lab.predictor.metrics_eval once the probe's work lands; served_eval's
-    before)."""
+    """The AUC helper: `lab.predictor.metrics_eval.auc` where it lives there (the executor
+    probe's work moves it there), else a copy of served_eval's (importing served_eval here
+    would be an import cycle)."""
     try:
         from lab.predictor.metrics_eval import auc  # type: ignore[attr-defined]
     except ImportError:
-        from lab.predictor.served_eval import auc
+        return _auc_copy
     return auc
+
+
+def _auc_copy(score: np.ndarray, label: np.ndarray) -> float | None:
+    from scipy.stats import rankdata
+
+    pos, n = int(label.sum()), len(label)
+    if pos in (0, n) or np.ptp(score) == 0:
+        return None
+    ranks = rankdata(score)
+    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * (n - pos)))
 
 
 def test_draws(settings: PredictorSettings, args: argparse.Namespace, regime: str):
