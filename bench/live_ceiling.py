@@ -4,9 +4,11 @@ best `hybrid` configuration of a small grid (token budget x GPU job limit M), be
 the same trace. What ordering alone could win on that trace; the live hybrid's share of it is
 issue 30's acceptance figure.
 
-The grid is today's simulator API (`services.scheduler.sim.run.simulate`). When the
-simulator grows its own search for the best oracle configuration, `best_hybrid` should call it
-instead (the one place to change).
+`best_hybrid` calls the simulator's own search for the best oracle configuration
+(`services.scheduler.sim.ceiling.oracle_ceiling`, its grid: concurrency limit x rank x token
+budget) where the simulator has it; otherwise it searches the small grid here with today's
+simulator API (`services.scheduler.sim.run.simulate`). Either way the keys are the same and
+`ceiling_search` says which ran.
 """
 
 from __future__ import annotations
@@ -39,7 +41,32 @@ def simulate_mnl(rows: list[dict], policy: str, knobs: dict, profile: Path) -> f
 
 def best_hybrid(rows: list[dict], profile: Path = PROFILE) -> dict:
     """{ceiling_mean_normalized_latency, ceiling_config, sim_fcfs_mean_normalized_latency,
-    ceiling_gain (1 - ceiling / sim fcfs), ceiling_grid, ceiling_s} for one run's trace."""
+    ceiling_gain (1 - ceiling / sim fcfs), ceiling_grid, ceiling_search, ceiling_s} for one
+    run's trace."""
+    try:
+        from services.scheduler.sim.ceiling import oracle_ceiling  # type: ignore[import-not-found]
+    except ImportError:
+        return local_grid(rows, profile)
+    from services.scheduler.sim.config import SimConfig
+
+    started = time.monotonic()
+    got = oracle_ceiling(trace_items(rows), SimConfig(profile=str(profile)))
+    ceiling, fcfs = got["ceiling_mean_normalized_latency"], got["fcfs_mean_normalized_latency"]
+    return {
+        "ceiling_mean_normalized_latency": ceiling,
+        "ceiling_config": {"policy": "hybrid", **got["best_knobs"], "prediction": "oracle",
+                           "profile": str(profile)},
+        "sim_fcfs_mean_normalized_latency": fcfs,
+        "ceiling_gain": 1.0 - ceiling / fcfs if fcfs else None,
+        "ceiling_grid": {",".join(f"{k}={v}" for k, v in t["knobs"].items()):
+                         round(t["mean_normalized_latency"], 5) for t in got["tried"]},
+        "ceiling_search": "services.scheduler.sim.ceiling.oracle_ceiling",
+        "ceiling_s": round(time.monotonic() - started, 1),
+    }  # fmt: skip
+
+
+def local_grid(rows: list[dict], profile: Path = PROFILE) -> dict:
+    """`best_hybrid` over this module's grid (token budget x job limit, rank `normalized`)."""
     started = time.monotonic()
     grid = {}
     for budget in TOKEN_BUDGETS:
@@ -57,5 +84,6 @@ def best_hybrid(rows: list[dict], profile: Path = PROFILE) -> dict:
         "sim_fcfs_mean_normalized_latency": fcfs,
         "ceiling_gain": 1.0 - ceiling / fcfs if fcfs else None,
         "ceiling_grid": {k: round(v[0], 5) for k, v in grid.items()},
+        "ceiling_search": "bench.live_ceiling.local_grid",
         "ceiling_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
