@@ -117,6 +117,7 @@ class HybridPolicy(SrtfPolicy):
     _timed: bool  # this step's budget is a time (chunks are charged their context)
     _pairs: float  # attention pairs of the step in flight
     _last_decode_step: float  # cost-model time of the last step's decodes alone
+    _paused: set[str]  # running requests ranked past gpu_job_limit this step
 
     def step_budget(self, sched: SchedulerView) -> int:
         k = self.knobs
@@ -130,6 +131,7 @@ class HybridPolicy(SrtfPolicy):
         self.recent = deque(maxlen=T_MAX_WINDOW)
         self.attention = AttentionFit()
         self._timed, self._pairs, self._last_decode_step = False, 0.0, 0.0
+        self._paused = set()
 
     # -- lifecycle --------------------------------------------------------------------------
     def on_add(self, req: Request, now: float) -> None:
@@ -168,6 +170,7 @@ class HybridPolicy(SrtfPolicy):
         self._age(now)
         b = self.sched.new_batch(now, self.budget)
         self._chosen, self._victims = [], None
+        self._paused = self._ranked_out()
         if not self._phase_decodes(b):
             self._phase_urgent(b, now)
             self._phase_prefills(b)
@@ -175,6 +178,23 @@ class HybridPolicy(SrtfPolicy):
         self._track_waits(b, now)
         self._pairs = AttentionFit.pairs(b.scheduled, self.sched.requests)
         return b.finish()
+
+    def _ranked_out(self) -> set[str]:
+        """With a concurrency limit (`gpu_job_limit` M): the running requests ranked past M
+        while a request ranked inside M waits for a place (SRPT with M jobs at a time, ALISE
+        Algorithm 2), except the protected ones (limited preemption). They sit the step out
+        and `_rebalance` offloads them; their places go to the better-ranked."""
+        limit = self.knobs.gpu_job_limit
+        if not limit or len(self.sched.running) < limit:
+            return set()
+        out: set[str] = set()
+        waiting_inside = False
+        for rank, req in enumerate(self.q.in_order()):
+            if rank < limit:
+                waiting_inside = waiting_inside or req.status is not RUNNING
+            elif req.status is RUNNING and not self.protected(req):
+                out.add(req.request_id)
+        return out if waiting_inside else set()
 
     def _room(self, b: Batch) -> bool:
         return not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs
@@ -207,6 +227,8 @@ class HybridPolicy(SrtfPolicy):
             if req.status is not RUNNING or req.num_uncomputed_tokens != 1:
                 continue
             if req.request_id in scheduled or (only is not None and req.request_id not in only):
+                continue
+            if req.request_id in self._paused:
                 continue
             if len(scheduled) >= seqs or b.num_tokens >= budget:
                 break
@@ -516,7 +538,9 @@ class HybridPolicy(SrtfPolicy):
         victims = [
             r
             for _, r in self._victims_by_ewt(b)
-            if level.get(r.request_id, 0) >= floor and r.request_id not in b.swapped_in
+            if level.get(r.request_id, 0) >= floor
+            and r.request_id not in b.swapped_in
+            and not self.protected(r)
         ]
         held = sum(b.freeable_blocks(v.request_id) for v in victims)
         if b.free_blocks + held < need:
