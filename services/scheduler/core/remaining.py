@@ -78,7 +78,7 @@ def expected_remaining(points: list[float], elapsed: int, rule: str, quantile: f
         return float(max(elapsed, 1))
     m = len(left)
     if rule == "median":
-        value = left[m // 2]
+        value = left[m // 2] if m % 2 else (left[m // 2 - 1] + left[m // 2]) / 2
     elif rule == "quantile":
         value = left[min(m - 1, int(quantile * m))]
     elif rule == "mean":

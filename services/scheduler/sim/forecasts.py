@@ -82,15 +82,12 @@ class SyntheticForecasts:
         rng = np.random.default_rng([self.seed, zlib.crc32(key.encode()), generated])
         left = true_len - generated
         cap_left = max(cap - generated, 1)
-        q50 = min(left * math.exp(s * float(rng.standard_normal())), cap_left)
-        q50 = max(q50, 1.0)
-        p_cap = 0.0
+        median = max(left * math.exp(s * float(rng.standard_normal())), 1.0)
+        p_cap = float(median >= cap_left)
         if s > 0:
-            p_cap = 1.0 - NormalDist(math.log(q50), s).cdf(math.log(cap_left))
-        elif q50 >= cap_left:
-            p_cap = 1.0
+            p_cap = 1.0 - NormalDist(math.log(median), s).cdf(math.log(cap_left))
         spread = math.exp(Z90 * s)
-        q10, q90 = q50 / spread, min(q50 * spread, cap_left)
+        q10, q50, q90 = (min(median * f, cap_left) for f in (1 / spread, 1.0, spread))
         return RemainingForecast(generated, q10, q50, q90, p_cap)
 
 

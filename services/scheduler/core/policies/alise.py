@@ -141,7 +141,9 @@ class SrtfPolicy(PreemptivePolicy):
         if cached is None or cached[0] is not fc:
             cached = (fc, forecast_points(fc, cap_left(req, fc.generated)))
             self.points[rid] = cached
-        left = remaining_tokens(req, self.pred[rid], k.forecast_rule, k.forecast_quantile, cached[1])
+        left = remaining_tokens(
+            req, self.pred[rid], k.forecast_rule, k.forecast_quantile, cached[1]
+        )
         self.pred[rid] = req.num_output_tokens + max(1, math.ceil(left))
 
     def protected(self, req: Request) -> bool:
