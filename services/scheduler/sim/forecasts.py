@@ -165,3 +165,30 @@ def make_forecasts(spec: str | None, seed: int = 0) -> ForecastSource | None:
     raise ValueError(
         f"bad forecast spec {spec!r}: synthetic[:sigma=S,floor=F,every=N,seed=K] | replay:PATH"
     )
+
+
+def forecast_quality(
+    items: list, source: ForecastSource, checkpoints: tuple[int, ...] = (1, 16, 32, 64)
+) -> dict[str, dict[str, float]]:
+    """How good a source's forecasts are on a trace, per checkpoint, over the requests still
+    running there: Kendall tau of the median against the true remaining length, and the median
+    relative error of the median (what the issue's probe is scored by)."""
+    from scipy.stats import kendalltau
+
+    out: dict[str, dict[str, float]] = {}
+    for g in checkpoints:
+        pred, true = [], []
+        for item in items:
+            if item.output_len > g:
+                fc = source.at(item.sample_id or item.request_id, g, item.output_len, 1 << 30)
+                if fc is not None:
+                    pred.append(fc.q50)
+                    true.append(item.output_len - g)
+        if len(pred) > 1:
+            rel = np.abs(np.asarray(pred) - np.asarray(true)) / np.asarray(true)
+            out[str(g)] = {
+                "n": len(pred),
+                "kendall_tau": float(kendalltau(pred, true)[0]),
+                "median_relative_error": float(np.median(rel)),
+            }
+    return out

@@ -174,27 +174,36 @@ class HybridPolicy(SrtfPolicy):
         if not self._phase_decodes(b):
             self._phase_urgent(b, now)
             self._phase_prefills(b)
+        if self._paused and not b.scheduled:  # nothing took their place: run them after all
+            self._paused = set()
+            self._schedule_decodes(b, None)
         self._rebalance(b)
         self._track_waits(b, now)
         self._pairs = AttentionFit.pairs(b.scheduled, self.sched.requests)
         return b.finish()
 
     def _ranked_out(self) -> set[str]:
-        """With a concurrency limit (`gpu_job_limit` M): the running requests ranked past M
-        while a request ranked inside M waits for a place (SRPT with M jobs at a time, ALISE
-        Algorithm 2), except the protected ones (limited preemption). They sit the step out
-        and `_rebalance` offloads them; their places go to the better-ranked."""
-        limit = self.knobs.gpu_job_limit
-        if not limit or len(self.sched.running) < limit:
+        """With a concurrency limit (`gpu_job_limit` M): the running requests ranked past M,
+        at least `preempt_level_gap` levels below a request inside M that waits for a place
+        (SRPT with M jobs at a time, ALISE Algorithm 2, with hysteresis against thrash),
+        except the protected ones (limited preemption). They sit the step out and
+        `_rebalance` offloads them; their places go to the better-ranked."""
+        limit, gap = self.knobs.gpu_job_limit, self.knobs.preempt_level_gap
+        if not limit or gap is None or len(self.sched.running) < limit:
             return set()
         out: set[str] = set()
-        waiting_inside = False
+        best = None  # the best level of a request inside M that is not running
+        level = self.q.level_of
         for rank, req in enumerate(self.q.in_order()):
             if rank < limit:
-                waiting_inside = waiting_inside or req.status is not RUNNING
-            elif req.status is RUNNING and not self.protected(req):
-                out.add(req.request_id)
-        return out if waiting_inside else set()
+                if best is None and req.status is not RUNNING:
+                    best = level[req.request_id]
+            elif best is None:
+                break
+            elif req.status is RUNNING and level[req.request_id] >= best + gap:
+                if not self.protected(req):  # hysteresis: `preempt_level_gap` levels below
+                    out.add(req.request_id)
+        return out
 
     def _room(self, b: Batch) -> bool:
         return not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs
