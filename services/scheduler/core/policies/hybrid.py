@@ -200,9 +200,12 @@ class HybridPolicy(SrtfPolicy):
                     best = level[req.request_id]
             elif best is None:
                 break
-            elif req.status is RUNNING and level[req.request_id] >= best + gap:
-                if not self.protected(req):  # hysteresis: `preempt_level_gap` levels below
-                    out.add(req.request_id)
+            elif (
+                req.status is RUNNING
+                and level[req.request_id] >= best + gap  # hysteresis against thrash
+                and not self.protected(req)
+            ):
+                out.add(req.request_id)
         return out
 
     def _room(self, b: Batch) -> bool:
