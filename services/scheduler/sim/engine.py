@@ -9,7 +9,10 @@ Each executor is one core `Scheduler` (its own policy instance and block manager
 are placed with the core's `choose_executor`. A step lasts the cost model's iteration time of
 its batch; swaps move `blocks x block_size x kv_bytes_per_token` bytes at the configured
 bandwidth, overlapped with the forward pass (ALISE) or added to it. Sampled tokens are
-dummies; a request ends at max_tokens = its true output length (ignore_eos). Prompts are
+dummies; a request ends at max_tokens = its true output length (ignore_eos), or, when the
+prediction spec carries forecasts (`ARRIVAL+FORECAST`, sim/forecasts.py), on an EOS at its
+true length with max_tokens the deployment's cap, and its forecasts arrive in the step
+outcomes at the executor's checkpoints. Prompts are
 dummies too, except for trace items with `segments` (multi-turn chats, shared system prompts):
 their ids are built per segment, so with `prefix_caching` the core's prefix cache finds what
 repeats, and placement is cache-aware unless `cache_aware_placement` is off.
