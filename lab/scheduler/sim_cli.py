@@ -1,5 +1,5 @@
-"""`alise sim run` (one policy, one rate) and `alise sim sweep` (policies x rates, capacity,
-plots). Policies are `name[:knob=value,...][@prediction]`; see docs/simulator.md."""
+"""`alise sim run` (one policy, one rate), `alise sim sweep` (policies x rates, capacity,
+plots) and `alise sim ceiling` (the best hybrid with oracle lengths on a trace). Policies are `name[:knob=value,...][@prediction]`; see docs/simulator.md."""
 
 from __future__ import annotations
 
@@ -272,6 +272,24 @@ def _fidelity(args) -> int:
     return 0 if report["within_15pct"] else 1
 
 
+def _ceiling(args) -> int:
+    from services.scheduler.sim.ceiling import oracle_ceiling
+    from services.scheduler.sim.config import prefill_attention_coeff
+    from services.scheduler.sim.sweep import build_trace, cached_profile
+
+    base = _base_config(args, "hybrid")
+    profile = cached_profile(base.profile)
+    items = build_trace(
+        _trace_spec(args), args.rate, profile, prefill_attention_coeff(base, profile)
+    )
+    result = oracle_ceiling(items, base, profile)
+    result.update(trace=args.trace, rate=args.rate, profile=base.profile)
+    if not args.all:
+        result.pop("tried")
+    emit_json(result, args.json)
+    return 0
+
+
 def _report(args) -> int:
     from services.scheduler.sim.report import report
 
@@ -288,6 +306,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_sweep(inner)
     _register_fidelity(inner)
     _register_report(inner)
+    _register_ceiling(inner)
+
+
+def _register_ceiling(inner: argparse._SubParsersAction) -> None:
+    ceil = inner.add_parser(
+        "ceiling",
+        help="the best hybrid configuration with oracle lengths on a trace (knobs incl. "
+        "a concurrency limit) and its mean normalized latency: the ordering ceiling",
+    )
+    ceil.add_argument(
+        "--rate", type=float, default=None, help="requests/s (jsonl/csv: their timestamps)"
+    )
+    ceil.add_argument("--json", help="also write the result here")
+    ceil.add_argument("--all", action="store_true", help="list every configuration tried")
+    _common(ceil)
+    ceil.set_defaults(func=_ceiling)
 
 
 def _register_run(inner: argparse._SubParsersAction) -> None:

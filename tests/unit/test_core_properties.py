@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.step import StepOutcome
+from services.common.step import RemainingForecast, StepOutcome
 from services.scheduler.core.policies import available_policies
 from services.scheduler.core.request import Request, Slo
 from tests.unit.test_core_util import EOS, check_step, drive, make_sched
@@ -26,6 +26,7 @@ KNOBS = {
         {"memory_mode": "recompute"},
         {"memory_mode": "defer"},
         {"gpu_job_limit": 3, "aging_threshold_s": 0.01},
+        {"gpu_job_limit": 2, "forecast_rule": "gittins", "protect_fraction": 0.5},
     ],
     "oracle": [{}, {"memory_mode": "recompute"}],
     "fastserve": [{}, {"memory_mode": "defer", "aging_threshold_s": 0.02}],
@@ -34,6 +35,8 @@ KNOBS = {
         {},
         {"token_budget": 32, "tile_size": 16, "memory_mode": "recompute"},
         {"tbt_slo_s": 0.01, "tile_size": 8, "gpu_job_limit": 2, "preempt_level_gap": 1},
+        {"gpu_job_limit": 3, "forecast_rule": "quantile", "protect_kv_share": 0.2},
+        {"gpu_job_limit": 2, "preempt_level_gap": 1, "protect_fraction": 0.3},
     ],
     "orca": [{}, {"max_batch_size": 2}],
     "request": [{}, {"max_batch_size": 3}],
@@ -106,6 +109,9 @@ def test_random_workloads_finish_within_limits(policy, w):
     eos_rate = rng.choice([0.0, 0.05, 0.3])
 
     def token(r, i):
+        if rng.random() < 0.3:  # a forecast of the served model (read by alise/hybrid)
+            q50 = rng.choice([1.0, 5.0, 40.0])
+            r.forecast = RemainingForecast(i, q50 / 2, q50, q50 * 3, rng.choice([0.0, 0.9]))
         return EOS if rng.random() < eos_rate else 11
 
     drive(s, reqs, token=token, max_steps=20_000)

@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from services.common.step import RemainingForecast
 
 
 class RequestStatus(enum.Enum):
@@ -95,6 +99,9 @@ class Request:
     prediction_source: str = "none"
     # true output length when known (simulator / benchmarks only): read by the `oracle` policy
     true_len: int | None = None
+    # the served model's latest forecast of its remaining output (a Step outcome's
+    # `forecasts`, taken by `Scheduler.update`); None until the first one
+    forecast: RemainingForecast | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)

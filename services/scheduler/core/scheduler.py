@@ -226,6 +226,10 @@ class Scheduler:
                 raise ValueError(f"step {out.step_id}: executor sampled no token for {rid}")
             req.num_pending_tokens -= 1
             updates.append(self._append_token(req, tok[0], tok[1], now))
+        for rid, forecast in outcome.forecasts.items():
+            req = reqs.get(rid)
+            if req is not None and not req.is_finished:
+                req.forecast = forecast  # the policy's update below ranks by it
         self.policy.update(AppliedStep(out, outcome, updates), now)
         return updates
 

@@ -9,7 +9,10 @@ Each executor is one core `Scheduler` (its own policy instance and block manager
 are placed with the core's `choose_executor`. A step lasts the cost model's iteration time of
 its batch; swaps move `blocks x block_size x kv_bytes_per_token` bytes at the configured
 bandwidth, overlapped with the forward pass (ALISE) or added to it. Sampled tokens are
-dummies; a request ends at max_tokens = its true output length (ignore_eos). Prompts are
+dummies; a request ends at max_tokens = its true output length (ignore_eos), or, when the
+prediction spec carries forecasts (`ARRIVAL+FORECAST`, sim/forecasts.py), on an EOS at its
+true length with max_tokens the deployment's cap, and its forecasts arrive in the step
+outcomes at the executor's checkpoints. Prompts are
 dummies too, except for trace items with `segments` (multi-turn chats, shared system prompts):
 their ids are built per segment, so with `prefix_caching` the core's prefix cache finds what
 repeats, and placement is cache-aware unless `cache_aware_placement` is off.
@@ -36,12 +39,14 @@ from services.scheduler.sim.config import (
     load_profile,
     prefill_attention_coeff,
 )
+from services.scheduler.sim.forecasts import ForecastSource, make_forecasts, split_spec
 from services.scheduler.sim.predictions import predict_lengths
 from services.workload.metrics import IterationRecord
 from services.workload.traces.trace import TraceItem
 
 STEP_END, SWAP_DONE, ARRIVAL = 0, 1, 2
 DUMMY_TOKEN = 0
+EOS_TOKEN = 2  # sampled at a request's true length when max_tokens does not end it
 
 
 def prompt_tokens(item: TraceItem) -> list[int]:
@@ -107,6 +112,9 @@ class Simulation:
         self.now = 0.0
         self._heap: list[tuple] = []
         self._seq = itertools.count()
+        self.forecasts: ForecastSource | None = None  # set by `run` from the prediction spec
+        # request id -> the key forecasts are looked up by (sample id, else request id)
+        self.keys = {i.request_id: i.sample_id or i.request_id for i in items}
 
     def _make_executor(self, name: str) -> Executor:
         dev = self.config.num_device_blocks or self.profile.get("num_device_blocks")
@@ -132,22 +140,32 @@ class Simulation:
         heapq.heappush(self._heap, (time, kind, next(self._seq), payload))
 
     def _make_request(self, item: TraceItem, predicted: int, source: str) -> Request:
+        """With forecasts the request is sent with the deployment's cap as max_tokens (the
+        length limit) and ends on an EOS at its true length, so that neither max_tokens nor
+        anything else tells the scheduler its length; without, max_tokens = its length."""
         slo = Slo(item.slo.ttft_s, item.slo.tbt_s, item.slo.deadline_s)
+        cap, true_len = item.output_len, item.output_len
+        if self.forecasts is not None:
+            cap = self.config.max_model_len - item.prompt_len
+            true_len = min(true_len, cap)
         return Request(
             item.request_id,
             prompt_tokens(item),
-            item.output_len,
+            cap,
             item.arrival_s,
-            ignore_eos=True,
+            eos_token_ids=(EOS_TOKEN,),
+            ignore_eos=self.forecasts is None,
             slo=slo,
             predicted_len=predicted,
             prediction_source=source,
-            true_len=item.output_len,
+            true_len=true_len,
             max_model_len=self.config.max_model_len,
         )
 
     def run(self) -> Simulation:
-        lengths, source = predict_lengths(self.items, self.config.prediction, self.config.seed)
+        arrival, forecast = split_spec(self.config.prediction)
+        self.forecasts = make_forecasts(forecast, self.config.seed)
+        lengths, source = predict_lengths(self.items, arrival, self.config.seed)
         for item, predicted in zip(self.items, lengths):
             if item.prompt_len + 1 > self.config.max_model_len:
                 raise ValueError(
@@ -234,7 +252,7 @@ class Simulation:
     def _end_step(self, ex: Executor) -> None:
         out, sampling, start, duration, _swaps, kv_util = ex.step
         ex.busy, ex.step = False, None
-        outcome = StepOutcome(out.step_id, {rid: (DUMMY_TOKEN, 0.0) for rid in sampling}, duration)
+        outcome = self._outcome(ex, out.step_id, sampling, duration)
         for update in ex.scheduler.update(outcome, self.now):
             if update.finished:
                 self.finish_count[update.request_id] = (
@@ -246,6 +264,26 @@ class Simulation:
                 f"more than {self.config.max_iterations} iterations: "
                 f"policy {self.config.label} does not finish its work"
             )
+
+    def _outcome(self, ex: Executor, step_id: int, sampling: list[str], t: float) -> StepOutcome:
+        """Dummy tokens (EOS at a request's true length when it is not told by max_tokens),
+        and the forecasts of the requests at a checkpoint after this step."""
+        outcome = StepOutcome(step_id, {rid: (DUMMY_TOKEN, 0.0) for rid in sampling}, t)
+        source = self.forecasts
+        if source is None:
+            return outcome
+        reqs = ex.scheduler.requests
+        for rid in sampling:
+            req = reqs[rid]
+            generated = req.num_output_tokens + 1  # with this step's token
+            true_len = req.true_len or req.max_tokens
+            if generated == true_len < req.max_tokens:
+                outcome.sampled[rid] = (EOS_TOKEN, 0.0)
+                continue
+            fc = source.at(self.keys[rid], generated, true_len, req.max_tokens)
+            if fc is not None:
+                outcome.forecasts[rid] = fc
+        return outcome
 
     def _record(self, ex: Executor, out: SchedulerOutput, start: float, kv_util: float) -> None:
         self.iterations.append(

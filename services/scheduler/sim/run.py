@@ -57,6 +57,8 @@ def simulate(items: list[TraceItem], config: SimConfig, profile: dict | None = N
         summary["prefix_cache_hits"] = hits
         summary["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
         summary["prefix_cache_evictions"] = sum(s["prefix_cache_evictions"] for s in stats)
+    if sim.forecasts is not None:  # the synthetic source's label says it is an ablation
+        summary["forecasts"] = sim.forecasts.label
     wall = time.perf_counter() - started
     summary["sim_wall_s"] = wall
     return SimResult(config, records, sim.iterations, summary, wall)

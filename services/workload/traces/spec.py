@@ -37,7 +37,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         raise ValueError(f"empty spec {spec!r}")
     if not rest:
         return name, {}
-    if name in ("csv", "jsonl", "file") and "=" not in rest.split(",")[0]:
+    if name in ("csv", "jsonl", "file", "replay") and "=" not in rest.split(",")[0]:
         return name, {"path": rest}
     opts = {}
     for part in rest.split(","):

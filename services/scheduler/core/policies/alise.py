@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -26,8 +27,10 @@ from services.scheduler.core.policies.base import KnobError, register_policy
 from services.scheduler.core.policies.common import whole_prompt_budget
 from services.scheduler.core.policies.levels import bucket
 from services.scheduler.core.policies.preemptive import PreemptiveKnobs, PreemptivePolicy
+from services.scheduler.core.remaining import RULES, cap_left, forecast_points, remaining_tokens
 
 if TYPE_CHECKING:
+    from services.common.step import RemainingForecast
     from services.scheduler.core.request import Request
     from services.scheduler.core.view import AppliedStep, SchedulerView
 
@@ -45,6 +48,16 @@ class SrtfKnobs(PreemptiveKnobs):
     default_predicted_len: int = 256  # prior when a request carries no prediction
     rank: Rank = "remaining"  # remaining | normalized (x predicted length, see above)
     rank_ref_len: float = 16  # normalized: the length whose key equals its time left
+    # how a forecast of the served model (Request.forecast) sets the remaining length
+    # (core/remaining.py): off (ignore: the arrival prediction with doubling) | median |
+    # quantile (forecast_quantile) | mean | gittins
+    forecast_rule: str = "median"
+    forecast_quantile: float = 0.7
+    # TRAIL-style limited preemption: a resident request past this fraction of its predicted
+    # length is not evicted for another request (None: off)
+    protect_fraction: float | None = None
+    # ... nor one holding more than this share of the device's KV blocks (None: off)
+    protect_kv_share: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,6 +69,14 @@ class SrtfKnobs(PreemptiveKnobs):
             raise KnobError(f"rank must be one of {RANKS}, got {self.rank!r}")
         if self.rank_ref_len <= 0:
             raise KnobError("rank_ref_len must be > 0")
+        if self.forecast_rule not in RULES:
+            raise KnobError(f"forecast_rule must be one of {RULES}, got {self.forecast_rule!r}")
+        if not 0 < self.forecast_quantile < 1:
+            raise KnobError("forecast_quantile must be in (0, 1)")
+        for name in ("protect_fraction", "protect_kv_share"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise KnobError(f"{name} must be in (0, 1] or None")
 
 
 class SrtfPolicy(PreemptivePolicy):
@@ -65,14 +86,23 @@ class SrtfPolicy(PreemptivePolicy):
     knobs_type = SrtfKnobs
     knobs: SrtfKnobs
     base: float  # bound of level 0, seconds (set by `bind`)
+    kv_guard: int  # protect_kv_share in blocks (0: off)
     pred: dict[str, int]  # current predicted output length per request
     demotions: dict[str, int]  # times each request outgrew its prediction
+    # per request: its forecast and that forecast's points (core/remaining.py), once made
+    points: dict[str, tuple[RemainingForecast, list[float]]]
+    uses_forecasts = True  # `oracle` reads the true length instead
 
     def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         self.base = self.knobs.queue_base_s or 16 * sched.cost_model.beta
         self.pred = {}
         self.demotions = {}
+        self.points = {}
+        self.kv_guard = 0
+        if self.knobs.protect_kv_share is not None:
+            total = sched.block_manager.num_device_blocks
+            self.kv_guard = max(1, int(self.knobs.protect_kv_share * total))
 
     # -- predictions ------------------------------------------------------------------------
     def initial_prediction(self, req: Request) -> int:
@@ -92,12 +122,43 @@ class SrtfPolicy(PreemptivePolicy):
     # -- hooks ------------------------------------------------------------------------------
     def entry_level(self, req: Request, now: float) -> int:
         self.pred[req.request_id] = self.initial_prediction(req)
-        self._outgrow(req)  # re-admitted with output beyond its prediction
+        self._refine(req)  # re-admitted with output beyond its prediction, or a forecast
         return self._level(req)
 
     def after_run(self, req: Request, result: AppliedStep, now: float) -> None:
-        self._outgrow(req)
+        self._refine(req)
         self._put(req, self._level(req))
+
+    def _refine(self, req: Request) -> None:
+        """The predicted length after this step: from the latest forecast of the served model
+        when there is one (core/remaining.py, rule `forecast_rule`), else ALISE's doubling."""
+        fc, k = req.forecast, self.knobs
+        if fc is None or k.forecast_rule == "off" or not self.uses_forecasts:
+            self._outgrow(req)
+            return
+        rid = req.request_id
+        cached = self.points.get(rid)
+        if cached is None or cached[0] is not fc:
+            cached = (fc, forecast_points(fc, cap_left(req, fc.generated)))
+            self.points[rid] = cached
+        left = remaining_tokens(
+            req, self.pred[rid], k.forecast_rule, k.forecast_quantile, cached[1]
+        )
+        self.pred[rid] = req.num_output_tokens + max(1, math.ceil(left))
+
+    def protected(self, req: Request) -> bool:
+        """TRAIL-style limited preemption: a resident request past `protect_fraction` of its
+        predicted length, or holding more than `protect_kv_share` of the device's KV, is not
+        evicted in favour of another request (evicting it late wastes the most)."""
+        k = self.knobs
+        if k.protect_fraction is not None:
+            pred = self.pred.get(req.request_id)
+            if pred and req.num_output_tokens >= k.protect_fraction * pred:
+                return True
+        if self.kv_guard:
+            held = self.sched.block_manager.num_freeable_blocks(req.request_id)
+            return held >= self.kv_guard
+        return False
 
     def _outgrow(self, req: Request) -> None:
         """Demotion: double the prediction until it exceeds the output so far."""
@@ -112,6 +173,7 @@ class SrtfPolicy(PreemptivePolicy):
     def on_finish(self, req: Request, now: float) -> None:
         super().on_finish(req, now)
         self.pred.pop(req.request_id, None)
+        self.points.pop(req.request_id, None)
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ class HybridPolicy(SrtfPolicy):
     _timed: bool  # this step's budget is a time (chunks are charged their context)
     _pairs: float  # attention pairs of the step in flight
     _last_decode_step: float  # cost-model time of the last step's decodes alone
+    _paused: set[str]  # running requests ranked past gpu_job_limit this step
 
     def step_budget(self, sched: SchedulerView) -> int:
         k = self.knobs
@@ -130,6 +131,7 @@ class HybridPolicy(SrtfPolicy):
         self.recent = deque(maxlen=T_MAX_WINDOW)
         self.attention = AttentionFit()
         self._timed, self._pairs, self._last_decode_step = False, 0.0, 0.0
+        self._paused = set()
 
     # -- lifecycle --------------------------------------------------------------------------
     def on_add(self, req: Request, now: float) -> None:
@@ -168,13 +170,43 @@ class HybridPolicy(SrtfPolicy):
         self._age(now)
         b = self.sched.new_batch(now, self.budget)
         self._chosen, self._victims = [], None
+        self._paused = self._ranked_out()
         if not self._phase_decodes(b):
             self._phase_urgent(b, now)
             self._phase_prefills(b)
+        if self._paused and not b.scheduled:  # nothing took their place: run them after all
+            self._paused = set()
+            self._schedule_decodes(b, None)
         self._rebalance(b)
         self._track_waits(b, now)
         self._pairs = AttentionFit.pairs(b.scheduled, self.sched.requests)
         return b.finish()
+
+    def _ranked_out(self) -> set[str]:
+        """With a concurrency limit (`gpu_job_limit` M): the running requests ranked past M,
+        at least `preempt_level_gap` levels below a request inside M that waits for a place
+        (SRPT with M jobs at a time, ALISE Algorithm 2, with hysteresis against thrash),
+        except the protected ones (limited preemption). They sit the step out and
+        `_rebalance` offloads them; their places go to the better-ranked."""
+        limit, gap = self.knobs.gpu_job_limit, self.knobs.preempt_level_gap
+        if not limit or gap is None or len(self.sched.running) < limit:
+            return set()
+        out: set[str] = set()
+        best = None  # the best level of a request inside M that is not running
+        level = self.q.level_of
+        for rank, req in enumerate(self.q.in_order()):
+            if rank < limit:
+                if best is None and req.status is not RUNNING:
+                    best = level[req.request_id]
+            elif best is None:
+                break
+            elif (
+                req.status is RUNNING
+                and level[req.request_id] >= best + gap  # hysteresis against thrash
+                and not self.protected(req)
+            ):
+                out.add(req.request_id)
+        return out
 
     def _room(self, b: Batch) -> bool:
         return not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs
@@ -207,6 +239,8 @@ class HybridPolicy(SrtfPolicy):
             if req.status is not RUNNING or req.num_uncomputed_tokens != 1:
                 continue
             if req.request_id in scheduled or (only is not None and req.request_id not in only):
+                continue
+            if req.request_id in self._paused:
                 continue
             if len(scheduled) >= seqs or b.num_tokens >= budget:
                 break
@@ -516,7 +550,9 @@ class HybridPolicy(SrtfPolicy):
         victims = [
             r
             for _, r in self._victims_by_ewt(b)
-            if level.get(r.request_id, 0) >= floor and r.request_id not in b.swapped_in
+            if level.get(r.request_id, 0) >= floor
+            and r.request_id not in b.swapped_in
+            and not self.protected(r)
         ]
         held = sum(b.freeable_blocks(v.request_id) for v in victims)
         if b.free_blocks + held < need:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 @register_policy("oracle")
 class OraclePolicy(AlisePolicy):
+    uses_forecasts = False  # the true length needs no forecast
+
     def initial_prediction(self, req: Request) -> int:
         if req.true_len is not None:
             return max(1, req.true_len)

@@ -113,6 +113,10 @@ class PreemptivePolicy(Policy):
     def after_run(self, req: Request, result: AppliedStep, now: float) -> None:
         """Called for every request that ran in a step and is still unfinished."""
 
+    def protected(self, req: Request) -> bool:
+        """Not to be evicted for another request (limited preemption; SrtfPolicy's knobs)."""
+        return False
+
     def level_of(self, req: Request) -> int:
         return self.q.level_of.get(req.request_id, 0)
 
@@ -240,7 +244,11 @@ class PreemptivePolicy(Policy):
             popped.append(head)
             victims.pop()
             victim = head[1]
-            if victim.status is RUNNING and victim.request_id not in b.swapped_in:
+            if (
+                victim.status is RUNNING
+                and victim.request_id not in b.swapped_in
+                and not self.protected(victim)
+            ):
                 take.append(victim)
                 free += bm.num_freeable_blocks(victim.request_id)
         if free < need:
