@@ -5,6 +5,8 @@ one is given) with its data directory and append-only persistence, and is stoppe
 (SHUTDOWN SAVE, then SIGTERM, then SIGKILL as a last resort). With a password it requires
 AUTH: the password goes into a configuration file readable by its owner only (never on a
 command line, which every local user can read) and into the URL the services get.
+Clients (`async_client`, `ping`) take the password from the URL or, when it has none, from
+`ALISE_REDIS_PASSWORD` (compose and Kubernetes keep it in .env / a Secret).
 `alise serve` runs it as a supervised child (`alise redis serve`, which execs the server, so
 a crash is seen and restarted like any other service's, from the same append-only file).
 """
@@ -20,7 +22,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -31,6 +33,15 @@ from redis.retry import Retry
 log = logging.getLogger(__name__)
 
 REDIS_TIMEOUT_S = 3.0
+PASSWORD_ENV = "ALISE_REDIS_PASSWORD"  # for URLs without one (compose, Kubernetes Secret)
+
+
+def _password(url: str) -> str | None:
+    """ALISE_REDIS_PASSWORD for a URL that carries no password (one that does keeps its own:
+    redis-py lets the URL's options win)."""
+    if urlsplit(url).password:
+        return None
+    return os.environ.get(PASSWORD_ENV) or None
 
 
 def async_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> aioredis.Redis:
@@ -41,6 +52,7 @@ def async_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> aioredis.Redis
     admissions refused a second after Redis was back). Timeouts are not retried."""
     return aioredis.Redis.from_url(
         url,
+        password=_password(url),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
@@ -115,7 +127,9 @@ def exec_server(data_dir: Path, host: str, port: int, password_env: str) -> None
 
 
 def ping(url: str, timeout: float = 1.0) -> bool:
-    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = redis.Redis.from_url(
+        url, password=_password(url), socket_timeout=timeout, socket_connect_timeout=timeout
+    )
     try:
         return bool(client.ping())
     except redis.RedisError:

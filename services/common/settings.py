@@ -53,6 +53,17 @@ class CommonSettings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus HTTP port of a gRPC service (0 = none)."
     )
+    internal_token: str = Field(
+        "",
+        description="Shared secret every internal gRPC call carries and every gRPC server "
+        "but health checks (services/common/internal_auth.py); empty = no check. `alise serve` "
+        "generates one; compose and Kubernetes take it from .env / a Secret.",
+    )
+    redis_password: str = Field(
+        "",
+        description="Password for every Redis URL that carries none (compose and Kubernetes "
+        "keep it in .env / a Secret, beside redis-server's requirepass); empty = none.",
+    )
 
 
 class RedisSettings(CommonSettings):
@@ -346,6 +357,19 @@ class GatewaySettings(CommonSettings):
         description="Receive token events on one Subscribe stream per scheduler, batched (one "
         "message per scheduler commit for all this gateway's requests); false: one Generate "
         "stream message per token.",
+    )
+    admission_hold_s: float = Field(
+        20.0,
+        ge=0,
+        description="A new request that finds no scheduler able to admit it (the leader "
+        "restarting or taking over, Redis unreachable) is held and retried with backoff for "
+        "up to this long before the client gets a 503 with Retry-After (0 = refuse at once).",
+    )
+    admission_hold_max: int = Field(
+        256,
+        ge=0,
+        description="Requests held at once (admission_hold_s); one more gets a 503 with "
+        "Retry-After at once.",
     )
     drain_s: float = Field(
         5.0,

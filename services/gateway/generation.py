@@ -123,37 +123,78 @@ class Generation:
         self.scheduler_index = 0  # which of the shard's schedulers serves the stream
         self.received = 0  # token events received: where a re-attach resumes
         self.reattaches = 0
+        self.submissions = 0  # Generate calls that submitted the request (not re-attaches)
         self.resume_pause_s = 0.0
 
     async def start(self, admission_wait_s: float | None = None) -> None:
         """Predict, then submit. Returns once the scheduler answered (first event, or a
         refusal), or after `admission_wait_s` without news (None = wait as long as it takes).
-        An unreachable scheduler passes the request to the next of the list (each is tried
-        once: a new request gets a quick 503 when none answers); a stream that breaks after
+        When no scheduler of the shard can admit it now (unreachable, standing by, or without
+        Redis) the request is held and submitted again (`_hold`); a stream that breaks after
         the scheduler accepted it re-attaches (`_reopen`)."""
         self.prediction = await self.upstream.predict(
             self.plan.model, self.plan.prompt_text, self.plan.sampling.temperature
         )
-        for attempt in range(len(self.group.stubs)):
-            pb = self.plan.to_pb(self.prediction)
-            self.call, self.scheduler_index = self.upstream.generate(self.group, pb)
-            await self._admitted(admission_wait_s)
+        error = await self._submit(admission_wait_s)
+        if error is not None:
+            await self._hold(error, admission_wait_s)
+
+    async def _submit(self, wait_s: float | None) -> grpc.aio.AioRpcError | None:
+        """Submit on each scheduler of the shard at most once. None once one took it (or is
+        still deciding after `wait_s`); the last UNAVAILABLE refusal, which is worth holding
+        for; any other refusal is raised."""
+        error: grpc.aio.AioRpcError | None = None
+        for _ in range(len(self.group.stubs)):
+            self.submissions += 1
+            self.call, self.scheduler_index = self.upstream.generate(
+                self.group, self.plan.to_pb(self.prediction)
+            )
+            await self._admitted(wait_s)
             if not self.call.done() or await self.call.code() == grpc.StatusCode.OK:
-                return
+                return None
             call = self.call
             error = _call_error(
                 await call.code(), await call.details(), await call.trailing_metadata()
             )
-            if await _accepted(call) or (attempt and error.code() == ALREADY_EXISTS):
+            again = self.submissions > 1 and error.code() == ALREADY_EXISTS
+            if await _accepted(call) or again:
                 if self._resumable(error) or error.code() == ALREADY_EXISTS:
-                    await self._reopen(error)
-                    return
-            elif error.code() == UNAVAILABLE and self._resumable(error):
+                    await self._reopen(error)  # it was recorded: re-attach
+                    return None
+            elif error.code() == UNAVAILABLE:
+                if _retry_after(error):
+                    return error  # the leader answered: it cannot reach Redis
                 self.group.failover(self.scheduler_index)
-                if attempt + 1 < len(self.group.stubs):
-                    continue
+                continue
             self.finish_reason = "error"
             raise from_grpc(error)
+        return error
+
+    async def _hold(self, error: grpc.aio.AioRpcError, wait_s: float | None) -> None:
+        """No scheduler can admit the request now: hold it and submit again with backoff
+        (0.1 s doubling to 1 s) for up to `admission_hold_s`, one of at most
+        `admission_hold_max` held at once; then, or when that many are held, a 503 with
+        Retry-After."""
+        settings = self.upstream.settings
+        if settings.admission_hold_s <= 0 or not self.upstream.hold():
+            self.finish_reason = "error"
+            raise _refusal(error, "too many requests are already waiting for a scheduler")
+        try:
+            deadline = time.monotonic() + settings.admission_hold_s
+            backoff = 0.1
+            while (left := deadline - time.monotonic()) > 0:
+                await asyncio.sleep(min(backoff, left))
+                backoff = min(backoff * 2, 1.0)
+                next_error = await self._submit(wait_s)
+                if next_error is None:
+                    return
+                error = next_error
+            self.finish_reason = "error"
+            raise _refusal(
+                error, f"no scheduler could admit it within {settings.admission_hold_s:g}s"
+            )
+        finally:
+            self.upstream.release_hold()
 
     async def _admitted(self, wait_s: float | None) -> None:
         waiter = asyncio.ensure_future(self.call.initial_metadata())
@@ -185,10 +226,8 @@ class Generation:
                 yield piece
 
     def _resumable(self, exc: grpc.aio.AioRpcError) -> bool:
-        """A broken connection or a scheduler that stopped or stands by: worth re-attaching.
-        A refusal carrying `retry-after` (e.g. Redis unreachable) goes back to the client."""
-        if any(key == RETRY_AFTER_KEY for key, _ in exc.trailing_metadata() or ()):
-            return False
+        """A broken connection, a scheduler that stopped or stands by, or one that cannot
+        reach Redis for now: worth re-attaching."""
         return exc.code() in RESUMABLE
 
     async def _reopen(self, exc: grpc.aio.AioRpcError | None) -> None:
@@ -201,7 +240,7 @@ class Generation:
             "scheduler stream broke; re-attaching",
             extra={"request_id": self.plan.request_id, "error": _brief(exc), "sent": self.received},
         )
-        if exc is None or exc.code() == UNAVAILABLE:
+        if exc is None or (exc.code() == UNAVAILABLE and not _retry_after(exc)):
             self.group.failover(self.scheduler_index)
         backoff, fresh = 0.05, False
         while True:
@@ -253,7 +292,8 @@ class Generation:
         if not self._resumable(error):
             self.finish_reason = "error"
             raise from_grpc(error)
-        self.group.failover(index)
+        if not _retry_after(error):  # that scheduler is gone or stands by (not: Redis is)
+            self.group.failover(index)
         return error, fresh
 
     def _apply(self, event: scheduler_pb2.TokenEvent) -> Piece | None:
@@ -355,6 +395,22 @@ async def _accepted(call: GenerateCall) -> bool:
     """Whether the scheduler accepted the request before the call ended (it says so in the
     initial metadata it sends on accepting)."""
     return any(key == ACCEPTED_KEY for key, _ in await call.initial_metadata() or ())
+
+
+def _retry_after(exc: grpc.aio.AioRpcError) -> str:
+    """The scheduler's `retry-after` trailer ('' = none): its refusal is temporary."""
+    return next((str(v) for k, v in exc.trailing_metadata() or () if k == RETRY_AFTER_KEY), "")
+
+
+def _refusal(exc: grpc.aio.AioRpcError, why: str) -> APIError:
+    """The 503 a request gets when it was not admitted: why, the last refusal, and when to
+    retry (the scheduler's hint, else 2 s)."""
+    return APIError(
+        503,
+        f"scheduler unavailable: {why} (last error: {_brief(exc)})",
+        code="scheduler_unavailable",
+        headers={"Retry-After": _retry_after(exc) or "2"},
+    )
 
 
 def _brief(exc: grpc.aio.AioRpcError | None) -> str:

@@ -51,6 +51,7 @@ class Upstream:
         self._refreshing: asyncio.Task[None] | None = None
         self.max_model_len: int = 0  # from the scheduler's Stats, 0 = unknown yet
         self.max_kv_tokens: int = 0  # the largest executor KV pool, from Stats, 0 = unknown
+        self.held = 0  # new requests waiting for a scheduler to admit them (Generation._hold)
 
     async def close(self) -> None:
         if self._tasks:
@@ -141,6 +142,17 @@ class Upstream:
 
     def abort(self, group: SchedulerGroup, request_id: str) -> asyncio.Task[None]:
         return self._background(group.abort(request_id))
+
+    def hold(self) -> bool:
+        """Take one of the `admission_hold_max` places for a request waiting to be
+        admitted; False when all are taken."""
+        if self.held >= self.settings.admission_hold_max:
+            return False
+        self.held += 1
+        return True
+
+    def release_hold(self) -> None:
+        self.held -= 1
 
     # Predictor.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -44,8 +45,13 @@ def compose(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str
         timeout=timeout,
         check=True,
         cwd=ROOT,
-        env={**os.environ, "MODEL_DIR": str(MODEL_DIR)},
+        env={**os.environ, "MODEL_DIR": str(MODEL_DIR), **SECRETS},
     )
+
+
+# What compose requires from .env: the internal token and Redis's password (fixed for the
+# module: `down` then `up` must find Redis's data behind the same password).
+SECRETS = {"ALISE_INTERNAL_TOKEN": secrets.token_hex(24), "REDIS_PASSWORD": secrets.token_hex(24)}
 
 
 def write_model() -> None:
@@ -243,7 +249,7 @@ def test_down_and_up_keep_redis_data(stack):
         container("redis"),
         "python3",
         "-c",
-        "import redis; print(int(redis.Redis().hget('alise:stats', 'finished') or 0))",
+        REDIS_FINISHED,
     )
     down()
     compose("up", "-d", "--scale", "predictor=2")
@@ -253,9 +259,16 @@ def test_down_and_up_keep_redis_data(stack):
         container("redis"),
         "python3",
         "-c",
-        "import redis; print(int(redis.Redis().hget('alise:stats', 'finished') or 0))",
+        REDIS_FINISHED,
     )
     assert int(after.strip()) >= int(before.strip()) > 0  # the counters survived down/up
+
+
+# inside the redis container, which holds the password in its environment
+REDIS_FINISHED = (
+    "import os, redis; r = redis.Redis(password=os.environ['REDIS_PASSWORD']); "
+    "print(int(r.hget('alise:stats', 'finished') or 0))"
+)
 
 
 EXECUTOR_IMAGE = "localhost/alise-executor:latest"

@@ -1,7 +1,7 @@
 """Redis failures under load, over HTTP through a real gateway: Redis SIGKILLed and restarted
 mid-stream (the scheduler notices the new server and rewrites its state: every request ends
-intact), Redis paused (new requests get a 503 with Retry-After, running ones finish once it is
-back), and Redis and the scheduler both restarted (the scheduler rebuilds from the AOF)."""
+intact), Redis paused (a new request is held for ALISE_ADMISSION_HOLD_S, then gets a 503 with
+Retry-After; running ones finish once it is back), and Redis and the scheduler both restarted (the scheduler rebuilds from the AOF)."""
 
 from __future__ import annotations
 
@@ -32,30 +32,44 @@ def test_redis_sigkill_and_restart_mid_load_every_request_completes(stack_factor
     assert "redis restarted: rewriting the full state" in log
 
 
-def test_redis_paused_refuses_new_requests_with_503_and_finishes_running_ones(stack_factory):
-    stack = stack_factory()
+def test_redis_paused_holds_new_requests_then_refuses_them_with_503(stack_factory):
+    """While Redis is paused a new request is held (ALISE_ADMISSION_HOLD_S, here 2 s) and then
+    refused with a 503 and Retry-After; with the one hold place (ALISE_ADMISSION_HOLD_MAX=1)
+    taken, another is refused at once. Running streams finish once Redis is back."""
+    stack = stack_factory(env={"ALISE_ADMISSION_HOLD_S": "2", "ALISE_ADMISSION_HOLD_MAX": "1"})
     n = 8
     reference = asyncio.run(run_all(stack.url, stack.model_id, n))
-    refused: list[httpx.Response] = []
+    refused: list[tuple[float, httpx.Response]] = []
+
+    def one(i: int) -> None:
+        started = time.monotonic()
+        reply = httpx.post(
+            f"{stack.url}/v1/completions", json=body(stack.model_id, 90 + i, False), timeout=30
+        )
+        refused.append((time.monotonic() - started, reply))
 
     def pause_redis() -> None:
         stack.redis.pause()
         try:
             time.sleep(4.0)  # past the Redis client timeout: the writer is failing by now
-            started = time.monotonic()
-            reply = httpx.post(
-                f"{stack.url}/v1/completions", json=body(stack.model_id, 99, False), timeout=30
-            )
-            refused.append(reply)
-            assert time.monotonic() - started < 5.0
-            time.sleep(6.0)  # ~10 s paused in all
+            both = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for t in both:
+                t.start()
+            for t in both:
+                t.join(30)
+            time.sleep(4.0)  # ~10 s paused in all
         finally:
             stack.redis.resume()
 
     clients = asyncio.run(run_all(stack.url, stack.model_id, n, pause_redis))
-    assert refused[0].status_code == 503, refused[0].text
-    assert refused[0].headers["Retry-After"] == "2"
-    assert "Redis" in refused[0].json()["error"]["message"]
+    (quick_s, quick), (held_s, held) = sorted(refused, key=lambda r: r[0])
+    for reply in (quick, held):
+        assert reply.status_code == 503, reply.text
+        assert reply.headers["Retry-After"] == "2"
+        assert "Redis" in reply.json()["error"]["message"]
+    assert "already waiting" in quick.json()["error"]["message"]
+    assert "within 2s" in held.json()["error"]["message"]
+    assert quick_s < held_s and 2.0 <= held_s < 6.0, (quick_s, held_s)
     assert_intact(clients, reference)
     after = httpx.post(f"{stack.url}/v1/completions", json=body(stack.model_id, 1, False))
     assert after.status_code == 200  # admitting again

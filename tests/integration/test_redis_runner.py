@@ -64,6 +64,33 @@ def test_password_refuses_unauthenticated_clients_and_stays_off_the_command_line
         assert password not in redact(server.url)
 
 
+def test_a_url_without_password_takes_alise_redis_password(tmp_path, monkeypatch):
+    """Compose and Kubernetes give the services a plain URL and the password apart
+    (ALISE_REDIS_PASSWORD, from .env / a Secret): the clients authenticate with it, and
+    without it the server refuses them."""
+    import asyncio
+
+    password = generate_password()
+    with EmbeddedRedis(tmp_path / "redis", password=password) as server:
+        plain = f"redis://{server.host}:{server.port}/0"
+        monkeypatch.delenv("ALISE_REDIS_PASSWORD", raising=False)
+        assert not ping(plain)
+        monkeypatch.setenv("ALISE_REDIS_PASSWORD", password)
+        assert ping(plain)
+
+        async def round_trip() -> bytes | None:
+            client = async_client(plain)
+            try:
+                await client.set("alise:test", "ok")
+                return await client.get("alise:test")
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(round_trip()) == b"ok"
+        monkeypatch.setenv("ALISE_REDIS_PASSWORD", "wrong")
+        assert ping(server.url)  # a URL's own password wins
+
+
 def test_supervised_redis_is_restarted_from_its_append_only_file(tmp_path):
     """`alise redis serve` under the Supervisor: SIGKILL, restarted on the same port with
     the same password, and a write acknowledged more than a second before the kill is kept."""
