@@ -423,6 +423,11 @@ def summary(args, reference, outcomes, faults, tally, left, errors, duration) ->
         "faults": per_kind,
         "fault_log": [[round(f.start_s, 2), f.kind, f.target] for f in faults],
         "fault_errors": errors,
+        # what users see: answers that came out whole, and those that did not (refused
+        # before any token, or broken after some)
+        "completed": sum(1 for o in outcomes if o.error is None),
+        "lost": sum(1 for o in outcomes if o.error is not None),
+        "refused": sum(1 for o in outcomes if o.error and o.error.startswith("HTTP ")),
         "intact": tally.intact,
         "clean_errors": tally.clean_errors,
         "corrupted": tally.corrupted,
@@ -449,6 +454,10 @@ def added_latency_all(outcomes: list[Outcome], reference: list[Outcome]) -> dict
 
 def print_table(out: dict) -> None:
     print(f"faults injected: {out['faults']}")
+    print(
+        f"completed: {out['completed']}  lost: {out['lost']} "
+        f"(refused before any token: {out['refused']})"
+    )
     print(
         f"requests: {out['requests']}  intact: {out['intact']}  clean errors: "
         f"{out['clean_errors']}  corrupted (duplicate/missing tokens): {out['corrupted']}"

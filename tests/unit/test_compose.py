@@ -1,5 +1,6 @@
 """docker-compose.yml and `alise serve` (services/launcher/topology.py) describe the same stack."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -87,13 +88,37 @@ def test_predictor_replicas_and_gpu_reservation():
 @pytest.mark.skipif(
     shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed"
 )
-def test_docker_compose_config_validates():
-    result = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr
+def test_docker_compose_config_validates_and_requires_the_secrets():
+    secrets = {"ALISE_INTERNAL_TOKEN": "t0ken", "REDIS_PASSWORD": "passw0rd"}
+    base = {k: v for k, v in os.environ.items() if k not in secrets}
+    for name in ("docker-compose.yml", "docker-compose.cpu.yml"):
+        command = ["docker-compose", "-f", str(ROOT / name), "config", "-q"]
+        result = subprocess.run(command, capture_output=True, text=True, env={**base, **secrets})
+        assert result.returncode == 0, result.stderr
+        for missing in secrets:  # no open stack by default
+            env = {**base, **{k: v for k, v in secrets.items() if k != missing}}
+            result = subprocess.run(command, capture_output=True, text=True, env=env)
+            assert result.returncode != 0 and f"set {missing} in .env" in result.stderr
+
+
+def test_every_service_authenticates_and_only_the_gateway_is_published():
+    """The internal token goes to every ALISE service, Redis's password to every service with
+    a Redis URL and to redis-server (requirepass, and its health check), both from .env; no
+    port but the gateway's is published on the host."""
+    for services in (SERVICES, CPU):
+        redis = services["redis"]
+        assert "requirepass" in " ".join(redis["command"])
+        assert "$$REDIS_PASSWORD" in " ".join(redis["command"])
+        assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
+        assert "REDIS_PASSWORD" in " ".join(redis["healthcheck"]["test"])
+        for name, svc in services.items():
+            assert ("ports" in svc) == (name == "gateway"), name
+            if name in INFRA:
+                continue
+            env = svc["environment"]
+            assert env["ALISE_INTERNAL_TOKEN"].startswith("${ALISE_INTERNAL_TOKEN:?"), name
+            if "ALISE_REDIS_URL" in env:
+                assert env["ALISE_REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?"), name
 
 
 CPU = yaml.safe_load((ROOT / "docker-compose.cpu.yml").read_text())["services"]

@@ -282,8 +282,8 @@ def test_writable_mounts_where_the_services_write(objects: list[dict]) -> None:
         data_dir = env_of(objects, workload)["ALISE_DATA_DIR"]
         assert {data_dir, "/tmp", "/home/alise"} <= set(mounts), name  # data, temp, caches
     redis = of_kind(objects, "StatefulSet")["redis"]
-    args = " ".join(container(redis)["args"])
-    assert "--appendonly yes" in args and "--appendfsync everysec" in args
+    args = " ".join(container(redis)["command"])
+    assert "--appendonly yes" in args and "--appendfsync everysec" in args and "/data" in args
     redis_mounts = {m["mountPath"]: m["name"] for m in container(redis)["volumeMounts"]}
     assert redis_mounts["/data"] == redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
     qdrant = of_kind(objects, "StatefulSet")["qdrant"]
@@ -371,11 +371,37 @@ def test_autoscalers_secret_and_service_monitor(objects: list[dict]) -> None:
     gateway = apps(objects)["gateway"]
     assert {"secretRef": {"name": "alise-api-keys"}} in container(gateway)["envFrom"]
     assert all(
-        "secretRef" not in r
+        r != {"secretRef": {"name": "alise-api-keys"}}
         for w in apps(objects).values()
         if w is not gateway
         for r in container(w)["envFrom"]
     )
+
+
+def test_internal_token_and_redis_password_come_from_secrets(objects: list[dict]) -> None:
+    """Every ALISE service takes the internal plane's token from its Secret; every one that
+    reaches Redis (a Redis or registry URL) takes Redis's password from the alise-redis Secret,
+    which redis-server requires (`--requirepass`, no start while empty) and its probe uses."""
+    secrets = of_kind(objects, "Secret")
+    assert set(secrets["alise-internal-token"]["stringData"]) == {"ALISE_INTERNAL_TOKEN"}
+    assert set(secrets["alise-redis"]["stringData"]) == {"ALISE_REDIS_PASSWORD"}
+    for name, workload in apps(objects).items():
+        refs = container(workload)["envFrom"]
+        assert {"secretRef": {"name": "alise-internal-token"}} in refs, name
+        env = env_of(objects, workload)
+        uses_redis = bool(env.get("ALISE_REDIS_URL") and role(name) != "predictor")
+        uses_redis |= role(name) == "executor" and bool(env.get("ALISE_REGISTRY_URL"))
+        assert ({"secretRef": {"name": "alise-redis"}} in refs) == uses_redis, name
+        assert "ALISE_REDIS_PASSWORD" not in {e["name"] for e in container(workload)["env"]}
+    redis = container(workloads(objects)["redis"])
+    script = " ".join(redis["command"])
+    assert 'test -n "$REDIS_PASSWORD"' in script and '--requirepass "$REDIS_PASSWORD"' in script
+    (source,) = [e for e in redis["env"] if e["name"] == "REDIS_PASSWORD"]
+    assert source["valueFrom"]["secretKeyRef"] == {
+        "name": "alise-redis",
+        "key": "ALISE_REDIS_PASSWORD",
+    }
+    assert "REDISCLI_AUTH" in " ".join(redis["readinessProbe"]["exec"]["command"])
 
 
 def test_every_service_is_scraped(objects: list[dict]) -> None:
