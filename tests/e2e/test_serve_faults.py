@@ -224,3 +224,17 @@ def test_gateway_sigkill_breaks_its_streams_and_is_back_within_10s(stack):
     assert leftovers(stack, timeout_s=30) == dict.fromkeys(
         ("kv_blocks", "requests", "redis_queue", "redis_held"), 0
     )
+
+
+def test_the_soak_sampler_reads_every_series_of_the_stack(stack):
+    """`alise bench soak`'s sample of the running stack: memory and open files of the launcher
+    and of every child, the scheduler's KV blocks and requests, Redis's memory and keys."""
+    from bench.bench_soak import stack_sample
+
+    _wait_ready(stack)
+    sample = stack_sample(stack)
+    for name in ("launcher", *stack.pids()):
+        assert sample[f"{name}.rss_mib"] > 1, name
+        assert sample[f"{name}.open_fds"] >= 3, name
+    assert sample["kv_blocks_used"] >= 0 and sample["requests_in_scheduler"] == 0
+    assert sample["redis.used_memory_mib"] > 0 and sample["redis.keys"] > 0

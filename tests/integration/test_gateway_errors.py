@@ -4,6 +4,8 @@ whose scheduler and predictor are down: the real gRPC channels fail as they woul
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -23,6 +25,7 @@ def url(tmp_path_factory):
         api_keys=[KEY, "second-key"],
         cors_origins=["https://app.example"],
         max_body_bytes=64 * 1024,
+        admission_hold_s=0.5,  # a request no scheduler admits is held this long, then 503
     )
     with running_gateway(settings) as base:
         yield base
@@ -59,8 +62,12 @@ def test_live_is_200_and_ready_is_503_with_the_reason_while_the_scheduler_is_dow
 
 
 def test_generate_is_503_while_the_scheduler_is_down(client):
-    error = assert_error(client.post("/v1/chat/completions", json=CHAT), 503)
-    assert error["code"] == "scheduler_unavailable"
+    started = time.monotonic()
+    response = client.post("/v1/chat/completions", json=CHAT)
+    error = assert_error(response, 503)
+    assert time.monotonic() - started >= 0.5  # held for admission_hold_s first
+    assert error["code"] == "scheduler_unavailable" and "within 0.5s" in error["message"]
+    assert response.headers["Retry-After"] == "2"
     error = assert_error(client.post("/v1/completions", json={"prompt": "x", "stream": True}), 503)
 
 

@@ -1,6 +1,7 @@
 """Per-key limits and protected routes of a real gateway: a key over its concurrent-request
-limit or its request rate gets 429 with Retry-After while another key goes on; /metrics
-needs a key when keys are set (health does not)."""
+limit or its request rate gets 429 with Retry-After while another key goes on; /metrics and
+every other route but the probes, /version and the playground page need a key when keys are
+set."""
 
 from __future__ import annotations
 
@@ -67,6 +68,27 @@ def test_metrics_need_a_key_and_health_does_not(stack):
     assert httpx.get(url + "/health/live", timeout=10).status_code == 200
     ready = httpx.get(url + "/health/ready", timeout=10)  # a leader, Redis, but no executor
     assert ready.status_code == 503 and ready.json()["reason"] == "no executor is reachable"
+
+
+OPEN = {"/health", "/health/live", "/health/ready", "/version", "/"}  # probes, static page
+
+
+def test_with_keys_set_every_route_but_health_and_static_pages_needs_one(stack):
+    """Every route the gateway documents (its OpenAPI schema, plus /metrics), called without a
+    key: 401, except the probes, /version and the playground page (static HTML that asks
+    for a key)."""
+    url = stack["url"]
+    schema = httpx.get(url + "/openapi.json", timeout=10).json()
+    routes = [(m.upper(), path) for path, ops in schema["paths"].items() for m in ops]
+    routes.append(("GET", "/metrics"))
+    assert {("POST", "/v1/chat/completions"), ("POST", "/tokenize")} <= set(routes)
+    for method, path in routes:
+        concrete = path.replace("{response_id}", "resp_x").replace("{", "").replace("}", "")
+        reply = httpx.request(method, url + concrete, json={}, timeout=10)
+        if path in OPEN:
+            assert reply.status_code != 401, (method, path)
+        else:
+            assert reply.status_code == 401, (method, path, reply.status_code)
 
 
 def test_a_key_over_its_request_rate_gets_429_with_retry_after():

@@ -126,6 +126,7 @@ def client(tmp_path_factory):
     settings = GatewaySettings(
         scheduler_address=f"127.0.0.1:{free_port()}",
         predictor_addresses=[f"127.0.0.1:{free_port()}"],
+        admission_hold_s=0,  # no scheduler: a valid request is a 503 at once
     )
     with running_gateway(settings) as base, httpx.Client(base_url=base, timeout=30) as c:
         yield c
