@@ -244,23 +244,11 @@ MAX_TOKENS = 1500
 
 
 def test_down_and_up_keep_redis_data(stack):
-    before = podman(
-        "exec",
-        container("redis"),
-        "python3",
-        "-c",
-        REDIS_FINISHED,
-    )
+    before = podman("exec", container("redis"), "python3", "-c", REDIS_FINISHED)
     down()
     compose("up", "-d", "--scale", "predictor=2")
     wait_healthy()
-    after = podman(
-        "exec",
-        container("redis"),
-        "python3",
-        "-c",
-        REDIS_FINISHED,
-    )
+    after = podman("exec", container("redis"), "python3", "-c", REDIS_FINISHED)
     assert int(after.strip()) >= int(before.strip()) > 0  # the counters survived down/up
 
 
