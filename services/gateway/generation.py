@@ -141,8 +141,8 @@ class Generation:
 
     async def _submit(self, wait_s: float | None) -> grpc.aio.AioRpcError | None:
         """Submit on each scheduler of the shard at most once. None once one took it (or is
-        still deciding after `wait_s`); the last UNAVAILABLE refusal, which is worth holding
-        for; any other refusal is raised."""
+        still deciding after `wait_s`); the last refusal worth holding for (the scheduler went
+        away, stands by or cannot reach Redis: `RESUMABLE` codes); any other is raised."""
         error: grpc.aio.AioRpcError | None = None
         for _ in range(len(self.group.stubs)):
             self.submissions += 1
@@ -161,7 +161,7 @@ class Generation:
                 if self._resumable(error) or error.code() == ALREADY_EXISTS:
                     await self._reopen(error)  # it was recorded: re-attach
                     return None
-            elif error.code() == UNAVAILABLE:
+            elif self._resumable(error):  # never accepted: gone, standing by, or no Redis
                 if _retry_after(error):
                     return error  # the leader answered: it cannot reach Redis
                 self.group.failover(self.scheduler_index)
