@@ -20,12 +20,15 @@ them).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sysconfig
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +168,26 @@ def disabled() -> bool:
     return os.environ.get("ALISE_CPU_KERNELS", "").lower() in ("0", "false", "off")
 
 
+@contextlib.contextmanager
+def _no_stale_baton(name: str) -> Iterator[None]:
+    """torch's builder guards a build directory with a lock *file* (`lock`, its FileBaton),
+    taken on every load: a process killed while holding it (an executor SIGKILLed while it
+    starts) leaves it behind, and every later load on the machine waits for it forever
+    (measured: both executors of `alise serve` stuck "loading" after a chaos kill). Loaders
+    here first take an flock on a file beside it, which the kernel drops when its holder dies;
+    holding that, a baton file left over belongs to a dead process and is removed."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with open(build_dir / "alise-load.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        baton = build_dir / "lock"
+        if baton.exists():
+            log.warning("removing a build lock left by a killed process: %s", baton)
+            baton.unlink(missing_ok=True)
+        yield
+
+
 def _load_level(level: str) -> Build | None:
     if level in _builds:
         return _builds[level]
@@ -174,14 +197,15 @@ def _load_level(level: str) -> Build | None:
         from torch.utils.cpp_extension import load as load_extension
 
         _ensure_ninja_on_path()
-        load_extension(
-            name,
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=[*CFLAGS, f"-march={march}", f"-DALISE_NS={name}"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _no_stale_baton(name):
+            load_extension(
+                name,
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=[*CFLAGS, f"-march={march}", f"-DALISE_NS={name}"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
         build: Build | None = Build(level, name)
     except Exception as exc:  # no compiler, no headers, a failed build: all mean "use torch"
         reason = " ".join(str(exc).split())[:300]

@@ -284,3 +284,26 @@ def test_isa_levels_follow_the_cpu_flags(monkeypatch):
 def test_build_name_follows_the_level_and_the_sources():
     names = {cpu_kernels.build_name(lvl) for lvl in cpu_kernels.LEVELS}
     assert len(names) == 3 and all(n.startswith("alise_cpu_") for n in names)
+
+
+def test_a_build_lock_left_by_a_killed_loader_does_not_block_the_next():
+    """torch's builder leaves its `lock` file behind when the process holding it is killed
+    (an executor SIGKILLed while it starts); the next executor's load must not wait for it
+    forever: it takes its own flock, finds the file stale and removes it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    level = cpu_kernels.requested_level()
+    if level is None:
+        pytest.skip("no x86-64-v3 CPU: no kernels to load")
+    assert cpu_kernels.load_level(level) is not None  # built (or already cached)
+    name = cpu_kernels.build_name(level)
+    baton = Path(cpp_extension._get_build_directory(name, False)) / "lock"
+    baton.touch()  # what a loader killed while holding the baton leaves
+    code = f"from services.executor import cpu_kernels as k; print(k.load_level({level!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert f"Build(level='{level}'" in done.stdout, done.stderr[-2000:]
+    assert not baton.exists()
