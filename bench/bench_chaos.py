@@ -48,6 +48,7 @@ KINDS = (
     "redis_kill",
     "redis_pause",
 )
+EXECUTOR_GRACE_S = 300.0  # the benchmark's ALISE_EXECUTOR_GRACE_S (make_stack says why)
 STOP_S = 5.0  # how long a SIGSTOPped service stays stopped (> the lease TTL and hang floor)
 
 
@@ -333,6 +334,10 @@ def make_stack(args: argparse.Namespace, run_dir: Path):
     # finished requests stay in Redis long enough for the committed-output check
     env = {
         "ALISE_RESUME_TIMEOUT_S": "60",
+        # both executors can be down at once (two kills a few seconds apart) while each
+        # reloads its model, which takes minutes on a loaded 2-core host: requests wait for
+        # one instead of failing after the default 30 s
+        "ALISE_EXECUTOR_GRACE_S": str(getattr(args, "executor_grace_s", EXECUTOR_GRACE_S)),
         "ALISE_HEALTH_POLL_S": "0.2",
         "ALISE_RETENTION_S": "7200",
     }
@@ -517,6 +522,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="ALISE_DETERMINISTIC executors: the reference runs twice, and both texts checks "
         "bind in any dtype",
+    )
+    p.add_argument(
+        "--executor-grace-s",
+        type=float,
+        default=EXECUTOR_GRACE_S,
+        help="ALISE_EXECUTOR_GRACE_S: how long a request waits while no executor is up",
     )
     p.add_argument(
         "--kinds", default="", help=f"comma-separated fault kinds (default all: {','.join(KINDS)})"
