@@ -28,6 +28,7 @@ import os
 import shutil
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,9 @@ def disabled() -> bool:
     return os.environ.get("ALISE_CPU_KERNELS", "").lower() in ("0", "false", "off")
 
 
+STALE_BATON_S = 60.0  # a torch build lock file this old, found under our flock, is dead
+
+
 @contextlib.contextmanager
 def _no_stale_baton(name: str) -> Iterator[None]:
     """torch's builder guards a build directory with a lock *file* (`lock`, its FileBaton),
@@ -175,16 +179,25 @@ def _no_stale_baton(name: str) -> Iterator[None]:
     starts) leaves it behind, and every later load on the machine waits for it forever
     (measured: both executors of `alise serve` stuck "loading" after a chaos kill). Loaders
     here first take an flock on a file beside it, which the kernel drops when its holder dies;
-    holding that, a baton file left over belongs to a dead process and is removed."""
+    holding that, a lock file is a dead process's, or one of a loader without this flock (an
+    older version on the same machine): it is waited for while younger than STALE_BATON_S,
+    then removed."""
     from torch.utils import cpp_extension
 
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     with open(build_dir / "alise-load.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         baton = build_dir / "lock"
-        if baton.exists():
-            log.warning("removing a build lock left by a killed process: %s", baton)
-            baton.unlink(missing_ok=True)
+        while baton.exists():
+            try:
+                age = time.time() - baton.stat().st_mtime
+            except FileNotFoundError:
+                break
+            if age >= STALE_BATON_S:
+                log.warning("removing a build lock left by a killed process: %s", baton)
+                baton.unlink(missing_ok=True)
+                break
+            time.sleep(0.5)
         yield
 
 

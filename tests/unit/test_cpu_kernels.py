@@ -290,8 +290,10 @@ def test_a_build_lock_left_by_a_killed_loader_does_not_block_the_next():
     """torch's builder leaves its `lock` file behind when the process holding it is killed
     (an executor SIGKILLed while it starts); the next executor's load must not wait for it
     forever: it takes its own flock, finds the file stale and removes it."""
+    import os
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     from torch.utils import cpp_extension
@@ -302,7 +304,9 @@ def test_a_build_lock_left_by_a_killed_loader_does_not_block_the_next():
     assert cpu_kernels.load_level(level) is not None  # built (or already cached)
     name = cpu_kernels.build_name(level)
     baton = Path(cpp_extension._get_build_directory(name, False)) / "lock"
-    baton.touch()  # what a loader killed while holding the baton leaves
+    baton.touch()  # what a loader killed while holding the baton leaves, a while ago
+    old = time.time() - cpu_kernels.STALE_BATON_S - 1
+    os.utime(baton, (old, old))
     code = f"from services.executor import cpu_kernels as k; print(k.load_level({level!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert f"Build(level='{level}'" in done.stdout, done.stderr[-2000:]
