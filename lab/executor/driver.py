@@ -34,6 +34,8 @@ class DriverSeq:
     blocks: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # (generated, feature vector) at each probe checkpoint (engines recording features)
+    features: list = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -53,15 +55,18 @@ class Driver:
         self,
         prompts: list[list[int]],
         max_tokens: int | list[int],
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
         eos_ids: Iterable[int] = (),
     ) -> list[DriverSeq]:
-        """Run prompts to completion; max_tokens is an int or one per prompt. A request stops
-        at max_tokens, or at an id in eos_ids (empty = ignore EOS)."""
+        """Run prompts to completion; max_tokens and sampling are one for all or one per
+        prompt. A request stops at max_tokens, or at an id in eos_ids (empty = ignore EOS)."""
         lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        params = sampling or SamplingParams()
+        params = (
+            sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(lens)
+        )
         seqs = [
-            DriverSeq(f"r{i}", list(p), n, params) for i, (p, n) in enumerate(zip(prompts, lens))
+            DriverSeq(f"r{i}", list(p), n, sp)
+            for i, (p, n, sp) in enumerate(zip(prompts, lens, params, strict=True))
         ]
         waiting, running, to_free = list(seqs), [], []
         while waiting or running:
@@ -93,7 +98,9 @@ class Driver:
                 break
             waiting.pop(0)
             seq.blocks = [self.free_blocks.pop() for _ in range(need)]
-            step.new_requests.append(NewRequestData(seq.rid, seq.prompt, seq.sampling))
+            step.new_requests.append(
+                NewRequestData(seq.rid, seq.prompt, seq.sampling, max_tokens=seq.max_tokens)
+            )
             step.block_tables[seq.rid] = (seq.blocks, False)
             n = min(len(seq.prompt), budget)
             step.num_scheduled_tokens[seq.rid] = n
@@ -104,6 +111,8 @@ class Driver:
     def _update(self, out: StepOutput, running: list[DriverSeq], eos: set[int]) -> list[str]:
         done = []
         for seq in list(running):
+            if seq.rid in out.probe_features:
+                seq.features.append(out.probe_features[seq.rid])
             if seq.rid in out.sampled:
                 tok, lp = out.sampled[seq.rid]
                 seq.output.append(tok)

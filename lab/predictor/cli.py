@@ -57,9 +57,35 @@ def _calibrate(args: argparse.Namespace) -> int:
         threads=args.threads,
         split=args.split,
         seed=args.seed,
+        draws=args.draws,
+        predict_every=args.predict_every,
     )
     print(json.dumps(report))
     return 0
+
+
+def _train_probe(args: argparse.Namespace) -> int:
+    import logging
+
+    from lab.predictor.probe_train import main
+
+    logging.basicConfig(level=logging.INFO)
+    return main(args)
+
+
+def _add_train_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tp = sub.add_parser(
+        "train-probe",
+        help="fit the executor's remaining-length probe on a calibration file's features",
+    )
+    tp.add_argument("--cap", type=int, default=256, help="the calibration cap")
+    tp.add_argument(
+        "--regime", choices=("t0", "t1", "both"), default="both", help="temperature regime"
+    )
+    tp.add_argument("--hidden", type=int, default=64, help="hidden units (0: linear)")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--out-dir", help="probes root (default: services/executor/probes)")
+    tp.set_defaults(func=_train_probe)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -82,9 +108,21 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     cal.add_argument("--n", type=int, default=2000, help="prompts the file should hold")
     cal.add_argument("--max-tokens", type=int, default=256, help="the cap (as a client sends)")
     cal.add_argument(
-        "--out", help="JSONL file (default: DATA_DIR/calibration/MODEL-capN.jsonl); appended"
+        "--out",
+        help="JSONL file (default: DATA_DIR/calibration/MODEL-capN-t0|t1[-test].jsonl); appended",
     )
-    cal.add_argument("--batch", type=int, default=32, help="prompts decoded together")
+    cal.add_argument(
+        "--batch", type=int, default=32, help="sequences decoded together (prompts x draws)"
+    )
+    cal.add_argument(
+        "--draws", type=int, default=0, help="answers per prompt (0: 4 at temperature > 0, 1 at 0)"
+    )
+    cal.add_argument(
+        "--predict-every",
+        type=int,
+        default=16,
+        help="record the probe's features at each prefill and every N output tokens (0 = off)",
+    )
     cal.add_argument("--temperature", type=float, default=1.0, help="the API's default: 1.0")
     cal.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     cal.add_argument(
@@ -148,6 +186,7 @@ def extend(subparsers: argparse._SubParsersAction) -> None:
     _with_proxy(sub.choices["train"])
     _add_calibrate(sub)
     _add_eval(sub)
+    _add_train_probe(sub)
 
     bench = sub.add_parser("bench-store", help="qdrant-client local mode vs Qdrant Edge")
     bench.add_argument("--points", type=int, default=16_000)

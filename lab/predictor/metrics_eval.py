@@ -34,3 +34,14 @@ def accuracy(pred: np.ndarray, true: np.ndarray) -> dict:
         "kendall_tau": _rank_corr(kendalltau, pred, true),
         "spearman": _rank_corr(spearmanr, pred, true),
     }
+
+
+def auc(score: np.ndarray, label: np.ndarray) -> float | None:
+    """Area under the ROC curve of `score` for `label` (None: one class, or a constant score)."""
+    from scipy.stats import rankdata
+
+    pos, n = int(label.sum()), len(label)
+    if pos in (0, n) or np.ptp(score) == 0:
+        return None
+    ranks = rankdata(score)
+    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * (n - pos)))

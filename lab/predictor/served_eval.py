@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lab.predictor.metrics_eval import accuracy
+from lab.predictor.metrics_eval import accuracy, auc
 from services.common.censoring import expected_length
 
 if TYPE_CHECKING:
@@ -54,17 +54,6 @@ def split_calibrated(
 
 def censored_flags(samples: list[Sample], rows: dict[str, dict]) -> np.ndarray:
     return np.array([bool(rows[s.id]["censored"]) for s in samples], bool)
-
-
-def auc(score: np.ndarray, label: np.ndarray) -> float | None:
-    """Area under the ROC curve of `score` for `label` (None: one class, or a constant score)."""
-    from scipy.stats import rankdata
-
-    pos, n = int(label.sum()), len(label)
-    if pos in (0, n) or np.ptp(score) == 0:
-        return None
-    ranks = rankdata(score)
-    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * (n - pos)))
 
 
 def score(
@@ -184,11 +173,28 @@ def main(args: argparse.Namespace) -> int:
     from services.common.settings import PredictorSettings
     from services.workload.report import emit_json
 
+    if getattr(args, "progressive", False):
+        from lab.predictor import progressive
+
+        return progressive.main(args)
     emit_json(run(PredictorSettings(), args), getattr(args, "json", None))
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progressive",
+        action="store_true",
+        help="score the executor's remaining-length probe at 0/16/32/64 generated tokens "
+        "on the test-split draws (lab/predictor/progressive.py)",
+    )
+    p.add_argument("--cap", type=int, default=256, help="--progressive: the calibration cap")
+    p.add_argument(
+        "--refit",
+        action="store_true",
+        help="--progressive: fit the probe on the train split's features here instead of "
+        "reading the shipped one",
+    )
     p.add_argument("--file", help="train-split calibration JSONL (default: the served model's)")
     p.add_argument(
         "--test-file", help="test-split calibration JSONL (default: the served model's, if any)"

@@ -124,6 +124,12 @@ class ExecutorSettings(CommonSettings):
     profile_path: Path | None = Field(
         None, description="Cost-model profile JSON reported by Describe."
     )
+    predict_every: int = Field(
+        16,
+        ge=0,
+        description="Remaining-length probe: forecast at the end of each prefill and every N "
+        "output tokens (services/executor/probe.py; 0 = off; no probe for the model = off).",
+    )
     gpu_memory_utilization: float = Field(
         0.9,
         gt=0,

@@ -21,6 +21,7 @@ class NewRequestData:
     # leading tokens whose KV is already in the first blocks of the request's table (prefix
     # cache hit): prefill starts at this position; always < len(token_ids), whole blocks
     num_cached_tokens: int = 0
+    max_tokens: int = 0  # the request's output cap (the remaining-length probe's; 0 = unknown)
 
 
 @dataclass

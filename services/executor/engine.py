@@ -43,6 +43,7 @@ from services.executor.memory import (
     staging_reserve,
 )
 from services.executor.messages import RequestState, StepOutput, StepTimings
+from services.executor.probe import make_hook
 from services.executor.prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
 from services.executor.runner import load_runner
@@ -86,6 +87,8 @@ class Engine:
         runtime: RuntimeOptions | None = None,
         load_format: str = "auto",
         deterministic: bool = False,
+        predict_every: int = 16,
+        record_features: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -125,6 +128,9 @@ class Engine:
         self.owners = self.book.owners
         self._lock = threading.RLock()
         self._tables: dict[str, tuple[list[int], np.ndarray]] = {}  # _block_array's cache
+        self.probe = make_hook(
+            predict_every, self.model_name, record_features, list(self.spec.eos_token_ids)
+        )
 
     def _make_deterministic(self, swap_compress: bool) -> None:
         """Batch-invariant products and attention (batch_invariant.py), or ValueError."""
@@ -216,6 +222,7 @@ class Engine:
             runtime=runtime_options(settings),
             load_format=settings.load_format,
             deterministic=settings.deterministic,
+            predict_every=settings.predict_every,
         )
 
     def _max_len(self, requested: int) -> int:
@@ -295,6 +302,8 @@ class Engine:
                 state.matcher = self.guides.matcher(sp.guide_kind, sp.guide_spec, output)
 
         self.book.apply(plan, self.cache.close_request, open_request)
+        if self.probe is not None and step.free_request_ids:
+            self.probe.forget(list(step.free_request_ids))
 
     def _block_array(self, st: RequestState) -> np.ndarray | None:
         """st.block_table as an int64 array, converted once per table: tables are replaced
@@ -335,7 +344,7 @@ class Engine:
             return StepOutput(step_id, {}, timings, logits={} if all_logits else None)
         if self.swap.pending:
             timings.swap_wait_s = self.swap.wait_for({b for r in runs for b in r.block_table})
-        if self.runtime is not None and not self._reads_prompt_logits(runs):
+        if self.runtime is not None and not self._needs_hidden(runs):
             return self._run_device(step_id, runs, all_logits, timings, self.runtime)
         t0 = time.perf_counter()
         batch = build_batch(
@@ -357,6 +366,15 @@ class Engine:
         if all_logits:
             out.logits = self._split_logits(batch, logits)
             logits = self._sampled_rows(batch, logits)
+            hidden = self._sampled_rows(batch, hidden)
+        else:
+            hidden = hidden[batch.logits_rows]
+        if self.probe is not None and batch.sample_ids:
+            with torch.inference_mode():
+                self.probe.observe(
+                    [self.requests[r] for r in batch.sample_ids], hidden, logits, out
+                )
+            self.probe.prune(self.requests)
         self._sample(batch, logits, out)
         timings.sample_s = time.perf_counter() - t1
         self._advance(batch)
@@ -385,6 +403,8 @@ class Engine:
         packed = None
         if states:
             with torch.inference_mode():  # the logits may be a graph's (inference) output
+                if self.probe is not None:  # statistics only: no checkpoint in this step
+                    self.probe.observe(states, None, logits, out)
                 self._mask_guided(states, logits)
                 packed = sample_batch(
                     logits,
@@ -399,6 +419,15 @@ class Engine:
             self._accept(states, *unpack_samples(rows, params), out)
         self._advance(batch)
         return out
+
+    def _needs_hidden(self, runs: list[TokenRun]) -> bool:
+        """A step whose hidden rows are read (prompt logprobs, a probe checkpoint) takes the
+        classic path, which keeps them (the CUDA graphs return logits only)."""
+        if self.probe is not None and self.probe.due(
+            [self.requests[r.request_id] for r in runs if r.sample]
+        ):
+            return True
+        return self._reads_prompt_logits(runs)
 
     def _reads_prompt_logits(self, runs: list[TokenRun]) -> bool:
         """A run of a request asking prompt_logprobs: such a step takes the classic path,

@@ -33,6 +33,8 @@ class StepOutput:
     prompt: dict[str, tuple[int, list]] = field(default_factory=dict)
     # request_id -> the remaining-length probe's forecast (requests at a checkpoint this step)
     forecasts: dict[str, RemainingForecast] = field(default_factory=dict)
+    # in process only (calibration): request_id -> (generated, the probe's feature vector)
+    probe_features: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,4 +48,5 @@ class RequestState:
     num_computed: int = 0
     block_table: list[int] | None = field(default_factory=list)  # None: swapped out
     staging_slot: int = -1
+    max_tokens: int = 0  # output cap (NewRequestData.max_tokens; 0 = unknown)
     matcher: Any = None  # structured output: the guide's matcher (services/common/guided.py)

@@ -44,6 +44,7 @@ def step_from_pb(req: executor_pb2.StepRequest) -> SchedulerOutput:
                 sampling_pb.from_pb(r.sampling),
                 r.num_output_tokens,
                 r.num_cached_tokens,
+                r.max_tokens,
             )
             for r in req.new_requests
         ],

@@ -166,7 +166,11 @@ class StepChecker:
                     f"new request {rid!r}: num_cached_tokens {cached} is not whole blocks "
                     f"below its {len(ids)} tokens"
                 )
-            p.new.append(RequestState(rid, ids, nr.sampling, nr.num_output_tokens, cached))
+            p.new.append(
+                RequestState(
+                    rid, ids, nr.sampling, nr.num_output_tokens, cached, max_tokens=nr.max_tokens
+                )
+            )
 
     def _current_table(self, rid: str, p: StepPlan) -> list[int] | None:
         if rid in p.tables:

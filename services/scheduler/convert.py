@@ -33,6 +33,7 @@ def step_request(out: SchedulerOutput) -> executor_pb2.StepRequest:
             sampling=sampling_pb.to_pb(new.sampling),
             num_output_tokens=new.num_output_tokens,
             num_cached_tokens=new.num_cached_tokens,
+            max_tokens=new.max_tokens,
         )
     add_table = pb.block_tables.add
     for rid, (block_ids, replace) in out.block_tables.items():

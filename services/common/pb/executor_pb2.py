@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x65xecutor.proto\x12\x08\x61lise.v1\x1a\x0c\x63ommon.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb2\x02\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x07 \x01(\x03\x12\x19\n\x11num_device_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\t \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x14\n\x0cprofile_json\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\"\x95\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.alise.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"J\n\x10\x42lockTableUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"=\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\x05\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xa6\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x14.alise.v1.NewRequest\x12\x30\n\x0c\x62lock_tables\x18\x03 \x03(\x0b\x32\x1a.alise.v1.BlockTableUpdate\x12,\n\tscheduled\x18\x04 \x03(\x0b\x32\x19.alise.v1.ScheduledTokens\x12(\n\x08swap_out\x18\x05 \x03(\x0b\x32\x16.alise.v1.BlockMapping\x12\'\n\x07swap_in\x18\x06 \x03(\x0b\x32\x16.alise.v1.BlockMapping\x12\x18\n\x10\x66ree_request_ids\x18\x07 \x03(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"h\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12!\n\x03top\x18\x04 \x03(\x0b\x32\x14.alise.v1.TopLogprob\"X\n\x0bStepTimings\x12\x11\n\tforward_s\x18\x01 \x01(\x01\x12\x10\n\x08sample_s\x18\x02 \x01(\x01\x12\x13\n\x0bswap_wait_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\x88\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x07sampled\x18\x02 \x03(\x0b\x32\x16.alise.v1.SampledToken\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.alise.v1.StepTimings\x12\x1a\n\x12num_prefill_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_decode_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.alise.v1.PromptLogprobs\x12.\n\tforecasts\x18\x07 \x03(\x0b\x32\x1b.alise.v1.RemainingForecast\"p\n\x11RemainingForecast\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tgenerated\x18\x02 \x01(\x05\x12\x0b\n\x03q10\x18\x03 \x01(\x02\x12\x0b\n\x03q50\x18\x04 \x01(\x02\x12\x0b\n\x03q90\x18\x05 \x01(\x02\x12\r\n\x05p_cap\x18\x06 \x01(\x02\"\\\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\'\n\x06tokens\x18\x03 \x03(\x0b\x32\x17.alise.v1.PromptLogprob\"\x1f\n\x0eProfileRequest\x12\r\n\x05quick\x18\x01 \x01(\x08\"%\n\rProfileResult\x12\x14\n\x0cprofile_json\x18\x01 \x01(\t2\xfb\x01\n\x08\x45xecutor\x12=\n\x08\x44\x65scribe\x12\x19.alise.v1.DescribeRequest\x1a\x16.alise.v1.ExecutorInfo\x12\x33\n\x04Step\x12\x15.alise.v1.StepRequest\x1a\x14.alise.v1.StepResult\x12=\n\nStepStream\x12\x15.alise.v1.StepRequest\x1a\x14.alise.v1.StepResult(\x01\x30\x01\x12<\n\x07Profile\x12\x18.alise.v1.ProfileRequest\x1a\x17.alise.v1.ProfileResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x65xecutor.proto\x12\x08\x61lise.v1\x1a\x0c\x63ommon.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb2\x02\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x07 \x01(\x03\x12\x19\n\x11num_device_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\t \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x14\n\x0cprofile_json\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\"\xa9\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.alise.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\"J\n\x10\x42lockTableUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"=\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\x05\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xa6\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x14.alise.v1.NewRequest\x12\x30\n\x0c\x62lock_tables\x18\x03 \x03(\x0b\x32\x1a.alise.v1.BlockTableUpdate\x12,\n\tscheduled\x18\x04 \x03(\x0b\x32\x19.alise.v1.ScheduledTokens\x12(\n\x08swap_out\x18\x05 \x03(\x0b\x32\x16.alise.v1.BlockMapping\x12\'\n\x07swap_in\x18\x06 \x03(\x0b\x32\x16.alise.v1.BlockMapping\x12\x18\n\x10\x66ree_request_ids\x18\x07 \x03(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"h\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12!\n\x03top\x18\x04 \x03(\x0b\x32\x14.alise.v1.TopLogprob\"X\n\x0bStepTimings\x12\x11\n\tforward_s\x18\x01 \x01(\x01\x12\x10\n\x08sample_s\x18\x02 \x01(\x01\x12\x13\n\x0bswap_wait_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\x88\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x07sampled\x18\x02 \x03(\x0b\x32\x16.alise.v1.SampledToken\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.alise.v1.StepTimings\x12\x1a\n\x12num_prefill_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_decode_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.alise.v1.PromptLogprobs\x12.\n\tforecasts\x18\x07 \x03(\x0b\x32\x1b.alise.v1.RemainingForecast\"p\n\x11RemainingForecast\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tgenerated\x18\x02 \x01(\x05\x12\x0b\n\x03q10\x18\x03 \x01(\x02\x12\x0b\n\x03q50\x18\x04 \x01(\x02\x12\x0b\n\x03q90\x18\x05 \x01(\x02\x12\r\n\x05p_cap\x18\x06 \x01(\x02\"\\\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\'\n\x06tokens\x18\x03 \x03(\x0b\x32\x17.alise.v1.PromptLogprob\"\x1f\n\x0eProfileRequest\x12\r\n\x05quick\x18\x01 \x01(\x08\"%\n\rProfileResult\x12\x14\n\x0cprofile_json\x18\x01 \x01(\t2\xfb\x01\n\x08\x45xecutor\x12=\n\x08\x44\x65scribe\x12\x19.alise.v1.DescribeRequest\x1a\x16.alise.v1.ExecutorInfo\x12\x33\n\x04Step\x12\x15.alise.v1.StepRequest\x1a\x14.alise.v1.StepResult\x12=\n\nStepStream\x12\x15.alise.v1.StepRequest\x1a\x14.alise.v1.StepResult(\x01\x30\x01\x12<\n\x07Profile\x12\x18.alise.v1.ProfileRequest\x1a\x17.alise.v1.ProfileResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTORINFO']._serialized_start=62
   _globals['_EXECUTORINFO']._serialized_end=368
   _globals['_NEWREQUEST']._serialized_start=371
-  _globals['_NEWREQUEST']._serialized_end=520
-  _globals['_BLOCKTABLEUPDATE']._serialized_start=522
-  _globals['_BLOCKTABLEUPDATE']._serialized_end=596
-  _globals['_SCHEDULEDTOKENS']._serialized_start=598
-  _globals['_SCHEDULEDTOKENS']._serialized_end=659
-  _globals['_BLOCKMAPPING']._serialized_start=661
-  _globals['_BLOCKMAPPING']._serialized_end=701
-  _globals['_STEPREQUEST']._serialized_start=704
-  _globals['_STEPREQUEST']._serialized_end=998
-  _globals['_SAMPLEDTOKEN']._serialized_start=1000
-  _globals['_SAMPLEDTOKEN']._serialized_end=1104
-  _globals['_STEPTIMINGS']._serialized_start=1106
-  _globals['_STEPTIMINGS']._serialized_end=1194
-  _globals['_STEPRESULT']._serialized_start=1197
-  _globals['_STEPRESULT']._serialized_end=1461
-  _globals['_REMAININGFORECAST']._serialized_start=1463
-  _globals['_REMAININGFORECAST']._serialized_end=1575
-  _globals['_PROMPTLOGPROBS']._serialized_start=1577
-  _globals['_PROMPTLOGPROBS']._serialized_end=1669
-  _globals['_PROFILEREQUEST']._serialized_start=1671
-  _globals['_PROFILEREQUEST']._serialized_end=1702
-  _globals['_PROFILERESULT']._serialized_start=1704
-  _globals['_PROFILERESULT']._serialized_end=1741
-  _globals['_EXECUTOR']._serialized_start=1744
-  _globals['_EXECUTOR']._serialized_end=1995
+  _globals['_NEWREQUEST']._serialized_end=540
+  _globals['_BLOCKTABLEUPDATE']._serialized_start=542
+  _globals['_BLOCKTABLEUPDATE']._serialized_end=616
+  _globals['_SCHEDULEDTOKENS']._serialized_start=618
+  _globals['_SCHEDULEDTOKENS']._serialized_end=679
+  _globals['_BLOCKMAPPING']._serialized_start=681
+  _globals['_BLOCKMAPPING']._serialized_end=721
+  _globals['_STEPREQUEST']._serialized_start=724
+  _globals['_STEPREQUEST']._serialized_end=1018
+  _globals['_SAMPLEDTOKEN']._serialized_start=1020
+  _globals['_SAMPLEDTOKEN']._serialized_end=1124
+  _globals['_STEPTIMINGS']._serialized_start=1126
+  _globals['_STEPTIMINGS']._serialized_end=1214
+  _globals['_STEPRESULT']._serialized_start=1217
+  _globals['_STEPRESULT']._serialized_end=1481
+  _globals['_REMAININGFORECAST']._serialized_start=1483
+  _globals['_REMAININGFORECAST']._serialized_end=1595
+  _globals['_PROMPTLOGPROBS']._serialized_start=1597
+  _globals['_PROMPTLOGPROBS']._serialized_end=1689
+  _globals['_PROFILEREQUEST']._serialized_start=1691
+  _globals['_PROFILEREQUEST']._serialized_end=1722
+  _globals['_PROFILERESULT']._serialized_start=1724
+  _globals['_PROFILERESULT']._serialized_end=1761
+  _globals['_EXECUTOR']._serialized_start=1764
+  _globals['_EXECUTOR']._serialized_end=2015
 # @@protoc_insertion_point(module_scope)

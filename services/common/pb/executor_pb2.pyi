@@ -44,18 +44,20 @@ class ExecutorInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., profile_json: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "num_output_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "token_ids", "sampling", "num_output_tokens", "num_cached_tokens", "max_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     num_output_tokens: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockTableUpdate(_message.Message):
     __slots__ = ("request_id", "block_ids", "replace")
