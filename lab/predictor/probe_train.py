@@ -66,9 +66,12 @@ def train_probe(
     seed: int = 0,
     columns: list[int] | None = None,
     source: str = "",
+    pca: int = 16,
 ) -> Probe:
     """A Probe fit on `rows`; `columns` restricts the features it reads (the others get zero
-    weight: an ablation), None = all."""
+    weight: an ablation), None = all. The hidden state enters through its first `pca`
+    principal components (fit on the training rows; folded into the first layer's weights,
+    so the shipped probe reads the raw features); 0 = the whole hidden state."""
     torch.manual_seed(seed)
     held = holdout_mask(rows.ids)
     x, y, cut = _tensors(rows)
@@ -77,16 +80,20 @@ def train_probe(
     keep = torch.zeros(x.shape[1])
     keep[columns if columns is not None else slice(None)] = 1.0
     xs = (x - mean) / std * keep
-    layers = [torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU()] if hidden else []
-    net = torch.nn.Sequential(*layers, torch.nn.Linear(hidden or x.shape[1], 4))
+    proj = _projection(xs[~torch.from_numpy(held)], rows.names, pca)  # [F, P]
+    xp = xs @ proj
+    layers = [torch.nn.Linear(xp.shape[1], hidden), torch.nn.GELU()] if hidden else []
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(hidden or xp.shape[1], 4))
     with torch.no_grad():
         net[-1].bias.copy_(torch.tensor([float(y.median()), 0.5, 0.5, 0.0]))
-    best = _fit(net, xs, y, cut, torch.from_numpy(held), epochs, seed)
+    best = _fit(net, xp, y, cut, torch.from_numpy(held), epochs, seed)
     linears = [m for m in net if isinstance(m, torch.nn.Linear)]
     arrays = {"mean": mean.numpy(), "std": std.numpy()}
     for i, lin in enumerate(linears):
-        w = lin.weight.detach() * (keep if i == 0 else 1.0)  # unread columns: zero weight
-        arrays[f"w{i}"] = w.T.contiguous().numpy()
+        w = lin.weight.detach().T  # [in, out]
+        if i == 0:  # the projection folded in; unread columns get zero weight
+            w = (proj @ w) * keep[:, None]
+        arrays[f"w{i}"] = w.contiguous().numpy()
         arrays[f"b{i}"] = lin.bias.detach().numpy()
     meta = {
         "model": model,
@@ -104,8 +111,24 @@ def train_probe(
     return Probe(arrays, meta)
 
 
+def _projection(xs: torch.Tensor, names: list[str], pca: int) -> torch.Tensor:
+    """[F, P]: the scalar features kept as they are, the hidden-state columns (names h0...)
+    replaced by their first `pca` principal components (identity when pca is 0)."""
+    hid = [i for i, n in enumerate(names) if n.startswith("h") and n[1:].isdigit()]
+    width = xs.shape[1]
+    if not pca or not hid or pca >= len(hid):
+        return torch.eye(width)
+    other = [i for i in range(width) if i not in set(hid)]
+    block = xs[:, hid]
+    _, _, v = torch.linalg.svd(block - block.mean(0), full_matrices=False)
+    proj = torch.zeros(width, len(other) + pca)
+    proj[other, torch.arange(len(other))] = 1.0
+    proj[torch.tensor(hid)[:, None], torch.arange(len(other), len(other) + pca)] = v[:pca].T
+    return proj
+
+
 def _fit(net, xs, y, cut, held, epochs: int, seed: int) -> float:
-    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-3)
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-2)
     gen = torch.Generator().manual_seed(seed)
     train_idx = torch.nonzero(~held).squeeze(1)
     val = torch.nonzero(held).squeeze(1)
@@ -129,6 +152,54 @@ def _fit(net, xs, y, cut, held, epochs: int, seed: int) -> float:
     if best_state is not None:
         net.load_state_dict(best_state)
     return best
+
+
+CONFIGS: dict[str, dict] = {
+    "pca4": {"pca": 4},
+    "pca16": {"pca": 16},
+    "scalars": {"columns": "scalars"},
+}
+
+
+def _config(name: str, width: int) -> dict:
+    from services.executor.probe import SCALAR_NAMES
+
+    kw = dict(CONFIGS[name])
+    if kw.get("columns") == "scalars":
+        kw["columns"] = list(range(len(SCALAR_NAMES)))
+    return kw
+
+
+def cv_loss(rows: FeatureRows, name: str, folds: int = 5, seed: int = 0, **common) -> float:
+    """Mean held-out loss of configuration `name` over `folds` folds by prompt id."""
+    ids = np.asarray(sorted(set(rows.ids.tolist())))
+    losses = []
+    for f in range(folds):
+        test = np.isin(rows.ids, ids[f::folds])
+        probe = train_probe(rows.select(~test), seed=seed, **common, **_config(name, 0))
+        held = rows.select(test)
+        x, y, cut = _tensors(held)
+        raw = probe.raw(x)  # q10, q50, q90, logit: back to the training outputs
+        out = torch.stack(
+            [raw[:, 1], _inv_softplus(raw[:, 1] - raw[:, 0]), _inv_softplus(raw[:, 2] - raw[:, 1]),
+             raw[:, 3]], dim=1,
+        )  # fmt: skip
+        losses.append(float(_loss(out, y, cut)) * len(held))
+    return sum(losses) / len(rows)
+
+
+def _inv_softplus(v: torch.Tensor) -> torch.Tensor:
+    return torch.log(torch.expm1(v.clamp_min(1e-6)))
+
+
+def select_and_train(rows: FeatureRows, seed: int = 0, **common) -> tuple[Probe, dict]:
+    """The configuration with the lowest 5-fold loss (folds by prompt) on `rows`, refit on
+    all of them; with the losses of each configuration."""
+    losses = {name: round(cv_loss(rows, name, seed=seed, **common), 5) for name in CONFIGS}
+    best = min(losses, key=losses.__getitem__)
+    probe = train_probe(rows, seed=seed, **common, **_config(best, 0))
+    probe.meta.update(config=best, cv_losses=losses)
+    return probe, losses
 
 
 def probe_path(model: str, cap: int, regime: str, root: Path | None = None) -> Path:
@@ -156,8 +227,8 @@ def main(args) -> int:
             log.warning("no %s train-split features for %s at cap %d", reg, model, args.cap)
             continue
         rows = read_features(features_path(path))
-        probe = train_probe(
-            rows, model=model, cap=args.cap, regime=reg, hidden=args.hidden, seed=args.seed,
+        probe, _ = select_and_train(
+            rows, seed=args.seed, model=model, cap=args.cap, regime=reg, hidden=args.hidden,
             source=path.name,
         )  # fmt: skip
         out = probe_path(model, args.cap, reg, root)

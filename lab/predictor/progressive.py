@@ -109,9 +109,56 @@ def draw_ceiling(rows: FeatureRows) -> dict:
     }
 
 
-def regime_table(probes: dict[str, Probe], rows: FeatureRows, cap: int, ceiling: bool) -> dict:
+def arrival_predictions(ids: list[str], cap: int) -> dict[str, tuple[float, float]]:
+    """The arrival-time predictor's (expected length under the cap, p_capped) per test prompt
+    id: `ours` (retrieval + MLP, services/predictor) fit on the bundled one-draw train-split
+    calibration, as it seeds today."""
+    from lab.predictor.eval_common import chat_formatter
+    from lab.predictor.served_eval import _setup, censored_flags
+    from services.common.censoring import expected_length
+    from services.common.settings import PredictorSettings
+    from services.predictor.build import make_embedder, served_models
+    from services.predictor.calibration_files import calibrated_samples, read_calibration
+    from services.workload.traces.sharegpt import load_split
+
+    settings = PredictorSettings()
+    path = calibration_file(settings.model, Path(settings.data_dir), cap)
+    if path is None:
+        return {}
+    _, rows = read_calibration(path)
+    fit = calibrated_samples(load_split("train", settings.model, settings.data_dir), rows)
+    wanted = set(ids)
+    test = [s for s in load_split("test", settings.model, settings.data_dir) if s.id in wanted]
+    embedder, chat = make_embedder(settings), chat_formatter(settings)
+    model = served_models(settings)[0]
+    preds, _, capped = _setup(settings, embedder, chat, fit, censored_flags(fit, rows), test, model)
+    return {
+        s.id: (float(expected_length(length, p, cap)), float(p))
+        for s, length, p in zip(test, preds["ours"], capped["ours"], strict=True)
+    }
+
+
+def arrival_rows(arrival: dict[str, tuple[float, float]], rows: FeatureRows, cap: int) -> dict:
+    """The arrival-time prediction as a forecast at every checkpoint: expected length minus
+    the tokens generated (never revised), p_capped unchanged."""
+    known = np.asarray([arrival.get(str(p), (np.nan, np.nan)) for p in rows.ids], np.float64)
+    left = np.maximum(1.0, cap - rows.generated.astype(np.float64))
+    remaining = np.clip(known[:, 0] - rows.generated, 1.0, left)
+    return {"q10": remaining, "q50": remaining, "q90": remaining, "p_cap": known[:, 1],
+            "expected": remaining}  # fmt: skip
+
+
+def regime_table(
+    probes: dict[str, Probe],
+    rows: FeatureRows,
+    cap: int,
+    ceiling: bool,
+    arrival: dict[str, tuple[float, float]] | None = None,
+) -> dict:
     """{checkpoint: {probe name: metrics, "ceiling": ...}} for one regime's test rows."""
     preds = {name: predict(p, rows, cap) for name, p in probes.items()}
+    if arrival:
+        preds["arrival"] = arrival_rows(arrival, rows, cap)
     table = {}
     for g in CHECKPOINTS:
         mask = rows.generated == g
@@ -143,7 +190,9 @@ def ablations(train: FeatureRows, model: str, cap: int, reg: str, seed: int) -> 
     }
 
 
-def run(model: str, cap: int, data_dir: Path, refit: bool, seed: int = 0) -> dict:
+def run(
+    model: str, cap: int, data_dir: Path, refit: bool, seed: int = 0, arrival: bool = True
+) -> dict:
     from lab.predictor.probe_train import train_probe
 
     bank = ProbeBank.for_model(model)
@@ -163,12 +212,14 @@ def run(model: str, cap: int, data_dir: Path, refit: bool, seed: int = 0) -> dic
             else train_probe(train, model=model, cap=cap, regime=reg, seed=seed)
         )
         probes = {"probe": probe, **ablations(train, model, cap, reg, seed)}
+        ids = sorted(set(test.ids.tolist()))
+        before = arrival_predictions(ids, cap) if arrival else None
         out["regimes"][reg] = {
             "files": {"train": train_file.name, "test": test_file.name},
-            "test_prompts": len(set(test.ids.tolist())),
+            "test_prompts": len(ids),
             "test_rows": len(test),
             "train_rows": len(train),
-            "table": regime_table(probes, test, cap, ceiling=reg == "t1"),
+            "table": regime_table(probes, test, cap, reg == "t1", before),
         }
     t1 = out["regimes"].get("t1", {}).get("table", {}).get("32", {}).get("probe", {})
     out["tau_remaining_at_32"] = t1.get("tau")

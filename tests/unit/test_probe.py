@@ -136,3 +136,33 @@ def test_token_stats_and_repeat_share():
     assert repeat_share([1, 2, 3, 4, 5, 6, 7, 8], 4) == 0.0
     loop = [1, 2, 3, 4] * 4
     assert repeat_share(loop, 4) == 1.0  # a looping answer: every recent 4-gram seen before
+
+
+def test_a_planted_wrong_probe_ranks_worse_than_the_shipped_one():
+    """The shipped SmolLM2 probe (sampled regime) on the committed held-out draws, against
+    the same probe with its q50 and P(cap) outputs negated (so it ranks backwards)."""
+    from lab.predictor.progressive import checkpoint_metrics, predict
+    from services.predictor.calibration_files import BUNDLED, features_path, read_features
+
+    name = "smollm2-135m-instruct-cap256-t1-test.jsonl"
+    rows = read_features(features_path(BUNDLED / name))
+    bank = ProbeBank.for_model("smollm2-135m-instruct")
+    assert bank is not None
+    probe = bank.pick(256, 1.0)
+    assert probe is not None and probe.regime == "t1"
+    last = max(k for k in probe.arrays if k.startswith("w"))
+    arrays = dict(probe.arrays)
+    flip = np.array([-1.0, 1.0, 1.0, -1.0], np.float32)  # q50 and the P(cap) logit
+    arrays[last] = arrays[last] * flip
+    arrays["b" + last[1:]] = arrays["b" + last[1:]] * flip
+    wrong = Probe(arrays, probe.meta)
+    taus = {}
+    for tag, p in (("real", probe), ("wrong", wrong)):
+        pred = predict(p, rows, 256)
+        per = []
+        for g in (32, 64, 96, 128):
+            mask = rows.generated == g
+            per.append(checkpoint_metrics({k: v[mask] for k, v in pred.items()}, rows.select(mask)))
+        taus[tag] = float(np.mean([m["tau"] for m in per]))
+    assert taus["real"] > 0.05
+    assert taus["wrong"] < taus["real"] - 0.1, taus
