@@ -70,7 +70,7 @@ def run_batch(engine: Any, batch: int, every: int, steps: int, tag: str) -> dict
     engine.probe = ProbeHook(every, _probe_for(engine), False, list(engine.spec.eos_token_ids))
     spent: list[float] = []
     _timed(engine.probe, spent)
-    per = ceil_div(PROMPT + 16 + steps + 2, engine.block_size)
+    per = ceil_div(PROMPT + 16 + every + steps + 2, engine.block_size)
     ids = [f"{tag}{i}" for i in range(batch)]
     first = SchedulerOutput(0)
     for i, rid in enumerate(ids):

@@ -369,13 +369,7 @@ class Engine:
             hidden = self._sampled_rows(batch, hidden)
         else:
             hidden = hidden[batch.logits_rows]
-        if self.probe is not None and batch.sample_ids:
-            with torch.inference_mode():
-                self.probe.observe(
-                    [self.requests[r] for r in batch.sample_ids], hidden, logits, out
-                )
-            self.probe.prune(self.requests)
-        self._sample(batch, logits, out)
+        self._sample(batch, logits, out, self._observe(batch, hidden, logits, out))
         timings.sample_s = time.perf_counter() - t1
         self._advance(batch)
         return out
@@ -457,24 +451,48 @@ class Engine:
             else:
                 out.num_prefill_tokens += r.q_len
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor, out: StepOutput) -> None:
+    def _observe(
+        self, batch: StepBatch, hidden: torch.Tensor, logits: torch.Tensor, out: StepOutput
+    ) -> torch.Tensor | None:
+        """The probe's part of a step (probe.py); returns the rows' log_softmax it computed,
+        which the sampler reuses (None: no probe)."""
+        if self.probe is None or not batch.sample_ids:
+            return None
+        with torch.inference_mode():
+            logp = torch.log_softmax(logits, dim=-1)
+            states = [self.requests[r] for r in batch.sample_ids]
+            self.probe.observe(states, hidden, logits, out, logp)
+        self.probe.prune(self.requests)
+        return logp
+
+    def _sample(
+        self,
+        batch: StepBatch,
+        logits: torch.Tensor,
+        out: StepOutput,
+        logp: torch.Tensor | None = None,
+    ) -> None:
         if not batch.sample_ids:
             return
         states = [self.requests[rid] for rid in batch.sample_ids]
-        self._mask_guided(states, logits)
+        if self._mask_guided(states, logits):
+            logp = None  # the logprobs are the masked distribution's
         tokens, logprobs = sample(
             logits,
             [s.sampling for s in states],
             [s.num_output_tokens for s in states],
             [s.token_ids for s in states],
+            logp,
         )
         tops = top_alternatives(logits, [s.sampling for s in states])
         self._accept(states, tokens, logprobs, tops, out)
 
-    def _mask_guided(self, states: list[RequestState], logits: torch.Tensor) -> None:
+    def _mask_guided(self, states: list[RequestState], logits: torch.Tensor) -> bool:
+        """Mask the guided rows' logits in place; whether any row was."""
         guided = [i for i, s in enumerate(states) if s.matcher and not s.matcher.is_terminated()]
         if guided:
             self.guides.mask(logits, guided, [states[i].matcher for i in guided])
+        return bool(guided)
 
     @staticmethod
     def _accept(

@@ -115,9 +115,13 @@ def scalar_features(
     ]
 
 
-def token_stats(logits: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entropy [S], P(EOS) [S]) of the raw next-token distributions of logits [S, V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def token_stats(
+    logits: torch.Tensor, eos_ids: list[int], logp: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy [S], P(EOS) [S]) of the raw next-token distributions of logits [S, V]
+    (logp: their log_softmax, when the caller has it)."""
+    if logp is None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     p_eos = logp[:, eos_ids].exp().sum(-1) if eos_ids else torch.zeros_like(entropy)
     return entropy, p_eos
@@ -219,12 +223,17 @@ class ProbeHook:
         return any(st.num_output_tokens % self.every == 0 for st in states)
 
     def observe(
-        self, states: list, hidden: torch.Tensor | None, logits: torch.Tensor, out: StepOutput
+        self,
+        states: list,
+        hidden: torch.Tensor | None,
+        logits: torch.Tensor,
+        out: StepOutput,
+        logp: torch.Tensor | None = None,
     ) -> None:
         """After the forward pass, before sampling: states[i] (RequestState) owns row i of
         hidden [S, H] (final norm) and logits [S, V]; fills out.forecasts / probe_features.
         hidden None: statistics only (a step with no checkpoint)."""
-        entropy, p_eos = token_stats(logits, self.eos_ids)
+        entropy, p_eos = token_stats(logits, self.eos_ids, logp)
         ent, pe = entropy.tolist(), p_eos.tolist()
         rows, scalars, meta = [], [], []
         for i, st in enumerate(states):

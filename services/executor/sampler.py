@@ -75,10 +75,13 @@ def sample(
     params: list[SamplingParams],
     output_index: list[int],
     histories: list[list[int]] | None = None,
+    logprobs: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
     """logits [S, V] fp32 -> (token ids, logprobs); output_index[i] = tokens already output;
-    histories[i] = the row's prompt + output tokens (needed by penalties)."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
+    histories[i] = the row's prompt + output tokens (needed by penalties); logprobs: the
+    rows' log_softmax when the caller has it already (the probe's statistics)."""
+    if logprobs is None:
+        logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
     tokens = torch.argmax(logits, dim=-1).tolist()  # greedy default
     for i, p in enumerate(params):
         row = logits[i]
