@@ -10,7 +10,9 @@ one for the model's cap-256 sampled regime, or a random one of the same shape wh
 shipped (the cost does not depend on the weights).
 
 Figures per B: median step ms, median probe ms, their ratio (`share`), and `share_max`
-(every request at a checkpoint every step: `predict_every` 1, the worst case).
+(every request at a checkpoint every step: `predict_every` 1, the worst case). Each batch
+size gets an untimed warm-up pass first (the first pass at a new batch size measured
+several times slower probe parts, allocation of the new shapes).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         "batches": {},
     }
     for b in args.batches:
+        run_batch(engine, b, EVERY, 8, f"u{b}-")  # warm-up: the first pass at a new size is slow
         typical = run_batch(engine, b, EVERY, args.steps, f"t{b}-")
         worst = run_batch(engine, b, 1, args.steps, f"w{b}-")
         result["batches"][b] = {**typical, "share_max": worst["share"],

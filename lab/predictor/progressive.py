@@ -78,7 +78,9 @@ def checkpoint_metrics(pred: dict[str, np.ndarray], rows: FeatureRows) -> dict:
         "cap_auc": _auc(pred["p_cap"], rows.censored),
         "median_relative_error": round(float(np.median(rel)), 4),
         "mean_relative_error": round(float(rel.mean()), 4),
-        "coverage_q10_q90": round(float(inside.mean()), 4),
+        "coverage_q10_q90": (
+            None if np.array_equal(pred["q10"], pred["q90"]) else round(float(inside.mean()), 4)
+        ),  # None: a point prediction
     }
 
 

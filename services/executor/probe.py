@@ -116,13 +116,22 @@ def scalar_features(
 
 
 def token_stats(
-    logits: torch.Tensor, eos_ids: list[int], logp: torch.Tensor | None = None
+    logits: torch.Tensor,
+    eos_ids: list[int],
+    logp: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(entropy [S], P(EOS) [S]) of the raw next-token distributions of logits [S, V]
-    (logp: their log_softmax, when the caller has it)."""
+    (logp: their log_softmax, when the caller has it; work: a reusable buffer of at least
+    S x V floats, so a step allocates no fresh [S, V] tensor, whose page faults cost more
+    than the arithmetic on CPU)."""
     if logp is None:
         logp = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    if work is None or work.numel() < logp.numel() or work.dtype != logp.dtype:
+        p = logp.exp()
+    else:
+        p = torch.exp(logp, out=work.view(-1)[: logp.numel()].view(logp.shape))
+    entropy = -(p.mul_(logp)).sum(-1)
     p_eos = logp[:, eos_ids].exp().sum(-1) if eos_ids else torch.zeros_like(entropy)
     return entropy, p_eos
 
@@ -217,6 +226,7 @@ class ProbeHook:
         self.every, self.bank, self.record, self.eos_ids = every, bank, record, list(eos_ids)
         self.default_cap = bank.probes[0].cap if bank else 0
         self.states: dict[str, ProbeState] = {}
+        self._work: torch.Tensor | None = None  # token_stats' buffer, grown to the batch
 
     def due(self, states: list) -> bool:
         """Whether any of these sampled requests (RequestState) is at a checkpoint."""
@@ -233,7 +243,9 @@ class ProbeHook:
         """After the forward pass, before sampling: states[i] (RequestState) owns row i of
         hidden [S, H] (final norm) and logits [S, V]; fills out.forecasts / probe_features.
         hidden None: statistics only (a step with no checkpoint)."""
-        entropy, p_eos = token_stats(logits, self.eos_ids, logp)
+        if logp is not None and (self._work is None or self._work.numel() < logp.numel()):
+            self._work = torch.empty(logp.numel(), dtype=logp.dtype, device=logp.device)
+        entropy, p_eos = token_stats(logits, self.eos_ids, logp, self._work)
         ent, pe = entropy.tolist(), p_eos.tolist()
         rows, scalars, meta = [], [], []
         for i, st in enumerate(states):
