@@ -215,14 +215,14 @@ def main(args) -> int:
 
     from services.common.models import served_model_id
     from services.common.settings import PredictorSettings
-    from services.predictor.calibration_files import calibration_file, features_path, read_features
+    from services.predictor.calibration_files import draws_file, features_path, read_features
 
     settings = PredictorSettings()
     model = served_model_id(settings.model)
     root = Path(args.out_dir) if args.out_dir else None
     regimes = ("t1", "t0") if args.regime == "both" else (args.regime,)
     for reg in regimes:
-        path = calibration_file(model, Path(settings.data_dir), args.cap, "train", reg)
+        path = draws_file(model, Path(settings.data_dir), args.cap, "train", reg)
         if path is None or not features_path(path).exists():
             log.warning("no %s train-split features for %s at cap %d", reg, model, args.cap)
             continue

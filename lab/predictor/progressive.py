@@ -30,6 +30,7 @@ from services.executor.probe import SCALAR_NAMES, Probe, ProbeBank
 from services.predictor.calibration_files import (
     FeatureRows,
     calibration_file,
+    draws_file,
     features_path,
     read_features,
 )
@@ -200,8 +201,8 @@ def run(
     bank = ProbeBank.for_model(model)
     out: dict = {"model": model, "cap": cap, "checkpoints": list(CHECKPOINTS), "regimes": {}}
     for reg in ("t1", "t0"):
-        test_file = calibration_file(model, data_dir, cap, "test", reg)
-        train_file = calibration_file(model, data_dir, cap, "train", reg)
+        test_file = draws_file(model, data_dir, cap, "test", reg)
+        train_file = draws_file(model, data_dir, cap, "train", reg)
         if test_file is None or train_file is None or not features_path(test_file).exists():
             log.warning("no %s calibration with features for %s: skipped", reg, model)
             continue

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from services.workload.traces.sharegpt import Sample
 
 BUNDLED = Path(__file__).parent / "calibration"
+# several-draws files with the probe's features (issue 30), bundled apart so that seeding
+# (which reads BUNDLED) keeps the one-draw files until the service is moved onto them
+DRAWS = BUNDLED / "draws"
 DEFAULT_CAP = 256
 REGIMES = ("t0", "t1")
 
@@ -70,6 +73,16 @@ def calibration_file(
             path = base / name
             if path.exists():
                 return path
+    return None
+
+
+def draws_file(model: str, data_dir: Path, max_tokens: int, split: str, regime: str) -> Path | None:
+    """A several-draws file of `regime` (no one-draw fallback): the data dir's, else the
+    bundled one in DRAWS, else None."""
+    name = calibration_name(model, max_tokens, split, regime)
+    for base in (data_dir / "calibration", DRAWS):
+        if (base / name).exists():
+            return base / name
     return None
 
 

@@ -142,10 +142,10 @@ def test_a_planted_wrong_probe_ranks_worse_than_the_shipped_one():
     """The shipped SmolLM2 probe (sampled regime) on the committed held-out draws, against
     the same probe with its q50 and P(cap) outputs negated (so it ranks backwards)."""
     from lab.predictor.progressive import checkpoint_metrics, predict
-    from services.predictor.calibration_files import BUNDLED, features_path, read_features
+    from services.predictor.calibration_files import DRAWS, features_path, read_features
 
     name = "smollm2-135m-instruct-cap256-t1-test.jsonl"
-    rows = read_features(features_path(BUNDLED / name))
+    rows = read_features(features_path(DRAWS / name))
     bank = ProbeBank.for_model("smollm2-135m-instruct")
     assert bank is not None
     probe = bank.pick(256, 1.0)
