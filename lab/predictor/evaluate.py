@@ -192,10 +192,10 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO)
     if getattr(args, "target", "reference") == "served":
-        from lab.predictor import served_eval
+        from lab.predictor import progressive, served_eval
 
         args.json = args.json_path
-        return served_eval.main(args)
+        return progressive.main(args) if args.progressive else served_eval.main(args)
     settings = PredictorSettings()
     result = run(settings, args)
     if args.tune:

@@ -173,10 +173,6 @@ def main(args: argparse.Namespace) -> int:
     from services.common.settings import PredictorSettings
     from services.workload.report import emit_json
 
-    if getattr(args, "progressive", False):
-        from lab.predictor import progressive
-
-        return progressive.main(args)
     emit_json(run(PredictorSettings(), args), getattr(args, "json", None))
     return 0
 

@@ -124,6 +124,10 @@ class Engine:
         self.book = StepBook(
             num_device_blocks, num_host_blocks, block_size, self.max_model_len, self.spec.vocab_size
         )
+        self._init_state(predict_every, record_features)
+
+    def _init_state(self, predict_every: int, record_features: bool) -> None:
+        """The request book's views, the step lock, caches and the remaining-length probe."""
         self.requests: dict[str, RequestState] = self.book.requests
         self.owners = self.book.owners
         self._lock = threading.RLock()
