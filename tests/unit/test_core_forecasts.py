@@ -39,7 +39,8 @@ def test_update_takes_the_forecast_into_the_request_and_the_prediction():
     r = req("a", 16, 500, predicted_len=20)
     s.admit(r)
     fc = _fc(1, 300.0)
-    _step(s, 0.0, {"a": fc, "unknown": fc})  # the prefill step: forecast at generated=1
+    out = _step(s, 0.0, {"a": fc, "unknown": fc})  # the prefill step: forecast at generated=1
+    assert out.new_requests[0].max_tokens == 500  # the probe's "tokens left" needs the cap
     assert r.forecast is fc
     assert abs(s.policy.pred["a"] - (1 + 300)) <= 1  # the median left, not 20 doubled
     assert s.policy.demotions.get("a") is None

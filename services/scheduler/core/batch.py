@@ -241,6 +241,7 @@ class Batch:
                         req.sampling,
                         len(req.output_token_ids),
                         req.num_computed_tokens,
+                        req.max_tokens,
                     )
                 )
             if req.num_uncomputed_tokens == 1:
