@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +20,26 @@ from pathlib import Path
 
 from services.common.internal_auth import TOKEN_ENV
 from services.common.redis_runner import free_port, generate_password
-from services.launcher.topology import scheduler_names, scheduler_ports
+from services.launcher.topology import LocalPorts, scheduler_names, scheduler_ports
+
+
+def free_local_ports(num_executors: int, num_schedulers: int) -> LocalPorts:
+    """A port base whose every `alise serve` port is free now on loopback."""
+    rng = random.Random()
+    for _ in range(200):
+        ports = LocalPorts(rng.randrange(20000, 40000))
+        if all(_is_free(p) for p in ports.all(num_executors, num_schedulers)):
+            return ports
+    raise RuntimeError("no free range of loopback ports for a serve stack")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class ServeStack:
@@ -40,7 +61,11 @@ class ServeStack:
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.model_id = ""
-        self.scheduler_addresses = [f"127.0.0.1:{p}" for p in scheduler_ports(num_schedulers)]
+        # internal ports of its own, so a stack already running on the machine is left alone
+        self.ports = free_local_ports(num_executors, num_schedulers)
+        self.scheduler_addresses = [
+            f"127.0.0.1:{p}" for p in scheduler_ports(num_schedulers, self.ports)
+        ]
         self.supervises_redis = True  # the launcher restarts Redis, not the caller
         self.out_path = self.run_dir / "launcher.out"
 
@@ -65,6 +90,7 @@ class ServeStack:
             "ALISE_DATA_DIR": str(self.run_dir / "data"),
             "ALISE_RUN_DIR": str(self.run_dir / "logs"),
             "ALISE_GATEWAY_PORT": str(port),
+            "ALISE_INTERNAL_PORT_BASE": str(self.ports.base),
             "ALISE_NUM_EXECUTORS": str(self.num_executors),
             "ALISE_NUM_SCHEDULERS": str(self.num_schedulers),
             "ALISE_KV_MEMORY_GB": "0.25",

@@ -453,6 +453,13 @@ class LauncherSettings(RedisSettings):
     health_timeout_s: float = Field(
         300.0, gt=0, description="How long `alise serve` waits for every health check."
     )
+    internal_port_base: int = Field(
+        50051,
+        ge=1024,
+        le=65000,
+        description="`alise serve`'s loopback gRPC ports: scheduler at this port, predictor +1, "
+        "standby schedulers +4, executors +10 (change it to run a second stack on one machine).",
+    )
 
 
 ALL_SETTINGS: tuple[type[CommonSettings], ...] = (

@@ -40,7 +40,7 @@ def _supervisor(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from services.common.redis_runner import free_port, generate_password
     from services.common.settings import GatewaySettings, LauncherSettings, SchedulerSettings
     from services.launcher.supervisor import Supervisor, base_env
-    from services.launcher.topology import RedisPlan, local_topology
+    from services.launcher.topology import LocalPorts, RedisPlan, local_topology
 
     settings = LauncherSettings()
     gateway = GatewaySettings()
@@ -72,6 +72,7 @@ def _supervisor(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         gateway_port=info["port"],
         num_schedulers=info["schedulers"],
         redis=redis,
+        ports=LocalPorts(settings.internal_port_base),
     )
     info["policy"] = overrides["ALISE_POLICY"]
     return Supervisor(specs, run_dir, base_env(overrides)), info

@@ -14,6 +14,35 @@ GATEWAY_PORT = 8000
 
 
 @dataclass(frozen=True)
+class LocalPorts:
+    """`alise serve`'s loopback gRPC ports, all at fixed offsets from one base (the default
+    base gives the ports above, which docker-compose and Kubernetes use too)."""
+
+    base: int = SCHEDULER_PORT
+
+    @property
+    def scheduler(self) -> int:
+        return self.base
+
+    @property
+    def predictor(self) -> int:
+        return self.base + PREDICTOR_PORT - SCHEDULER_PORT
+
+    def standby(self, i: int) -> int:
+        return self.base + SCHEDULER_STANDBY_BASE_PORT - SCHEDULER_PORT + i
+
+    def executor(self, i: int) -> int:
+        return self.base + EXECUTOR_BASE_PORT - SCHEDULER_PORT + i
+
+    def schedulers(self, n: int) -> list[int]:
+        return [self.scheduler] + [self.standby(i) for i in range(n - 1)]
+
+    def all(self, num_executors: int, num_schedulers: int) -> list[int]:
+        execs = [self.executor(i) for i in range(num_executors)]
+        return [*self.schedulers(num_schedulers), self.predictor, *execs]
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     name: str  # also the docker-compose service name (or its prefix)
     command: tuple[str, ...]  # arguments after `alise`
@@ -60,8 +89,8 @@ def scheduler_names(num_schedulers: int) -> list[str]:
     return ["scheduler"] + [f"scheduler-{i}" for i in range(1, num_schedulers)]
 
 
-def scheduler_ports(num_schedulers: int) -> list[int]:
-    return [SCHEDULER_PORT] + [SCHEDULER_STANDBY_BASE_PORT + i for i in range(num_schedulers - 1)]
+def scheduler_ports(num_schedulers: int, ports: LocalPorts | None = None) -> list[int]:
+    return (ports or LocalPorts()).schedulers(num_schedulers)
 
 
 def local_topology(
@@ -70,9 +99,9 @@ def local_topology(
     host: str = "127.0.0.1",
     gateway_host: str = "127.0.0.1",
     gateway_port: int = GATEWAY_PORT,
-    base_port: int = EXECUTOR_BASE_PORT,
     num_schedulers: int = 1,
     redis: RedisPlan | None = None,
+    ports: LocalPorts | None = None,
 ) -> list[ServiceSpec]:
     """Services in start order for one machine (loopback addresses, one port each). With
     several schedulers the first leads and the others stand by (leader lease in Redis). With
@@ -80,16 +109,18 @@ def local_topology(
     `redis_url` is ignored."""
     if redis is not None:
         redis_url = redis.url
+    ports = ports or LocalPorts()
     executors = [
-        (name, f"{host}:{base_port + i}") for i, name in enumerate(executor_names(num_executors))
+        (name, f"{host}:{ports.executor(i)}")
+        for i, name in enumerate(executor_names(num_executors))
     ]
     specs = [redis_spec(redis)] if redis is not None else []
     specs += [
         ServiceSpec(
             "predictor",
             ("predictor", "serve"),
-            {"ALISE_PREDICTOR_HOST": host, "ALISE_PREDICTOR_PORT": str(PREDICTOR_PORT)},
-            ("grpc", f"{host}:{PREDICTOR_PORT}"),
+            {"ALISE_PREDICTOR_HOST": host, "ALISE_PREDICTOR_PORT": str(ports.predictor)},
+            ("grpc", f"{host}:{ports.predictor}"),
         )
     ]
     for i, (name, address) in enumerate(executors):
@@ -97,11 +128,11 @@ def local_topology(
             ServiceSpec(
                 name,
                 ("executor", "serve"),
-                {"ALISE_EXECUTOR_HOST": host, "ALISE_EXECUTOR_PORT": str(base_port + i)},
+                {"ALISE_EXECUTOR_HOST": host, "ALISE_EXECUTOR_PORT": str(ports.executor(i))},
                 ("grpc", address),
             )
         )
-    schedulers = [f"{host}:{port}" for port in scheduler_ports(num_schedulers)]
+    schedulers = [f"{host}:{port}" for port in ports.schedulers(num_schedulers)]
     for name, address in zip(scheduler_names(num_schedulers), schedulers):
         specs.append(
             ServiceSpec(
@@ -117,12 +148,18 @@ def local_topology(
                 tuple(n for n, _ in executors) + (("redis",) if redis is not None else ()),
             )
         )
-    specs.append(_gateway_spec(host, gateway_host, gateway_port, schedulers, redis_url))
+    predictor = f"{host}:{ports.predictor}"
+    specs.append(_gateway_spec(host, gateway_host, gateway_port, schedulers, predictor, redis_url))
     return specs
 
 
 def _gateway_spec(
-    host: str, gateway_host: str, gateway_port: int, schedulers: list[str], redis_url: str
+    host: str,
+    gateway_host: str,
+    gateway_port: int,
+    schedulers: list[str],
+    predictor: str,
+    redis_url: str,
 ) -> ServiceSpec:
     """The gateway: listens on gateway_host, reaches the scheduler and predictor on host (and
     Redis, for stored Responses); its health URL uses host when it listens on all
@@ -134,7 +171,7 @@ def _gateway_spec(
             "ALISE_GATEWAY_HOST": gateway_host,
             "ALISE_GATEWAY_PORT": str(gateway_port),
             "ALISE_SCHEDULER_ADDRESS": ",".join(schedulers),
-            "ALISE_PREDICTOR_ADDRESSES": f"{host}:{PREDICTOR_PORT}",
+            "ALISE_PREDICTOR_ADDRESSES": predictor,
             "ALISE_REDIS_URL": redis_url,
         },
         (

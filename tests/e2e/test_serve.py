@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lab.launcher.serve_stack import free_local_ports
 from services.common.redis_runner import free_port, pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +42,8 @@ def stack(tmp_path_factory):
         **os.environ,
         "ALISE_RUN_DIR": str(run_dir),
         "ALISE_GATEWAY_PORT": str(port),
+        # internal ports of its own: a stack already running here is left alone
+        "ALISE_INTERNAL_PORT_BASE": str(free_local_ports(1, 1).base),
         "ALISE_KV_MEMORY_GB": "0.25",
         "ALISE_SWAP_MEMORY_GB": "0.25",
         "ALISE_NUM_EXECUTORS": "1",

@@ -171,16 +171,16 @@ def test_internal_ports_refuse_strangers(stack):
         scheduler_pb2,
         scheduler_pb2_grpc,
     )
-    from services.launcher.topology import EXECUTOR_BASE_PORT, PREDICTOR_PORT, SCHEDULER_PORT
 
+    ports = stack.ports
     calls = {
-        SCHEDULER_PORT: lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Stats(
+        ports.scheduler: lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Stats(
             scheduler_pb2.StatsRequest(), timeout=5
         ),
-        EXECUTOR_BASE_PORT: lambda ch: executor_pb2_grpc.ExecutorStub(ch).Describe(
+        ports.executor(0): lambda ch: executor_pb2_grpc.ExecutorStub(ch).Describe(
             executor_pb2.DescribeRequest(), timeout=5
         ),
-        PREDICTOR_PORT: lambda ch: predictor_pb2_grpc.PredictorStub(ch).Predict(
+        ports.predictor: lambda ch: predictor_pb2_grpc.PredictorStub(ch).Predict(
             predictor_pb2.PredictRequest(), timeout=5
         ),
     }
@@ -188,7 +188,7 @@ def test_internal_ports_refuse_strangers(stack):
 
     _wait_ready(stack)
     deadline = time.monotonic() + 60  # the predictor restarted by the test before
-    while not check_health_sync(f"127.0.0.1:{PREDICTOR_PORT}"):
+    while not check_health_sync(f"127.0.0.1:{ports.predictor}"):
         assert time.monotonic() < deadline, "the predictor did not come back"
         time.sleep(0.5)
     for port, call in calls.items():
