@@ -30,32 +30,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lab.predictor.metrics_eval import auc
+
 if TYPE_CHECKING:
     from services.common.settings import PredictorSettings
     from services.predictor.build import SeedSet
     from services.predictor.calibration_files import PromptDraws
     from services.predictor.core import Prediction
-
-
-def _auc():
-    """The AUC helper: `lab.predictor.metrics_eval.auc` where it lives there (the executor
-    probe's work moves it there), else a copy of served_eval's (importing served_eval here
-    would be an import cycle)."""
-    try:
-        from lab.predictor.metrics_eval import auc  # type: ignore[attr-defined]
-    except ImportError:
-        return _auc_copy
-    return auc
-
-
-def _auc_copy(score: np.ndarray, label: np.ndarray) -> float | None:
-    from scipy.stats import rankdata
-
-    pos, n = int(label.sum()), len(label)
-    if pos in (0, n) or np.ptp(score) == 0:
-        return None
-    ranks = rankdata(score)
-    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * (n - pos)))
 
 
 def test_draws(settings: PredictorSettings, args: argparse.Namespace, regime: str):
@@ -139,7 +120,6 @@ def score(preds: list[Prediction], draws: list[PromptDraws], cap: int) -> dict:
     """The figures of the module's doc for one set-up."""
     from scipy.stats import kendalltau, spearmanr
 
-    auc = _auc()
     from services.common.censoring import expected_length
 
     length = np.array([p.length for p in preds], float)
@@ -177,8 +157,6 @@ def ceiling(draws: list[PromptDraws]) -> dict:
     """Draw-to-draw agreement of the test prompts' first two draws (the bound of any
     predictor of one draw)."""
     from scipy.stats import kendalltau
-
-    auc = _auc()
 
     two = [d for d in draws if len(d.lengths) > 1]
     both = [d for d in two if not d.censored[0] and not d.censored[1]]
