@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import grpc
@@ -179,3 +180,57 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
         os.rename(staging / "model", path)
     shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+# Containers that are bounded by design, not by the requests served: KV block pools and the
+# prefix cache's registry (bounded by the number of blocks), one entry per level or executor
+# or subscription, fixed-length windows, and heaps whose stale entries leave when they fall due
+# (bounded by time: the aging threshold, a TTFT objective).
+BOUNDED = frozenset(
+    {
+        "_free_dev",
+        "_free_host",
+        "free",
+        "ref",
+        "by_hash",
+        "hash_of",
+        "lru",
+        "level_rem",
+        "recent",
+        "_heap",
+        "ttft_heap",
+        "loops",
+        "open",
+        "_work",
+        "knobs",
+    }
+)
+
+
+def retained(root: object, name: str, allow: frozenset[str] = BOUNDED) -> dict[str, int]:
+    """Every non-empty dict, set, list or deque reachable from `root` through the attributes
+    of the scheduler's own objects (services.scheduler.*), except the `allow`ed attribute
+    names: after every request has finished, per-request state that was never dropped."""
+    found: dict[str, int] = {}
+    _walk(root, name, allow, set(), found, 0)
+    return found
+
+
+def _walk(
+    obj: object, path: str, allow: frozenset[str], seen: set, found: dict, depth: int
+) -> None:
+    if id(obj) in seen or depth > 6 or not type(obj).__module__.startswith("services.scheduler"):
+        return
+    seen.add(id(obj))
+    for key, value in getattr(obj, "__dict__", {}).items():
+        where = f"{path}.{key}"
+        if isinstance(value, (dict, set, list, deque)):
+            items = list(value.values()) if isinstance(value, dict) else list(value)
+            for i, item in enumerate(items):  # e.g. the executor loops, the level queues
+                _walk(item, f"{where}[{i}]", allow, seen, found, depth + 1)
+            nested = [len(v) for v in items if isinstance(v, dict)]
+            size = sum(nested) if nested and len(nested) == len(items) else len(value)
+            if size and key not in allow:
+                found[where] = size
+        else:
+            _walk(value, where, allow, seen, found, depth + 1)
