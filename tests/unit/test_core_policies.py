@@ -97,16 +97,18 @@ def test_fcfs_stalls_decodes_for_a_long_prompt():
 def test_alise_demotes_and_doubles_a_job_that_outlives_its_prediction():
     s = make_sched("alise", queue_base_s=0.003)
     job = req("j", 20, 40, predicted_len=5)
-    levels, preds = [], []
+    levels, preds, demotions = [], [], []
     drive(
         s,
         [job],
         on_step=lambda s, o: (
             levels.append(s.policy.q.level_of.get("j")),
             preds.append(s.policy.pred.get("j")),
+            demotions.append(s.policy.demotions.get("j")),
         ),
     )
-    assert s.policy.demotions["j"] == 3  # 5 -> 10 -> 20 -> 40
+    assert demotions[-2] == 3  # 5 -> 10 -> 20 -> 40 (forgotten once it finished)
+    assert demotions[-1] is None and "j" not in s.policy.pred
     assert preds[3] == 5 and preds[5] == 10 and preds[11] == 20 and preds[21] == 40
     i = preds.index(10)
     assert levels[i] > levels[i - 1]  # doubling moved it down a queue

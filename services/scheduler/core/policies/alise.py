@@ -88,7 +88,7 @@ class SrtfPolicy(PreemptivePolicy):
     base: float  # bound of level 0, seconds (set by `bind`)
     kv_guard: int  # protect_kv_share in blocks (0: off)
     pred: dict[str, int]  # current predicted output length per request
-    demotions: dict[str, int]  # times each request outgrew its prediction
+    demotions: dict[str, int]  # times each unfinished request outgrew its prediction
     # per request: its forecast and that forecast's points (core/remaining.py), once made
     points: dict[str, tuple[RemainingForecast, list[float]]]
     uses_forecasts = True  # `oracle` reads the true length instead
@@ -173,6 +173,7 @@ class SrtfPolicy(PreemptivePolicy):
     def on_finish(self, req: Request, now: float) -> None:
         super().on_finish(req, now)
         self.pred.pop(req.request_id, None)
+        self.demotions.pop(req.request_id, None)
         self.points.pop(req.request_id, None)
 
 
