@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 from services.workload.report import emit_json
@@ -96,6 +97,8 @@ async def _measure(
         log_level="WARNING",
     ) as handle:
         loop = handle.service.loops[executor]
+        overheads: deque[tuple[float, int, float]] = deque()
+        loop.overheads = overheads  # record every Step's (a server keeps none)
         while not loop.up:
             await asyncio.sleep(0.05)
         child = multiprocessing.get_context("spawn").Process(
@@ -113,7 +116,7 @@ async def _measure(
             await asyncio.sleep(0.05)
         if child.exitcode != 0:
             raise RuntimeError(f"client failed ({child.exitcode})")
-        full = [(o * 1000, c * 1000) for o, batch, c in loop.overheads if batch == args.requests]
+        full = [(o * 1000, c * 1000) for o, batch, c in overheads if batch == args.requests]
     if len(full) < 10:
         raise RuntimeError(f"only {len(full)} iterations ran all {args.requests} requests")
     return [o for o, _ in full], [c for _, c in full]

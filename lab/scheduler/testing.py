@@ -185,7 +185,8 @@ def cached_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
 # Containers that are bounded by design, not by the requests served: KV block pools and the
 # prefix cache's registry (bounded by the number of blocks), one entry per level or executor
 # or subscription, fixed-length windows, and heaps whose stale entries leave when they fall due
-# (bounded by time: the aging threshold, a TTFT objective).
+# (bounded by time: the aging threshold, a TTFT objective); configuration (the static executor
+# list, the leader lease's keys).
 BOUNDED = frozenset(
     {
         "_free_dev",
@@ -203,6 +204,8 @@ BOUNDED = frozenset(
         "open",
         "_work",
         "knobs",
+        "static",
+        "keys",
     }
 )
 

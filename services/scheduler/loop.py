@@ -112,10 +112,11 @@ class ExecutorLoop:
         self.up = False
         self.down_since: float | None = time.time()
         self.stale: set[str] = set(stale)  # ids the executor may hold: freed in the next Step
-        # (seconds between two Steps minus the first Step's executor time, requests in that
-        #  first Step, seconds of it spent in this loop's own code: update, Redis hand-off,
-        #  schedule, encoding), for the overhead benchmark and metric
-        self.overheads: deque[tuple[float, int, float]] = deque(maxlen=100_000)
+        # Per Step, when set to a deque (the overhead benchmark does; a server keeps none, the
+        # metric has the overheads): (seconds between two Steps minus the first Step's
+        # executor time, requests in that first Step, seconds of it spent in this loop's own
+        # code: update, Redis hand-off, schedule, encoding)
+        self.overheads: deque[tuple[float, int, float]] | None = None
         self.steps = 0
         self.sent_ahead = 0  # Steps sent while another was in flight (pipelined)
         self.failures = 0  # consecutive failed attempts (reconnect backoff)
@@ -299,7 +300,10 @@ class ExecutorLoop:
             # minus this Step's own, when it was sent before the last result came back
             ran_from = max(self._last_recv, flight.t_send)
             overhead = max(0.0, t_recv - ran_from - exec_s)
-            self.overheads.append((overhead, len(flight.out.num_scheduled_tokens), self._compute))
+            if self.overheads is not None:
+                self.overheads.append(
+                    (overhead, len(flight.out.num_scheduled_tokens), self._compute)
+                )
             self.host.step_overhead(overhead)
         self._compute = 0.0
         self._last_recv = t_recv
