@@ -146,17 +146,21 @@ def trace_for(args: argparse.Namespace, rate: float):
     )
 
 
-def _serve_cmd(args: argparse.Namespace) -> int:
-    items = trace_for(args, args.request_rate)
-    summary = run_point(
-        args.url,
-        items,
+def _replay(args: argparse.Namespace, url: str, rate: float) -> dict:
+    """One point: the command line's trace at `rate`, sent to the gateway at `url`."""
+    return run_point(
+        url,
+        trace_for(args, rate),
         ignores_eos(args),
         args.max_concurrency,
         args.save_detailed,
         args.temperature,
         args.sample_seed,
     )
+
+
+def _serve_cmd(args: argparse.Namespace) -> int:
+    summary = _replay(args, args.url, args.request_rate)
     summary.update(
         rate=args.request_rate,
         dataset=args.dataset,
@@ -257,16 +261,7 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
         try:
             stack.wait_ready()
             for rate in [float(r) for r in args.rates.split(",")]:
-                items = trace_for(args, rate)
-                summary = run_point(
-                    stack.url,
-                    items,
-                    ignores_eos(args),
-                    args.max_concurrency,
-                    args.save_detailed,
-                    args.temperature,
-                    args.sample_seed,
-                )
+                summary = _replay(args, stack.url, rate)
                 points.append(
                     {"policy": policy, "rate": rate, "max_tokens_mode": args.max_tokens_mode,
                      **summary}

@@ -28,14 +28,18 @@ from __future__ import annotations
 import json
 import logging
 import socket
-from collections import namedtuple
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.internal_auth import SyncTokenAdder, aio_token_interceptors, internal_token
+from services.common.internal_auth import (
+    CallDetails,
+    SyncTokenAdder,
+    aio_token_interceptors,
+    internal_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,16 +200,6 @@ class _AioDefaultTimeout(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[
         return await continuation(client_call_details, request)
 
 
-class _CallDetails(
-    namedtuple(
-        "_CallDetails",
-        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
-    ),
-    grpc.ClientCallDetails,  # type: ignore[misc]
-):
-    pass
-
-
 class _SyncDefaultTimeout(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """The blocking-channel twin of `_AioDefaultTimeout`."""
 
@@ -221,7 +215,7 @@ class _SyncDefaultTimeout(grpc.UnaryUnaryClientInterceptor):  # type: ignore[mis
     ) -> grpc.Future:
         if _needs_default(client_call_details, self.prefixes):
             d = client_call_details
-            client_call_details = _CallDetails(
+            client_call_details = CallDetails(
                 d.method,
                 self.timeout_s,
                 d.metadata,

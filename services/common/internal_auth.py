@@ -128,14 +128,15 @@ def aio_token_interceptors(token: str | None = None) -> list[grpc.aio.ClientInte
     return [kind(token) for kind in kinds]
 
 
-class _Details(
+class CallDetails(
     namedtuple(
-        "_Details",
+        "CallDetails",
         ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
     ),
     grpc.ClientCallDetails,  # type: ignore[misc]
 ):
-    pass
+    """A blocking channel's call details, rebuilt by a client interceptor (grpc's own class
+    is abstract)."""
 
 
 class SyncTokenAdder(
@@ -150,7 +151,7 @@ class SyncTokenAdder(
         self.token = token
 
     def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _Details(
+        return CallDetails(
             d.method,
             d.timeout,
             [*(d.metadata or ()), (METADATA_KEY, self.token)],

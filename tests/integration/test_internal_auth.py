@@ -82,11 +82,11 @@ def test_a_generation_goes_through_the_authenticated_plane(stack):
 def _with_metadata(channel: grpc.Channel, metadata) -> grpc.Channel:
     if metadata is None:
         return channel
-    from services.common.internal_auth import _Details
+    from services.common.internal_auth import CallDetails
 
     class Add(grpc.UnaryUnaryClientInterceptor):
         def intercept_unary_unary(self, continuation, d, request):
-            details = _Details(d.method, d.timeout, list(metadata), None, None, None)
+            details = CallDetails(d.method, d.timeout, list(metadata), None, None, None)
             return continuation(details, request)
 
     return grpc.intercept_channel(channel, Add())
