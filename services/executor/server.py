@@ -50,6 +50,7 @@ class ExecutorHandle:
         if self.registration is not None:  # schedulers stop sending before the server goes
             await self.registration.stop()
         await self.server.stop()
+        self.servicer.lane.close()
         if self.servicer.engine is not None:
             await asyncio.to_thread(self.servicer.engine.close)
 

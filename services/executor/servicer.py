@@ -6,7 +6,8 @@ import asyncio
 import contextvars
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -130,6 +131,35 @@ class _Ran:
     start: float  # perf_counter when the Step's work began (its decoding counted)
 
 
+class _Chain:
+    """One stream's Steps: once one fails (or the stream ends), the ones queued behind it
+    are skipped, not run on a state they did not expect."""
+
+    __slots__ = ("broken",)
+
+    def __init__(self) -> None:
+        self.broken = False
+
+
+class EngineLane:
+    """The one thread that runs the engine's Steps, in the order they are handed over.
+
+    A Step handed over while another runs starts the moment that one ends, in the same
+    thread, with no trip through the event loop (the executor's gap between pipelined Steps);
+    Steps from a unary call and a stream, or from an abandoned stream and its successor,
+    never run side by side."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+    def submit(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        ctx = contextvars.copy_context()
+        return asyncio.get_running_loop().run_in_executor(self._pool, ctx.run, work)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(
         self,
@@ -143,10 +173,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.metrics = metrics
         self.startup = startup
         self._profiling = asyncio.Lock()
-        # one step at a time, whichever RPC brings it (a Step sent after a timed-out one, or a
-        # new stream while an abandoned one finishes, must not run beside it)
-        self._stepping = asyncio.Lock()
-        self.epoch = 0  # the highest scheduler leadership epoch seen in a Step
+        self.lane = EngineLane()
+        self.epoch = 0  # the highest scheduler leadership epoch seen in a Step (engine thread)
 
     def ready(self) -> Engine:
         """The engine, once start-up has finished; otherwise UNAVAILABLE."""
@@ -170,16 +198,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         request_iterator: AsyncIterator[executor_pb2.StepRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Steps in order, one result each. Steps the scheduler sends ahead (pipelined) are
-        read and decoded while the current one runs; when a Step ends and the next is already
-        here, the next starts at once and the finished one's result is encoded and written
-        while it runs (with nothing queued, the result goes out first: the scheduler may be
-        waiting for it to plan the next)."""
-        ahead: asyncio.Queue[_Decoded | None] = asyncio.Queue()
+        """Steps in order, one result each. Each Step is decoded and handed to the engine's
+        lane as it arrives, so a Step the scheduler sent ahead (pipelined) starts the moment
+        the one before it ends; the finished one's result is encoded and written while it
+        runs (with nothing queued, the result goes out at once: the scheduler may be waiting
+        for it to plan the next)."""
+        ahead: asyncio.Queue[asyncio.Future[_Ran] | None] = asyncio.Queue()
+        chain = _Chain()
 
         async def read_ahead() -> None:
             while (request := await context.read()) is not grpc.aio.EOF:
-                ahead.put_nowait(_Decoded(request))
+                ahead.put_nowait(self._launch(_Decoded(request), chain))
             ahead.put_nowait(None)
 
         reader = asyncio.ensure_future(read_ahead())
@@ -190,53 +219,51 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 if finished is not None and ahead.empty():
                     sending = await self._send(context, finished, sending)
                     finished = None
-                if (decoded := await _next(ahead, reader)) is None:
+                if (running := await _next(ahead, reader)) is None:
                     break
-                try:
-                    running = await self._launch(decoded)
-                except Exception:  # refused (stale epoch, malformed): the last result first
-                    if finished is not None:
-                        await (await self._send(context, finished, sending))
-                        finished = sending = None
-                    raise
-                if finished is not None:
+                if finished is not None:  # the next Step already runs
                     sending = await self._send(context, finished, sending)
-                # shielded: a cancelled stream leaves the Step to end (and free the lock)
-                finished = await asyncio.shield(running)
+                    finished = None
+                try:
+                    # shielded: a cancelled stream leaves the running Step to end
+                    finished = await asyncio.shield(running)
+                except Exception:  # refused (stale epoch, malformed): the last result first
+                    if sending is not None:
+                        await sending
+                    raise
             if finished is not None:
                 sending = await self._send(context, finished, sending)
             if sending is not None:
                 await sending
         finally:
+            chain.broken = True
+            while not ahead.empty():  # queued behind the running Step: never started
+                if (queued := ahead.get_nowait()) is not None:
+                    queued.cancel()
             for task in (reader, sending):
                 if task is not None and not task.done():
                     task.cancel()
 
-    async def _launch(self, decoded: _Decoded) -> asyncio.Future[_Ran]:
-        """Start one streamed Step on the engine now (its thread is handed the Step before
-        this returns); the returned future gives its output."""
-        engine = self.ready()
-        if decoded.error is not None:
-            raise decoded.error
-        step = decoded.step
-        assert step is not None  # decoded, or its error raised above
-        await self._stepping.acquire()  # free unless a unary Step runs
-        try:
+    def _launch(self, decoded: _Decoded, chain: _Chain) -> asyncio.Future[_Ran]:
+        """Hand one streamed Step to the engine's lane; it runs after those before it (unless
+        one of its stream's earlier Steps failed)."""
+
+        def run() -> _Ran:
+            if chain.broken:
+                raise ServiceError(grpc.StatusCode.ABORTED, "an earlier Step of the stream failed")
             start = time.perf_counter()
-            self._fence(decoded.request.epoch, step)
-            ctx = contextvars.copy_context()
-            future = asyncio.get_running_loop().run_in_executor(None, ctx.run, engine.step, step)
-        except BaseException:
-            self._stepping.release()
-            raise
-
-        async def ran() -> _Ran:
             try:
-                return _Ran(await future, start - decoded.decode_s)
-            finally:
-                self._stepping.release()
+                engine = self.ready()
+                if decoded.error is not None:
+                    raise decoded.error
+                assert decoded.step is not None  # decoded, or its error raised above
+                self._fence(decoded.request.epoch, decoded.step)
+                return _Ran(engine.step(decoded.step), start - decoded.decode_s)
+            except BaseException:
+                chain.broken = True
+                raise
 
-        return asyncio.ensure_future(ran())
+        return self.lane.submit(run)
 
     async def _send(
         self, context: grpc.aio.ServicerContext, ran: _Ran, sending: asyncio.Future | None
@@ -256,17 +283,22 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResult:
         engine = self.ready()
-        async with self._stepping:
+        decoded = time.perf_counter()
+        step = step_from_pb(request)
+        decoded = time.perf_counter() - decoded
+
+        def run() -> _Ran:
             start = time.perf_counter()
-            step = step_from_pb(request)
             self._fence(request.epoch, step)
-            out = await asyncio.to_thread(engine.step, step)
-            pb = result_to_pb(out)
-            # The executor's time is its whole step, encoding the reply included: what the
-            # scheduler measures around a Step minus this is transport and its own work.
-            out.timings.total_s = pb.timings.total_s = time.perf_counter() - start
+            return _Ran(engine.step(step), start - decoded)
+
+        ran = await self.lane.submit(run)
+        pb = result_to_pb(ran.out)
+        # The executor's time is its whole step, encoding the reply included: what the
+        # scheduler measures around a Step minus this is transport and its own work.
+        ran.out.timings.total_s = pb.timings.total_s = time.perf_counter() - ran.start
         if self.metrics is not None:
-            self.metrics.observe(out)
+            self.metrics.observe(ran.out)
         return pb
 
     def _fence(self, epoch: int, step: SchedulerOutput) -> None:
