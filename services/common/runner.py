@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
@@ -23,6 +24,7 @@ def run_until_signal(start: Callable[[], Awaitable[_H]], describe: Callable[[_H]
 
     async def main() -> None:
         handle = await start()
+        settle_gc()
         print(describe(handle), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -33,6 +35,14 @@ def run_until_signal(start: Callable[[], Awaitable[_H]], describe: Callable[[_H]
 
     run_coroutine(main())
     return 0
+
+
+def settle_gc() -> None:
+    """Once a service is up, what start-up allocated (modules, the model's Python objects,
+    the services' tables) moves to the collector's permanent generation: the full
+    collections a long-running process makes never scan it again."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_coroutine(coro: Coroutine[Any, Any, _T], event_loop: str = "uvloop") -> _T:
