@@ -115,7 +115,7 @@ def run_one(args: argparse.Namespace, run: dict, out: Path) -> tuple[dict, list[
     from services.common.settings import CommonSettings
 
     name = "{policy}-t{temperature:g}-r{rate:g}-{repeat}".format(**run)
-    env = {}
+    env = {"ALISE_STEP_TRACE": str(out / f"steps-{name}.jsonl")}
     if args.fresh_store:
         shared = Path(CommonSettings().data_dir)
         env["ALISE_DATA_DIR"] = str(fresh_data_dir(shared, out / f"data-{name}"))
@@ -136,7 +136,47 @@ def run_one(args: argparse.Namespace, run: dict, out: Path) -> tuple[dict, list[
     point = point_of(run, results, args.max_tokens)
     point.update(sample_seed=seed, stack_start_s=round(start_s, 1),
                  seed_wait_s=round(seeded_s, 1), replay_s=round(wall, 1))  # fmt: skip
+    point.update(record_predictions(results, Path(env["ALISE_STEP_TRACE"]), out, name))
     return point, trace_rows(results)
+
+
+def record_predictions(results, steps: Path, out: Path, name: str) -> dict:
+    """What the live run predicted, as the simulator replays it, keyed by the trace's request
+    ids: the arrival predictions (`predictions-NAME.jsonl`, from X-ALISE-Prediction) and the
+    executor's remaining-length forecasts (`forecasts-NAME.jsonl`, from the step trace).
+    Returns their paths and counts (a path is None when a request has no arrival prediction
+    or the probe made no forecast)."""
+    from services.scheduler.sim.forecasts import forecasts_from_step_trace, write_forecasts
+
+    done = [r for r in results if r.error is None]
+    predictions = out / f"predictions-{name}.jsonl"
+    known = [r for r in done if r.predicted_len is not None]
+    predictions.write_text("".join(
+        json.dumps({"id": r.record.request_id, "predicted_len": r.predicted_len}) + "\n"
+        for r in known
+    ))  # fmt: skip
+    forecasts = out / f"forecasts-{name}.jsonl"
+    ids = {r.served_id: r.record.request_id for r in done if r.served_id}
+    rows = forecasts_from_step_trace(steps, ids) if steps.exists() else []
+    n = write_forecasts(str(forecasts), rows)
+    return {
+        "predictions_file": str(predictions) if len(known) == len(done) else None,
+        "forecasts_file": str(forecasts) if n else None,
+        "forecasts_recorded": n,
+    }
+
+
+def sim_replay(point: dict, rows: list[dict], knobs: dict, profile: Path) -> dict:
+    """The simulator on the run's own trace with the run's own predictions replayed (arrival
+    predictions, then the probe's forecasts at the checkpoints where the live run made them):
+    how far the simulator's figure for this policy is from the live one with real forecasts."""
+    from bench.live_ceiling import simulate_mnl
+
+    if not (point.get("predictions_file") and point.get("forecasts_file")):
+        return {"sim_replay_mean_normalized_latency": None}
+    spec = f"file:{point['predictions_file']}+replay:{point['forecasts_file']}"
+    mnl = simulate_mnl(rows, point["policy"], knobs, profile, prediction=spec)
+    return {"sim_replay_mean_normalized_latency": mnl, "sim_replay_prediction": spec}
 
 
 def _trace_args(args: argparse.Namespace, repeat: int) -> argparse.Namespace:
@@ -243,6 +283,9 @@ def _run(args: argparse.Namespace) -> int:
         point["trace"] = str(trace)
         if args.ceiling and rows:
             point.update(best_hybrid(rows, Path(args.profile or PROFILE)))
+        if args.sim_replay and rows and run["policy"] != "fcfs":
+            knobs = {**DEFAULT_POLICY_CONFIG, **args.configs}.get(run["policy"], {})
+            point.update(sim_replay(point, rows, knobs, Path(args.profile or PROFILE)))
         points.append(point)
         print(json.dumps({k: point.get(k) for k in SHOWN}), file=sys.stderr, flush=True)
     over_repeats(points)
@@ -294,6 +337,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-paired-seeds", dest="paired_seeds", action="store_false",
                    help="unseeded sampling (policies then get different draws)")  # fmt: skip
     p.add_argument("--no-ceiling", dest="ceiling", action="store_false")
+    p.add_argument("--no-sim-replay", dest="sim_replay", action="store_false",
+                   help="skip simulating each run with its own recorded predictions")  # fmt: skip
     p.add_argument("--profile", default=None, help="simulator profile of the ceiling")
     p.add_argument("--out", default="results/live-progressive", help="logs, traces")
     p.add_argument("--json", default="bench/results/live_progressive.json")

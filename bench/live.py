@@ -34,6 +34,8 @@ class LiveResult:
     text: str
     error: str | None
     completion_tokens: int
+    served_id: str = ""  # the stack's request id (the chunks' id without "chatcmpl-")
+    predicted_len: int | None = None  # the arrival prediction (X-ALISE-Prediction)
 
 
 def request_seed(sample_seed: int | None, index: int) -> int | None:
@@ -96,6 +98,7 @@ async def _one(
         slo_deadline_s=item.slo.deadline_s,
     )
     text, usage, error = [], None, None
+    served_id, predicted = "", None
     try:
         async with client.stream(
             "POST",
@@ -105,10 +108,12 @@ async def _one(
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
             else:
+                predicted = predicted_length(response.headers.get("x-alise-prediction", ""))
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    served_id = served_id or chunk.get("id", "").removeprefix("chatcmpl-")
                     now = time.perf_counter() - t0
                     if chunk.get("usage"):
                         usage = chunk["usage"]
@@ -126,7 +131,16 @@ async def _one(
         record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     _pad_token_times(record, tokens)
     record.completed = error is None and tokens > 0
-    return LiveResult(record, "".join(text), error, tokens)
+    return LiveResult(record, "".join(text), error, tokens, served_id, predicted)
+
+
+def predicted_length(header: str) -> int | None:
+    """The length in an X-ALISE-Prediction header (`length=123; source=retrieval`), or None."""
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == "length" and value.isdigit():
+            return int(value)
+    return None
 
 
 def _pad_token_times(record: RequestRecord, tokens: int) -> None:

@@ -30,12 +30,15 @@ def trace_items(rows: list[dict]):
     ]
 
 
-def simulate_mnl(rows: list[dict], policy: str, knobs: dict, profile: Path) -> float:
-    """Mean normalized latency of `policy` with `knobs` on the rows, oracle lengths."""
+def simulate_mnl(
+    rows: list[dict], policy: str, knobs: dict, profile: Path, prediction: str = "oracle"
+) -> float:
+    """Mean normalized latency of `policy` with `knobs` on the rows (oracle lengths, or the
+    simulator's `prediction` spec)."""
     from services.scheduler.sim.config import SimConfig
     from services.scheduler.sim.run import simulate
 
-    config = SimConfig(policy=policy, knobs=knobs, profile=str(profile), prediction="oracle")
+    config = SimConfig(policy=policy, knobs=knobs, profile=str(profile), prediction=prediction)
     return float(simulate(trace_items(rows), config).summary["mean_normalized_latency"])
 
 

@@ -48,6 +48,9 @@ def test_trace_replays_with_exact_token_counts_and_metrics(gateway_url):
     results = asyncio.run(run_trace(gateway_url, items, model, ignore_eos=True))
     assert [r.error for r in results] == [None] * 4
     assert [r.completion_tokens for r in results] == [5, 6, 7, 8]
+    # the stack's own ids (the chunks' `chatcmpl-` ids), one per request, kept to map what the
+    # scheduler recorded (its step trace's forecasts) back to the trace
+    assert len({r.served_id for r in results}) == 4 and all(r.served_id for r in results)
     for item, result in zip(items, results):
         record = result.record
         assert record.output_len == item.output_len

@@ -4,11 +4,19 @@ temperature the live load generator sends (the live runs themselves are benchmar
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
-from bench.bench_live_progressive import fresh_data_dir, over_repeats, plan, verdicts
-from bench.live import _body, request_seed
+from bench.bench_live_progressive import (
+    fresh_data_dir,
+    over_repeats,
+    plan,
+    record_predictions,
+    verdicts,
+)
+from bench.live import LiveResult, _body, predicted_length, request_seed
+from services.workload.metrics import RequestRecord
 from services.workload.traces.trace import TraceItem
 
 
@@ -70,6 +78,32 @@ def test_live_requests_send_the_api_default_temperature_unless_told():
     greedy = _body(item, "m", False, 0.0, seed=request_seed(1, 2))
     assert greedy["temperature"] == 0.0 and greedy["seed"] == 1_000_003 + 2
     assert request_seed(None, 5) is None
+
+
+def test_a_runs_predictions_are_kept_under_the_traces_ids(tmp_path):
+    assert predicted_length("length=123; source=retrieval") == 123
+    assert predicted_length("none") is None and predicted_length("length=x") is None
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text(
+        '{"step_id": 1, "forecasts": [["s0", 1, 5.0, 20.0, 90.0, 0.1], ["zz", 1, 1, 2, 3, 0]]}\n'
+        '{"step_id": 2}\n{"step_id": 3, "forecasts": [["s1", 16, 2.0, 8.0, 30.0, 0.0]]}\n'
+    )
+    results = [
+        LiveResult(RequestRecord("r0", 0.0, 8), "a", None, 30, "s0", 40),
+        LiveResult(RequestRecord("r1", 0.1, 8), "b", None, 20, "s1", 25),
+        LiveResult(RequestRecord("r2", 0.2, 8), "", "HTTP 500", 0, "", None),
+    ]
+    got = record_predictions(results, steps, tmp_path, "hybrid-t1-r1-0")
+    assert got["forecasts_recorded"] == 2  # the unknown "zz" is no request of this trace
+    forecasts = [json.loads(x) for x in open(got["forecasts_file"])]
+    assert [(f["id"], f["generated"], f["q50"]) for f in forecasts] == [
+        ("r0", 1, 20.0),
+        ("r1", 16, 8.0),
+    ]
+    predictions = [json.loads(x) for x in open(got["predictions_file"])]
+    assert predictions == [{"id": "r0", "predicted_len": 40}, {"id": "r1", "predicted_len": 25}]
+    results[1].predicted_len = None  # a request the predictor did not answer: no replay
+    assert record_predictions(results, steps, tmp_path, "x")["predictions_file"] is None
 
 
 def test_ceiling_is_the_best_oracle_hybrid_on_the_runs_trace():

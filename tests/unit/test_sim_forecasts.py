@@ -6,11 +6,14 @@ import math
 
 import pytest
 
+from services.common.pb import executor_pb2
+from services.common.step import SchedulerOutput
 from services.scheduler.sim.ceiling import oracle_ceiling
 from services.scheduler.sim.config import SimConfig, load_profile
 from services.scheduler.sim.engine import Simulation
 from services.scheduler.sim.forecasts import (
     SyntheticForecasts,
+    forecasts_from_step_trace,
     make_forecasts,
     split_spec,
     write_forecasts,
@@ -81,6 +84,44 @@ def test_replayed_forecasts_reach_the_requests(tmp_path):
         fc = sim.requests[item.request_id].forecast
         if item.output_len > 32:
             assert fc is not None and fc == recorded[(item.request_id, 32)]
+
+
+def test_a_live_step_trace_replays_its_forecasts_under_the_traces_ids(tmp_path):
+    """What a live scheduler writes (`ALISE_STEP_TRACE`, StepTrace from real StepResults) is
+    read back under the trace's ids and replayed by the simulator."""
+    from services.scheduler.step_trace import StepTrace
+
+    items = _trace(n=12)
+    served = {item.request_id: f"srv-{i:03d}" for i, item in enumerate(items)}
+    src = SyntheticForecasts(0.5, 0.1, 16, seed=5)
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    made = {}
+    for g in (1, 16, 32, 48):
+        result = executor_pb2.StepResult(step_id=g)
+        for item in items:
+            fc = src.at(item.request_id, g, item.output_len, 4096 - item.prompt_len)
+            if fc is not None:
+                made[(item.request_id, g)] = fc
+                result.forecasts.add(request_id=served[item.request_id], generated=g,
+                                     q10=fc.q10, q50=fc.q50, q90=fc.q90, p_cap=fc.p_cap)  # fmt: skip
+        trace.write("exec-0", 0.0, SchedulerOutput(step_id=g), result, 0.01, 0.02)
+    trace.write("exec-0", 0.0, SchedulerOutput(step_id=99), executor_pb2.StepResult(), 0.01, 0.02)
+    trace.close()
+    ids = {v: k for k, v in served.items() if k != items[0].request_id}  # one left out
+    rows = forecasts_from_step_trace(tmp_path / "steps.jsonl", ids)
+    assert {(rid, fc.generated) for rid, fc in rows} == {
+        key for key in made if key[0] != items[0].request_id
+    }
+    for rid, fc in rows:  # floats survive the JSON line (q50 exactly: the file keeps reprs)
+        assert fc.q50 == pytest.approx(made[(rid, fc.generated)].q50, rel=1e-6)
+    path = tmp_path / "forecasts.jsonl"
+    write_forecasts(str(path), rows)
+    config = SimConfig(policy="hybrid", prediction=f"oracle+replay:{path}")
+    sim = Simulation(items, config, profile=PROFILE).run()
+    for item in items[1:]:
+        if item.output_len > 48:
+            fc = sim.requests[item.request_id].forecast
+            assert fc is not None and fc.generated == 48
 
 
 def test_oracle_ceiling_picks_the_best_configuration():

@@ -149,6 +149,21 @@ def write_forecasts(path: str, rows: Iterable[tuple[str, RemainingForecast]]) ->
     return n
 
 
+def forecasts_from_step_trace(
+    path: str | Path, ids: dict[str, str] | None = None
+) -> list[tuple[str, RemainingForecast]]:
+    """The forecasts a live scheduler recorded in its step trace (`ALISE_STEP_TRACE`), in
+    step order, keyed by `ids[request id]` (e.g. the trace's own id for the gateway's request
+    id; requests not in `ids` are left out) or, with `ids` None, by the request id."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        for rid, generated, q10, q50, q90, p_cap in json.loads(line).get("forecasts", ()):
+            key = rid if ids is None else ids.get(rid)
+            if key is not None:
+                out.append((key, RemainingForecast(int(generated), q10, q50, q90, p_cap)))
+    return out
+
+
 def make_forecasts(spec: str | None, seed: int = 0) -> ForecastSource | None:
     if spec is None:
         return None
