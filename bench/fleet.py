@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -275,15 +276,21 @@ def run_fleet(args) -> dict:
     points = []
     repeats = getattr(args, "repeats", None) or 1
     run = 0
-    with EmbeddedRedis(work / "redis") as redis:
-        for repeat in range(max(1, repeats)):
-            for index, n in enumerate(counts):
-                for shards in shard_counts:  # side by side at each N
-                    point = _point(redis, shards, n, args, work, run, per_executor(args, index))
-                    point["repeat"] = repeat
-                    run += 1
-                    print(point, file=sys.stderr, flush=True)
-                    points.append(point)
+    try:
+        with EmbeddedRedis(work / "redis") as redis:
+            for repeat in range(max(1, repeats)):
+                for index, n in enumerate(counts):
+                    for shards in shard_counts:  # side by side at each N
+                        per = per_executor(args, index)
+                        point = _point(redis, shards, n, args, work, run, per)
+                        point["repeat"] = repeat
+                        run += 1
+                        print(point, file=sys.stderr, flush=True)
+                        points.append(point)
+    except BaseException:
+        print(f"bench overhead failed: logs and Redis files kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)  # Redis's files and the logs: up to 64 MiB a run
     return summarize(points, args.budget_ms) | {
         "step_ms": args.step_ms,
         "requests_per_executor": str(args.per_executor),
