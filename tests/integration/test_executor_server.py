@@ -120,6 +120,30 @@ async def test_step_stream_matches_unary_steps_and_ends_on_a_bad_step(executor):
     assert "t" not in handle.engine.requests and "s" in handle.engine.requests
 
 
+async def test_steps_sent_ahead_run_in_order_and_none_runs_after_a_refused_one(executor):
+    """Pipelined: Steps written before any result is read run one after another on the engine
+    lane, in order, with the tokens of one-at-a-time Steps; a Step queued behind a refused one
+    is never run (its request never reaches the engine)."""
+    handle, stub, _ = executor
+    ids = list(range(300, 320))
+    unary = [await stub.Step(_prefill("pu", ids, [6, 7]))]
+    unary += [await stub.Step(_decode(2 + i, "pu")) for i in range(3)]
+    stream = stub.StepStream()
+    for request in [_prefill("ps", ids, [8, 9])] + [_decode(2 + i, "ps") for i in range(3)]:
+        await stream.write(request)  # all four before reading anything
+    ahead = [await stream.read() for _ in range(4)]
+    assert [r.step_id for r in ahead] == [1, 2, 3, 4]
+    assert [r.sampled[0].token_id for r in ahead] == [r.sampled[0].token_id for r in unary]
+    await stream.write(_prefill("pt", [1, 2, 3], [8]))  # block 8 belongs to "ps": refused
+    await stream.write(_prefill("pv", [4, 5, 6], [10]))  # valid, but queued behind it
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stream.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await stub.Step(executor_pb2.StepRequest(step_id=9))  # the lane has run all it was given
+    assert "pt" not in handle.engine.requests and "pv" not in handle.engine.requests
+    assert "ps" in handle.engine.requests
+
+
 async def test_client_drops_a_failed_step_stream_and_opens_a_new_one(executor):
     from services.scheduler.executor_client import ExecutorClient
 
