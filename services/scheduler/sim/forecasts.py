@@ -13,9 +13,11 @@ A prediction spec may add one after a `+`: `ARRIVAL+FORECAST`, e.g.
   (seeded by request and checkpoint).
 * `replay:PATH`: forecasts recorded for this trace (live, or by the probe's calibration), one
   JSON line per checkpoint: `{"id": ..., "generated": G, "q10": ..., "q50": ..., "q90": ...,
-  "p_cap": ...}`; `id` is the trace's sample id or request id, `generated` the output tokens
-  when the forecast was made, quantiles in tokens counted from `generated`. A request gets the
-  row whose `generated` equals its output count at a step's end. `write_forecasts` writes it.
+  "p_cap": ...}`; `id` is the trace's sample id or request id; `generated` and the quantiles
+  as the executor's probe makes them: G the output tokens before the step that made it, the
+  quantiles counting the tokens from there, that step's own token included (G = 0: the
+  prefill's step). A request gets the row of G at the end of the step that samples its token
+  G, the step the live executor made it in. `write_forecasts` writes the file.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ class ReplayForecasts:
         self.label = f"replay:{path}"
 
     def at(self, key: str, generated: int, true_len: int, cap: int) -> RemainingForecast | None:
-        return self.table.get((key, generated))
+        # `generated` counts this step's token; the probe's rows count the tokens before it
+        return self.table.get((key, generated - 1))
 
 
 def read_forecasts(path: str) -> dict[tuple[str, int], RemainingForecast]:
@@ -198,7 +201,7 @@ def forecast_quality(
                 fc = source.at(item.sample_id or item.request_id, g, item.output_len, 1 << 30)
                 if fc is not None:
                     pred.append(fc.q50)
-                    true.append(item.output_len - g)
+                    true.append(item.output_len - fc.generated)  # counted as it was made
         if len(pred) > 1:
             rel = np.abs(np.asarray(pred) - np.asarray(true)) / np.asarray(true)
             out[str(g)] = {
