@@ -13,6 +13,7 @@ from bench.bench_live_progressive import (
     over_repeats,
     plan,
     record_predictions,
+    sim_replay,
     verdicts,
 )
 from bench.live import LiveResult, _body, predicted_length, request_seed
@@ -104,6 +105,36 @@ def test_a_runs_predictions_are_kept_under_the_traces_ids(tmp_path):
     assert predictions == [{"id": "r0", "predicted_len": 40}, {"id": "r1", "predicted_len": 25}]
     results[1].predicted_len = None  # a request the predictor did not answer: no replay
     assert record_predictions(results, steps, tmp_path, "x")["predictions_file"] is None
+
+
+def test_a_run_is_simulated_with_its_own_predictions_and_forecasts(tmp_path):
+    from bench.live_ceiling import PROFILE
+    from services.scheduler.sim.forecasts import SyntheticForecasts, write_forecasts
+
+    rows = [{"request_id": f"r{i}", "arrival_s": 0.3 * i, "prompt_len": 40 + 7 * i,
+             "output_len": 20 + (37 * i) % 200} for i in range(30)]  # fmt: skip
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text("".join(
+        json.dumps({"id": r["request_id"], "predicted_len": 100}) + "\n" for r in rows
+    ))  # fmt: skip
+    src = SyntheticForecasts(0.2, 0.05, 16, seed=1)  # near the truth: it must reorder
+    made = [(r["request_id"], src.at(r["request_id"], g, r["output_len"], 256))
+            for r in rows for g in (1, 16, 32)]  # fmt: skip
+    forecasts = tmp_path / "forecasts.jsonl"
+    write_forecasts(str(forecasts), [(k, fc) for k, fc in made if fc is not None])
+    point = {"policy": "hybrid", "predictions_file": str(predictions),
+             "forecasts_file": str(forecasts)}  # fmt: skip
+    got = sim_replay(point, rows, {"token_budget": 128, "gpu_job_limit": 4}, PROFILE)
+    assert str(forecasts) in got["sim_replay_prediction"]
+    assert got["sim_replay_mean_normalized_latency"] > 0
+    assert got["sim_arrival_only_mean_normalized_latency"] > 0
+    # every arrival prediction says 100: only the forecasts tell long from short
+    assert (
+        got["sim_replay_mean_normalized_latency"] != got["sim_arrival_only_mean_normalized_latency"]
+    )
+    assert sim_replay({"policy": "hybrid"}, rows, {}, PROFILE) == {
+        "sim_replay_mean_normalized_latency": None
+    }
 
 
 def test_ceiling_is_the_best_oracle_hybrid_on_the_runs_trace():
