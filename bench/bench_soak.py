@@ -89,7 +89,7 @@ def process_sample(pid: int) -> tuple[int, int] | None:
 
 def stack_sample(stack) -> dict[str, float]:
     """One sample of every series: per process `<name>.rss_mib` and `<name>.open_fds`, then
-    `kv_blocks_used`, `requests_in_scheduler`, `redis.used_memory_mib`, `redis.keys`."""
+    `kv_blocks_used`, `kv_blocks_cached`, `requests_in_scheduler`, `redis.used_memory_mib`, `redis.keys`."""
     import redis
 
     from services.common.grpc_client import sync_channel
@@ -106,6 +106,7 @@ def stack_sample(stack) -> dict[str, float]:
             scheduler_pb2.StatsRequest(), timeout=5
         )
     out["kv_blocks_used"] = sum(e.num_device_blocks - e.free_device_blocks for e in stats.executors)
+    out["kv_blocks_cached"] = sum(e.cached_device_blocks for e in stats.executors)
     out["requests_in_scheduler"] = stats.waiting + stats.running + stats.swapped
     client = redis.Redis.from_url(stack.redis_url(), socket_timeout=5)
     try:

@@ -202,6 +202,7 @@ def executor_stats(addr: str, loop: ExecutorLoop) -> scheduler_pb2.ExecutorStats
         bm = loop.sched.block_manager
         stats.free_device_blocks = bm.num_free_device_blocks
         stats.free_host_blocks = bm.num_free_host_blocks
+        stats.cached_device_blocks = bm.num_cached_free_blocks
         stats.running = loop.sched.num_running
         stats.swapped = loop.sched.num_swapped
     return stats

@@ -11,6 +11,7 @@ from lab.executor.stub import serve_stubs
 from lab.scheduler.testing import gen_request, retained, running_scheduler
 from services.common.settings import GatewaySettings
 from services.gateway.upstream import Upstream
+from services.scheduler.servicer import executor_stats
 
 MAX_TOKENS = 24
 
@@ -45,6 +46,10 @@ async def test_nothing_is_kept_of_finished_requests_or_their_steps(redis_server)
                 await asyncio.sleep(0.01)
             left = retained(service, "service") | retained(handle.servicer, "servicer")
             assert left == {}, left
+            # what the scheduler does keep of them: the prefix cache's blocks (bounded by the
+            # pool), which Stats reports so a soak can tell that growth from a leak
+            stats = executor_stats(fleet.addresses()[0], loop)
+            assert 0 < stats.cached_device_blocks == loop.sched.block_manager.num_cached_free_blocks
     finally:
         await fleet.stop()
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lab.scheduler.testing import retained
+from lab.scheduler.testing import BOUNDED, retained
 from services.scheduler.core.policies.base import _REGISTRY
 from services.scheduler.core.request import Slo
 from tests.unit.test_core_util import drive, make_sched, req
@@ -42,3 +42,21 @@ def test_nothing_is_kept_of_finished_requests(policy, caching):
     s.schedule(1e9 + 1)
     left = retained(s, "sched") | retained(s.policy, "policy")
     assert left == {}, left
+
+
+def test_prefix_cache_keeps_at_most_the_pool_of_distinct_prompts():
+    """The one thing that grows with requests served: the prefix cache's registry of ended
+    requests' blocks, until every device block is registered; then it evicts (a soak sees the
+    scheduler's memory rise while it fills, then flatten)."""
+    blocks = 48
+    s = make_sched("hybrid", device_blocks=blocks, host_blocks=64, prefix_caching=True)
+    reqs = [req(f"u{i}", 40, 8, t=0.001 * i) for i in range(60)]
+    for i, r in enumerate(reqs):  # a shared first block, then a prompt of its own
+        r.prompt_token_ids[16:] = [1000 + i] * 24
+    drive(s, reqs, check=False)
+    s.schedule(1e9)
+    cache = s.block_manager.cache
+    assert cache.evictions > 0  # 60 requests, each with a block of its own, > 48 blocks
+    assert len(cache.by_hash) == len(cache.hash_of) == len(cache.lru) <= blocks
+    assert s.block_manager.num_cached_free_blocks == len(cache.lru)
+    assert retained(cache, "cache", BOUNDED) == {}

@@ -112,7 +112,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("address", "up", "num_device_blocks", "free_device_blocks", "num_host_blocks", "free_host_blocks", "running", "swapped")
+    __slots__ = ("address", "up", "num_device_blocks", "free_device_blocks", "num_host_blocks", "free_host_blocks", "running", "swapped", "cached_device_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     NUM_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class ExecutorStats(_message.Message):
     FREE_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     up: bool
     num_device_blocks: int
@@ -129,7 +130,8 @@ class ExecutorStats(_message.Message):
     free_host_blocks: int
     running: int
     swapped: int
-    def __init__(self, address: _Optional[str] = ..., up: _Optional[bool] = ..., num_device_blocks: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., free_host_blocks: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ...) -> None: ...
+    cached_device_blocks: int
+    def __init__(self, address: _Optional[str] = ..., up: _Optional[bool] = ..., num_device_blocks: _Optional[int] = ..., free_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., free_host_blocks: _Optional[int] = ..., running: _Optional[int] = ..., swapped: _Optional[int] = ..., cached_device_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("policy", "waiting", "running", "swapped", "finished", "aborted", "preemptions", "executors", "model", "max_model_len", "max_kv_tokens", "outstanding_work_s", "shard", "num_shards")
