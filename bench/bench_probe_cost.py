@@ -10,7 +10,10 @@ one for the model's cap-256 sampled regime, or a random one of the same shape wh
 shipped (the cost does not depend on the weights).
 
 Figures per B: median step ms, median probe ms, their ratio (`share`), and `share_max`
-(every request at a checkpoint every step: `predict_every` 1, the worst case). Each batch
+(every request at a checkpoint every step: `predict_every` 1, the worst case); and the net
+cost, `net_share`: the median step with the probe on over the median step with it off, two
+interleaved runs each (the sampler then draws temperature-1 rows from the probe's
+probabilities instead of a softmax of its own, which the probe's own time does not show). Each batch
 size gets an untimed warm-up pass first (the first pass at a new batch size measured
 several times slower probe parts, allocation of the new shapes).
 """
@@ -62,16 +65,22 @@ def _timed(hook: Any, spent: list[float]) -> None:
     hook.observe = timed
 
 
-def run_batch(engine: Any, batch: int, every: int, steps: int, tag: str) -> dict:
-    """`steps` decode steps of `batch` requests with the probe on (checkpoint every `every`)."""
+def run_batch(
+    engine: Any, batch: int, every: int, steps: int, tag: str, probe: bool = True
+) -> dict:
+    """`steps` decode steps of `batch` requests with the probe on (checkpoint every `every`)
+    or off (`probe` False: the step as without a probe; `step_s` lists every step's time)."""
     from services.common.arith import ceil_div
     from services.common.sampling import SamplingParams
     from services.common.step import NewRequestData, SchedulerOutput
     from services.executor.probe import ProbeHook
 
-    engine.probe = ProbeHook(every, _probe_for(engine), False, list(engine.spec.eos_token_ids))
     spent: list[float] = []
-    _timed(engine.probe, spent)
+    engine.probe = None
+    if probe:
+        eos = list(engine.spec.eos_token_ids)
+        engine.probe = ProbeHook(every, _probe_for(engine), False, eos)
+        _timed(engine.probe, spent)
     per = ceil_div(PROMPT + 16 + every + steps + 2, engine.block_size)
     ids = [f"{tag}{i}" for i in range(batch)]
     first = SchedulerOutput(0)
@@ -95,7 +104,21 @@ def run_batch(engine: Any, batch: int, every: int, steps: int, tag: str) -> dict
     step_ms = 1e3 * statistics.median(step_s[warm:])
     probe_ms = 1e3 * statistics.median(probe_s[warm:])
     return {"step_ms": round(step_ms, 3), "probe_ms": round(probe_ms, 4),
-            "share": round(probe_ms / step_ms, 5)}  # fmt: skip
+            "share": round(probe_ms / step_ms, 5), "step_s": step_s[warm:]}  # fmt: skip
+
+
+def net_cost(engine: Any, batch: int, steps: int, rounds: int = 2) -> dict:
+    """The probe's net cost: median step time with it on against off, `rounds` interleaved
+    runs each. Net of what the sampler saves by drawing temperature-1 rows from the probe's
+    probabilities (the exp pass both need), which `probe_ms` does not see."""
+    on: list[float] = []
+    off: list[float] = []
+    for r in range(rounds):
+        on += run_batch(engine, batch, EVERY, steps, f"n{batch}-{r}-")["step_s"]
+        off += run_batch(engine, batch, EVERY, steps, f"f{batch}-{r}-", probe=False)["step_s"]
+    on_ms, off_ms = 1e3 * statistics.median(on), 1e3 * statistics.median(off)
+    return {"step_ms_probe_off": round(off_ms, 3), "step_ms_probe_on": round(on_ms, 3),
+            "net_share": round(on_ms / off_ms - 1.0, 5)}  # fmt: skip
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -128,9 +151,12 @@ def _run(args: argparse.Namespace) -> int:
         run_batch(engine, b, EVERY, 8, f"u{b}-")  # warm-up: the first pass at a new size is slow
         typical = run_batch(engine, b, EVERY, args.steps, f"t{b}-")
         worst = run_batch(engine, b, 1, args.steps, f"w{b}-")
+        typical.pop("step_s")
         result["batches"][b] = {**typical, "share_max": worst["share"],
-                                "probe_ms_max": worst["probe_ms"]}  # fmt: skip
+                                "probe_ms_max": worst["probe_ms"],
+                                **net_cost(engine, b, args.steps)}  # fmt: skip
     result["max_share"] = max(v["share"] for v in result["batches"].values())
+    result["max_net_share"] = max(v["net_share"] for v in result["batches"].values())
     return _emit(result, args.json)
 
 

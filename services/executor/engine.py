@@ -373,7 +373,7 @@ class Engine:
             hidden = self._sampled_rows(batch, hidden)
         else:
             hidden = hidden[batch.logits_rows]
-        self._sample(batch, logits, out, self._observe(batch, hidden, logits, out))
+        self._sample(batch, logits, out, *self._observe(batch, hidden, logits, out))
         timings.sample_s = time.perf_counter() - t1
         self._advance(batch)
         return out
@@ -457,17 +457,17 @@ class Engine:
 
     def _observe(
         self, batch: StepBatch, hidden: torch.Tensor, logits: torch.Tensor, out: StepOutput
-    ) -> torch.Tensor | None:
-        """The probe's part of a step (probe.py); returns the rows' log_softmax it computed,
-        which the sampler reuses (None: no probe)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The probe's part of a step (probe.py); returns the rows' log_softmax and
+        probabilities it computed, which the sampler reuses (None, None: no probe)."""
         if self.probe is None or not batch.sample_ids:
-            return None
+            return None, None
         with torch.inference_mode():
             logp = torch.log_softmax(logits, dim=-1)
             states = [self.requests[r] for r in batch.sample_ids]
-            self.probe.observe(states, hidden, logits, out, logp)
+            probs = self.probe.observe(states, hidden, logits, out, logp)
         self.probe.prune(self.requests)
-        return logp
+        return logp, probs
 
     def _sample(
         self,
@@ -475,18 +475,20 @@ class Engine:
         logits: torch.Tensor,
         out: StepOutput,
         logp: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
     ) -> None:
         if not batch.sample_ids:
             return
         states = [self.requests[rid] for rid in batch.sample_ids]
         if self._mask_guided(states, logits):
-            logp = None  # the logprobs are the masked distribution's
+            logp = probs = None  # the logprobs are the masked distribution's
         tokens, logprobs = sample(
             logits,
             [s.sampling for s in states],
             [s.num_output_tokens for s in states],
             [s.token_ids for s in states],
             logp,
+            probs,
         )
         tops = top_alternatives(logits, [s.sampling for s in states])
         self._accept(states, tokens, logprobs, tops, out)

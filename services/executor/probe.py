@@ -120,20 +120,22 @@ def token_stats(
     eos_ids: list[int],
     logp: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entropy [S], P(EOS) [S]) of the raw next-token distributions of logits [S, V]
-    (logp: their log_softmax, when the caller has it; work: a reusable buffer of at least
-    S x V floats, so a step allocates no fresh [S, V] tensor, whose page faults cost more
-    than the arithmetic on CPU)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(entropy [S], P(EOS) [S], the probabilities [S, V]) of the raw next-token
+    distributions of logits [S, V] (logp: their log_softmax, when the caller has it; work: a
+    reusable buffer of at least S x V floats, so a step allocates no fresh [S, V] tensor,
+    whose page faults cost more than the arithmetic on CPU). The probabilities are the exp
+    pass the entropy needs anyway; the sampler draws from them for rows it samples from the
+    raw distribution (`sampler.sample`'s `probs`)."""
     if logp is None:
         logp = torch.log_softmax(logits.float(), dim=-1)
     if work is None or work.numel() < logp.numel() or work.dtype != logp.dtype:
         p = logp.exp()
     else:
         p = torch.exp(logp, out=work.view(-1)[: logp.numel()].view(logp.shape))
-    entropy = -(p.mul_(logp)).sum(-1)
+    entropy = -torch.linalg.vecdot(p, logp)
     p_eos = logp[:, eos_ids].exp().sum(-1) if eos_ids else torch.zeros_like(entropy)
-    return entropy, p_eos
+    return entropy, p_eos, p
 
 
 class Probe:
@@ -239,13 +241,14 @@ class ProbeHook:
         logits: torch.Tensor,
         out: StepOutput,
         logp: torch.Tensor | None = None,
-    ) -> None:
+    ) -> torch.Tensor:
         """After the forward pass, before sampling: states[i] (RequestState) owns row i of
         hidden [S, H] (final norm) and logits [S, V]; fills out.forecasts / probe_features.
-        hidden None: statistics only (a step with no checkpoint)."""
+        hidden None: statistics only (a step with no checkpoint). Returns the rows'
+        probabilities (valid until the next step: they live in a reused buffer)."""
         if logp is not None and (self._work is None or self._work.numel() < logp.numel()):
             self._work = torch.empty(logp.numel(), dtype=logp.dtype, device=logp.device)
-        entropy, p_eos = token_stats(logits, self.eos_ids, logp, self._work)
+        entropy, p_eos, probs = token_stats(logits, self.eos_ids, logp, self._work)
         ent, pe = entropy.tolist(), p_eos.tolist()
         rows, scalars, meta = [], [], []
         for i, st in enumerate(states):
@@ -271,6 +274,7 @@ class ProbeHook:
                 dim=1,
             )
             self._emit(x, meta, out)
+        return probs
 
     def _emit(self, x: torch.Tensor, meta: list, out: StepOutput) -> None:
         if self.record:

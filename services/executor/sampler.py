@@ -64,6 +64,18 @@ def _min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
     return x.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
+def _raw(p: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled row draws from the model's raw distribution: temperature 1, no
+    top-k, top-p or min-p, no bias or penalty."""
+    return (
+        not p.adjusts_logits
+        and p.temperature == 1.0
+        and not (p.top_k and p.top_k < vocab)
+        and not 0 < p.top_p < 1
+        and not p.min_p
+    )
+
+
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Exponential-race sampling: argmax(p / E), E ~ Exp(1)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -76,10 +88,13 @@ def sample(
     output_index: list[int],
     histories: list[list[int]] | None = None,
     logprobs: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
     """logits [S, V] fp32 -> (token ids, logprobs); output_index[i] = tokens already output;
-    histories[i] = the row's prompt + output tokens (needed by penalties); logprobs: the
-    rows' log_softmax when the caller has it already (the probe's statistics)."""
+    histories[i] = the row's prompt + output tokens (needed by penalties); logprobs and
+    probs: the rows' log_softmax and its exp when the caller has them already (the probe's
+    statistics); a row sampled from the raw distribution (temperature 1, no filter, no
+    penalty) draws from its `probs` row instead of a softmax of its own."""
     if logprobs is None:
         logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
     tokens = torch.argmax(logits, dim=-1).tolist()  # greedy default
@@ -92,13 +107,16 @@ def sample(
                 continue
         elif p.greedy:
             continue
-        x = _filter(row, p)
-        probs = torch.softmax(_min_p(x, p.min_p) if p.min_p else x, dim=-1)
+        if probs is not None and _raw(p, row.shape[-1]):
+            row_probs = probs[i]
+        else:
+            x = _filter(row, p)
+            row_probs = torch.softmax(_min_p(x, p.min_p) if p.min_p else x, dim=-1)
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=logits.device)
             gen.manual_seed((p.seed * 1_000_003 + output_index[i]) % (2**63))
-        tokens[i] = _draw(probs, gen)
+        tokens[i] = _draw(row_probs, gen)
     index = torch.tensor(tokens, device=logits.device)[:, None]
     return tokens, logprobs.gather(1, index).squeeze(1).tolist()
 

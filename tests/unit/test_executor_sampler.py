@@ -46,6 +46,28 @@ def test_seed_and_output_index_make_draws_reproducible():
     assert a == b and len(set(a)) > 10  # same per index, varied across indices
 
 
+def test_raw_rows_draw_from_the_callers_probabilities_and_filtered_rows_do_not():
+    """With `probs` (the probe's exp of the log_softmax), a temperature-1 unfiltered row draws
+    from it: seeded draws are those of the sampler's own softmax; a filtered or hotter row
+    ignores it (here a planted wrong `probs` would show)."""
+    logits = torch.randn(3, 400, generator=torch.Generator().manual_seed(3))
+    logp = torch.log_softmax(logits, -1)
+    raw = [SamplingParams(temperature=1.0, seed=7)] * 3
+    own = [sample(logits, raw, [i] * 3)[0] for i in range(30)]
+    shared = [sample(logits, raw, [i] * 3, None, logp, logp.exp())[0] for i in range(30)]
+    assert own == shared
+    planted = torch.zeros_like(logits)
+    planted[:, 5] = 1.0  # "always token 5"
+    assert sample(logits, raw, [0] * 3, None, logp, planted)[0] == [5, 5, 5]
+    hot = [SamplingParams(temperature=1.5, seed=7), SamplingParams(top_k=3, seed=7),
+           SamplingParams(presence_penalty=0.5, seed=7)]  # fmt: skip
+    for i in range(20):
+        assert (
+            sample(logits, hot, [i] * 3, [[1]] * 3, logp, planted)[0]
+            == sample(logits, hot, [i] * 3, [[1]] * 3)[0]
+        )
+
+
 def test_logprob_is_under_the_raw_distribution():
     _, logprobs = sample(LOGITS, [SamplingParams(temperature=0.5, top_k=1)], [0])
     assert math.isclose(logprobs[0], torch.log_softmax(LOGITS[0], -1)[0].item(), rel_tol=1e-6)

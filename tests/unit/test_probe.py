@@ -129,10 +129,11 @@ def test_features_do_not_depend_on_the_batch(tiny_dir):
 
 def test_token_stats_and_repeat_share():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [10.0, -10.0, -10.0, -10.0]])
-    entropy, p_eos = token_stats(logits, [1])
+    entropy, p_eos, probs = token_stats(logits, [1])
     assert entropy[0].item() == pytest.approx(np.log(4), abs=1e-5)
     assert entropy[1].item() < 1e-3
     assert p_eos[0].item() == pytest.approx(0.25) and p_eos[1].item() < 1e-6
+    assert torch.allclose(probs, torch.softmax(logits, dim=-1), atol=1e-6)  # the sampler's
     assert repeat_share([1, 2, 3, 4, 5, 6, 7, 8], 4) == 0.0
     loop = [1, 2, 3, 4] * 4
     assert repeat_share(loop, 4) == 1.0  # a looping answer: every recent 4-gram seen before
