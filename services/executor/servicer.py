@@ -245,8 +245,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     task.cancel()
 
     def _launch(self, decoded: _Decoded, chain: _Chain) -> asyncio.Future[_Ran]:
-        """Hand one streamed Step to the engine's lane; it runs after those before it (unless
-        one of its stream's earlier Steps failed)."""
+        """Hand one Step to the engine's lane; it runs after those before it (unless an earlier
+        Step of its `chain`, its stream, failed; a unary Step has a chain of its own)."""
 
         def run() -> _Ran:
             if chain.broken:
@@ -269,37 +269,25 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self, context: grpc.aio.ServicerContext, ran: _Ran, sending: asyncio.Future | None
     ) -> asyncio.Future:
         """Encode a streamed Step's result and write it (after the previous write)."""
-        out = ran.out
-        pb = result_to_pb(out)
-        # The executor's time is its whole step, decoding the request and encoding the reply
-        # included: what the scheduler measures around a Step minus this is transport and
-        # its own work.
-        out.timings.total_s = pb.timings.total_s = time.perf_counter() - ran.start
-        if self.metrics is not None:
-            self.metrics.observe(out)
+        pb = self._result(ran)
         if sending is not None:
             await sending
         return asyncio.ensure_future(context.write(pb))
 
-    async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResult:
-        engine = self.ready()
-        decoded = time.perf_counter()
-        step = step_from_pb(request)
-        decoded = time.perf_counter() - decoded
-
-        def run() -> _Ran:
-            start = time.perf_counter()
-            self._fence(request.epoch, step)
-            return _Ran(engine.step(step), start - decoded)
-
-        ran = await self.lane.submit(run)
-        pb = result_to_pb(ran.out)
-        # The executor's time is its whole step, encoding the reply included: what the
-        # scheduler measures around a Step minus this is transport and its own work.
-        ran.out.timings.total_s = pb.timings.total_s = time.perf_counter() - ran.start
+    def _result(self, ran: _Ran) -> executor_pb2.StepResult:
+        """A Step's StepResult. The executor's time is its whole step, decoding the request
+        and encoding the reply included: what the scheduler measures around a Step minus this
+        is transport and its own work."""
+        out = ran.out
+        pb = result_to_pb(out)
+        out.timings.total_s = pb.timings.total_s = time.perf_counter() - ran.start
         if self.metrics is not None:
-            self.metrics.observe(ran.out)
+            self.metrics.observe(out)
         return pb
+
+    async def _step(self, request: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        self.ready()
+        return self._result(await self._launch(_Decoded(request), _Chain()))
 
     def _fence(self, epoch: int, step: SchedulerOutput) -> None:
         """Refuse a deposed scheduler's Step; on a new leader's first, drop every request."""
