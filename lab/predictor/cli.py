@@ -1,5 +1,5 @@
 """The predictor group's lab commands: `alise predictor train --proxy | calibrate | eval
-[--target served] | bench-store`, added to the group services/predictor/cli.py registers."""
+[--target served] | state-ceiling | bench-store`, added to the group services/predictor/cli.py registers."""
 
 from __future__ import annotations
 
@@ -179,6 +179,8 @@ def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def extend(subparsers: argparse._SubParsersAction) -> None:
     """Add the lab commands to the `predictor` group (registered before this is called)."""
+    from lab.predictor import state_ceiling
+
     group = subparsers.choices.get("predictor")
     if group is None:
         return
@@ -187,6 +189,7 @@ def extend(subparsers: argparse._SubParsersAction) -> None:
     _add_calibrate(sub)
     _add_eval(sub)
     _add_train_probe(sub)
+    state_ceiling.add_parser(sub)
 
     bench = sub.add_parser("bench-store", help="qdrant-client local mode vs Qdrant Edge")
     bench.add_argument("--points", type=int, default=16_000)

@@ -8,7 +8,11 @@ Fit set-ups, everything else equal (embedder, k, s0, the MLP recipe):
 - `median_spread`: every draw: per prompt the median length of the draws that ended, the share
   cut at the cap and the spread (`services.predictor.regimes.summarize_draws`; the default);
 - `other_regime`: the other regime's train file (median/spread), what a request of this regime
-  gets while this regime has no file (the service's fallback).
+  gets while this regime has no file (the service's fallback);
+- `several_draws_file`: the regime's several-draws train file (bundled apart in
+  services/predictor/calibration/draws/, with the probe's features) when the service seeds
+  from another file: what seeding from it would give.
+Test draws: the regime's several-draws test file when there is one, else the seeded kind.
 With one draw per train prompt `one_draw` and `median_spread` are the same fit.
 
 Targets per test prompt, from its draws (the regime's test file, plus `--more-draws` files of
@@ -44,12 +48,13 @@ def test_draws(settings: PredictorSettings, args: argparse.Namespace, regime: st
     from dataclasses import replace
 
     from services.predictor.build import served_models
-    from services.predictor.calibration_files import read_draws
+    from services.predictor.calibration_files import DEFAULT_CAP, draws_file, read_draws
     from services.predictor.regimes import regime_file
 
-    model = served_models(settings)[0]
+    model, data_dir = served_models(settings)[0], Path(settings.data_dir)
     path = Path(args.test_file) if args.test_file else None
-    path = path or regime_file(model, Path(settings.data_dir), regime, split="test")
+    path = path or draws_file(model, data_dir, DEFAULT_CAP, "test", regime)
+    path = path or regime_file(model, data_dir, regime, split="test")
     if path is None:
         raise SystemExit(f"no test-split calibration file for regime {regime}")
     draws = read_draws(path)[1]
@@ -68,14 +73,16 @@ def fits(settings: PredictorSettings, regime: str) -> dict[str, SeedSet]:
     from dataclasses import replace
 
     from services.predictor.build import SeedSet, regime_seed, served_models
-    from services.predictor.calibration_files import read_draws
+    from services.predictor.calibration_files import DEFAULT_CAP, draws_file, read_draws
     from services.predictor.regimes import REGIMES, regime_file
 
     model, data_dir = served_models(settings)[0], Path(settings.data_dir)
-    own = regime_file(model, data_dir, regime)
+    own = regime_file(model, data_dir, regime) or draws_file(
+        model, data_dir, DEFAULT_CAP, "train", regime
+    )
     if own is None:
         raise SystemExit(f"no train-split calibration file for regime {regime}")
-    full = regime_seed(settings, regime)
+    full = regime_seed(settings, regime, path=own)
     out = {"median_spread": full}
     if full.count.max() > 1:  # else the first draw is every draw: the same fit
         draws = read_draws(own)[1]
@@ -88,6 +95,9 @@ def fits(settings: PredictorSettings, regime: str) -> dict[str, SeedSet]:
     for other in REGIMES:
         if other != regime and regime_file(model, data_dir, other) is not None:
             out["other_regime"] = regime_seed(settings, other)
+    several = draws_file(model, data_dir, DEFAULT_CAP, "train", regime)
+    if several is not None and several != own:
+        out["several_draws_file"] = regime_seed(settings, regime, path=several)
     return out
 
 

@@ -174,13 +174,16 @@ class SeedSet:
         return cls(samples, lengths, capped, np.full(n, np.nan), np.ones(n, np.int64), source)
 
 
-def regime_seed(settings: PredictorSettings, regime: str, limit: int | None = None) -> SeedSet:
-    """The seed of `regime`: its calibration file's prompts with the median, cut share and
-    spread of their draws; the fallback regime without a file: ShareGPT's reference lengths."""
+def regime_seed(
+    settings: PredictorSettings, regime: str, limit: int | None = None, path: Path | None = None
+) -> SeedSet:
+    """The seed of `regime`: its calibration file's prompts (or `path`'s) with the median, cut
+    share and spread of their draws; the fallback regime without a file: ShareGPT's reference
+    lengths."""
     from services.predictor.regimes import read_draws, summarize_draws
 
     model = served_models(settings)[0]
-    path = regime_file(model, Path(settings.data_dir), regime)
+    path = path or regime_file(model, Path(settings.data_dir), regime)
     if path is None:
         if regime != REGIMES[0]:
             raise FileNotFoundError(f"no calibration file for {model} in regime {regime}")

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from services.workload.traces.sharegpt import Sample
 
 BUNDLED = Path(__file__).parent / "calibration"
-# several-draws files with the probe's features (issue 30), bundled apart so that seeding
-# (which reads BUNDLED) keeps the one-draw files until the service is moved onto them
+# several-draws files with the probe's features (issue 30), bundled apart: a regime seeds
+# from one only when it has no file in BUNDLED (t0 does; t1 keeps the larger one-draw file)
 DRAWS = BUNDLED / "draws"
 DEFAULT_CAP = 256
 REGIMES = ("t0", "t1")
@@ -64,16 +64,15 @@ def calibration_file(
     """The calibration file for `model` at `max_tokens` over `split`: the data dir's (written
     by `calibrate`), else one bundled with the package, else None. `regime` ("t0" / "t1")
     asks for a file of that temperature regime; for "t1" an older one-draw file (temperature
-    1) is the fallback. None = the older one-draw file only."""
-    names = [calibration_name(model, max_tokens, split, regime)]
-    if regime == "t1":
-        names.append(calibration_name(model, max_tokens, split))
-    for name in names:
-        for base in (data_dir / "calibration", BUNDLED):
-            path = base / name
-            if path.exists():
-                return path
-    return None
+    1) comes next, and last the regime's bundled several-draws file (DRAWS). So `t1` seeds from
+    the 2,000-prompt one-draw file rather than the 150-prompt several-draws one (it orders
+    the scheduler's expected lengths better: docs/predictor.md, "Per regime") and `t0` from
+    its own greedy file. None = the older one-draw file only."""
+    own = calibration_name(model, max_tokens, split, regime)
+    names = [own] + ([calibration_name(model, max_tokens, split)] if regime == "t1" else [])
+    paths = [base / name for name in names for base in (data_dir / "calibration", BUNDLED)]
+    paths += [DRAWS / own] if regime is not None else []
+    return next((p for p in paths if p.exists()), None)
 
 
 def draws_file(model: str, data_dir: Path, max_tokens: int, split: str, regime: str) -> Path | None:

@@ -105,7 +105,7 @@ def test_requests_cut_by_max_tokens_are_observed_as_censored(stack, client):
     assert out.choices[0].finish_reason == "length"
     assert wait_until(lambda: observed(stack, rid))
     stack["loop"].run(stack["predictor"].observer.drain())  # learned in the background
-    # learnt by the request's regime (greedy: t0, or t1 standing in while t0 has no file)
+    # learnt by the request's regime (greedy: t0, seeded from its bundled greedy file)
     got = stack["predictor"].predictors.predict("smollm2-135m-instruct", [prompt], 0.0)[0]
     assert (got.source.split("@")[0], got.p_capped, got.length) == ("retrieval", 1.0, 3)
 

@@ -107,8 +107,12 @@ async def test_each_regime_answers_from_its_own_draws(tmp_path, embedder, prompt
 
 
 async def test_a_regime_without_a_file_falls_back_to_t1_labelled(
-    tmp_path, embedder, prompts, caplog
+    tmp_path, embedder, prompts, caplog, monkeypatch
 ):
+    from services.predictor import calibration_files
+
+    # a model whose package bundles no greedy file (SmolLM2's t0 file in draws/ set aside)
+    monkeypatch.setattr(calibration_files, "DRAWS", tmp_path / "no-bundled-draws")
     a = prompts[0]
     data_dir = _data_dir(tmp_path, {f"{MODEL}-cap256-t1.jsonl": [_row(a, [40, 50, 60])]})
     settings = PredictorSettings(data_dir=data_dir, predictor_port=0, predictor_seed=False)

@@ -33,3 +33,18 @@ def test_exact_topk_orders_by_similarity():
     top = exact_topk(q, base, lengths, k=2)[0]
     assert [n.length for n in top] == [2.0, 3.0]
     assert top[0].score == pytest.approx(0.9)
+
+
+def test_state_ceiling_scores_see_how_much_the_state_decides():
+    """Continuations that share their state's length order perfectly by their siblings;
+    continuations drawn independently of the state order at chance."""
+    from lab.predictor.state_ceiling import scores
+
+    rng = np.random.default_rng(0)
+    decided = [[(n, n == 224)] * 4 for n in rng.permutation(np.arange(4, 225, 4)).tolist()]
+    got = scores(decided, others=3)
+    assert got["tau"] == pytest.approx(1.0) and got["cap_auc"] == pytest.approx(1.0)
+    noise = [[(int(n), bool(n == 224)) for n in rng.choice([20, 80, 224], 4)] for _ in range(300)]
+    for m in (1, 3):
+        got = scores(noise, others=m)
+        assert got["others"] == m and abs(got["tau"]) < 0.1 and abs(got["cap_auc"] - 0.5) < 0.1
