@@ -112,10 +112,10 @@ def draw_ceiling(rows: FeatureRows) -> dict:
     }
 
 
-def arrival_predictions(ids: list[str], cap: int) -> dict[str, tuple[float, float]]:
+def arrival_predictions(ids: list[str], cap: int, reg: str) -> dict[str, tuple[float, float]]:
     """The arrival-time predictor's (expected length under the cap, p_capped) per test prompt
-    id: `ours` (retrieval + MLP, services/predictor) fit on the bundled one-draw train-split
-    calibration, as it seeds today."""
+    id: `ours` (retrieval + MLP, services/predictor) fit on the train-split calibration file
+    the service seeds regime `reg` from."""
     from lab.predictor.eval_common import chat_formatter
     from lab.predictor.served_eval import _setup, censored_flags
     from services.common.censoring import expected_length
@@ -125,7 +125,7 @@ def arrival_predictions(ids: list[str], cap: int) -> dict[str, tuple[float, floa
     from services.workload.traces.sharegpt import load_split
 
     settings = PredictorSettings()
-    path = calibration_file(settings.model, Path(settings.data_dir), cap)
+    path = calibration_file(settings.model, Path(settings.data_dir), cap, regime=reg)
     if path is None:
         return {}
     _, rows = read_calibration(path)
@@ -216,7 +216,7 @@ def run(
         )
         probes = {"probe": probe, **ablations(train, model, cap, reg, seed)}
         ids = sorted(set(test.ids.tolist()))
-        before = arrival_predictions(ids, cap) if arrival else None
+        before = arrival_predictions(ids, cap, reg) if arrival else None
         out["regimes"][reg] = {
             "files": {"train": train_file.name, "test": test_file.name},
             "test_prompts": len(ids),

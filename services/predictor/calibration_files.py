@@ -65,9 +65,8 @@ def calibration_file(
     by `calibrate`), else one bundled with the package, else None. `regime` ("t0" / "t1")
     asks for a file of that temperature regime; for "t1" an older one-draw file (temperature
     1) comes next, and last the regime's bundled several-draws file (DRAWS). So `t1` seeds from
-    the 2,000-prompt one-draw file rather than the 150-prompt several-draws one (it orders
-    the scheduler's expected lengths better: docs/predictor.md, "Per regime") and `t0` from
-    its own greedy file. None = the older one-draw file only."""
+    the 2,000-prompt one-draw file rather than the several-draws one (no better at 508
+    prompts: docs/predictor.md, "Per regime") and `t0` from its own greedy file. None = the older one-draw file only."""
     own = calibration_name(model, max_tokens, split, regime)
     names = [own] + ([calibration_name(model, max_tokens, split)] if regime == "t1" else [])
     paths = [base / name for name in names for base in (data_dir / "calibration", BUNDLED)]
