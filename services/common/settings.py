@@ -221,6 +221,13 @@ class PredictorSettings(CommonSettings):
         default_factory=list,
         description="Model ids Predict/Observe accept (empty = the id of the model setting).",
     )
+    predictor_trim_s: float = Field(
+        60.0,
+        ge=0.0,
+        description="Seconds between returns of the allocator's free pages to the system "
+        "(glibc malloc_trim; 0 = never): without it the predictor's resident memory holds "
+        "its peak and creeps up as the allocator's arenas fragment.",
+    )
 
 
 class SchedulerSettings(RedisSettings):

@@ -4,7 +4,9 @@
 set, else embedded under data_dir), serves at once, and - when `predictor_seed` is true and
 the store is empty - seeds it from the ShareGPT train split in a background thread (Predict
 answers meanwhile from what is there, the MLP, or the prior). `await handle.wait_seeded()`
-waits for that.
+waits for that. Every `predictor_trim_s` seconds, and once the seed is in, the allocator's
+free pages go back to the system (`services.common.heap`: glibc keeps what the embedder and
+the store freed, hundreds of MiB after the seed).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 from services.common.grpc_server import GrpcServer, start_server
+from services.common.heap import Trimmer
 from services.common.settings import PredictorSettings
 from services.predictor.build import SeedCancelled, build_predictors, seed_if_empty, served_models
 from services.predictor.by_regime import RegimePredictors
@@ -39,6 +42,7 @@ class PredictorHandle:
     observer: ObserveQueue
     metrics: PredictorMetrics
     models: list[str]
+    trimmer: Trimmer
     seeding: asyncio.Task | None = None
     seed_report: dict | None = None
     stop_seeding: threading.Event = field(default_factory=threading.Event)
@@ -60,6 +64,7 @@ class PredictorHandle:
     async def stop(self, grace: float | None = 2.0) -> None:
         await self.server.stop(grace)
         await self.observer.stop()
+        await self.trimmer.stop()
         if self.seeding is not None and not self.seeding.done():
             self.stop_seeding.set()  # checked between embedding chunks
             await asyncio.wait([self.seeding])
@@ -72,11 +77,13 @@ async def _seed(
     metrics: PredictorMetrics,
     model: str,
     stop: threading.Event,
+    trimmer: Trimmer,
 ) -> dict | None:
     try:
         report = await asyncio.to_thread(seed_if_empty, settings, predictors, stop)
         sizes = await asyncio.to_thread(predictors.count, model)
         metrics.store_size.labels(model).set(sum(sizes.values()))
+        await trimmer.now()  # the seed's embedding and training freed hundreds of MiB
         log.info("seeding finished", extra={"points": sizes})
         return report
     except StoreUnavailable as exc:
@@ -111,10 +118,17 @@ async def start_predictor(
     )
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
-    handle = PredictorHandle(server, predictors, observer, metrics, models)
+    handle = PredictorHandle(
+        server,
+        predictors,
+        observer,
+        metrics,
+        models,
+        Trimmer(settings.predictor_trim_s, metrics.heap_trim.observe),
+    )
     if settings.predictor_seed:
         handle.seeding = asyncio.create_task(
-            _seed(settings, predictors, metrics, models[0], handle.stop_seeding)
+            _seed(settings, predictors, metrics, models[0], handle.stop_seeding, handle.trimmer)
         )
     log.info(
         "predictor serving",

@@ -45,6 +45,10 @@ class PredictorMetrics(Metrics):
         self.queue_depth = self.gauge(
             "predictor_observe_queue_depth", "Observations waiting to be learned."
         )
+        self.heap_trim = self.histogram(
+            "predictor_heap_trim_seconds",
+            "Duration of each return of the allocator's free pages (malloc_trim).",
+        )
         self.in_flight = self.gauge(
             "predictor_predict_in_flight",
             "Predict calls being answered or waiting for a thread (the autoscaling signal).",
