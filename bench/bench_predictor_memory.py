@@ -268,6 +268,8 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         for v in variants:
             v.stop()
     return {
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "cpus": os.cpu_count(),
         "minutes": args.minutes,
         "rate_per_s": args.rate,
         "prompts": args.prompts,

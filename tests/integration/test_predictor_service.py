@@ -5,6 +5,8 @@ Stores are seeded with a handful of prompts (not the train split) so the tests s
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
@@ -194,3 +196,31 @@ async def test_unreachable_store_falls_back_to_mlp(tmp_path, embedder):
         assert preds[0].source == "mlp" and preds[0].similarity == 0.0 and preds[0].length >= 1
     finally:
         await handle.stop()
+
+
+async def test_the_service_gives_free_heap_back_while_it_serves(tmp_path, embedder):
+    from services.common import heap
+
+    if not heap.available():
+        pytest.skip("malloc_trim is glibc's")
+    handle = await _start(_settings(tmp_path, predictor_trim_s=0.05), embedder)
+    try:
+        for _ in range(500):  # the periodic trims run on their own (no time bound asserted)
+            if handle.trimmer.trims >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert handle.trimmer.trims >= 2
+        hit = (await _predict(handle.port, [chat("What is the capital of France?")]))[0]
+        assert (hit.source, hit.length) == ("retrieval", 12)
+        rendered = handle.metrics.render().decode().splitlines()
+        counts = [
+            line for line in rendered if line.startswith("alise:predictor_heap_trim_seconds_count")
+        ]
+        assert float(counts[0].split()[1]) >= 2
+    finally:
+        await handle.stop()
+    off = await _start(_settings(tmp_path / "off", predictor_trim_s=0), embedder, seed=False)
+    try:
+        assert not off.trimmer.enabled and await off.trimmer.now() is None
+    finally:
+        await off.stop()
