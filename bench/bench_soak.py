@@ -76,19 +76,21 @@ async def steady_load(url: str, model: str, args: argparse.Namespace, stop_at: f
     return {"sent": len(tasks), "completed": len(tasks) - len(errors), "errors": errors[:5]}
 
 
-def process_sample(pid: int) -> tuple[int, int] | None:
-    """(resident set in KiB, open file descriptors) of a process, None when it is gone."""
+def process_sample(pid: int) -> tuple[int, int, int] | None:
+    """(resident set in KiB, its anonymous part in KiB, open file descriptors) of a process,
+    None when it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
-    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    return rss, fds
+    rows = {p[0]: p[1] for p in map(str.split, status.splitlines()) if len(p) >= 2}
+    return int(rows["VmRSS:"]), int(rows.get("RssAnon:", 0)), fds
 
 
 def stack_sample(stack) -> dict[str, float]:
-    """One sample of every series: per process `<name>.rss_mib` and `<name>.open_fds`, then
+    """One sample of every series: per process `<name>.rss_mib`, its anonymous part
+    `<name>.anon_mib` (the rest is file pages: mapped weights, stores) and `<name>.open_fds`, then
     `kv_blocks_used`, `kv_blocks_cached`, `requests_in_scheduler`, `redis.used_memory_mib`, `redis.keys`."""
     import redis
 
@@ -100,7 +102,8 @@ def stack_sample(stack) -> dict[str, float]:
         got = process_sample(pid)
         if got is not None:
             out[f"{name}.rss_mib"] = round(got[0] / 1024, 2)
-            out[f"{name}.open_fds"] = got[1]
+            out[f"{name}.anon_mib"] = round(got[1] / 1024, 2)
+            out[f"{name}.open_fds"] = got[2]
     with sync_channel(stack.scheduler_address_of(stack.leader())) as channel:
         stats = scheduler_pb2_grpc.SchedulerStub(channel).Stats(
             scheduler_pb2.StatsRequest(), timeout=5
