@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -41,8 +42,15 @@ print(json.dumps({"before": before, "after": anon_kib(), "released": released}))
 def test_trim_returns_the_freed_heap_to_the_system():
     import json
 
+    # glibc's defaults (a 128 KiB mmap threshold): no MALLOC_* tuning from the caller's env
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", CHILD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
     )
     got = json.loads(out.stdout)
     freed_kib = 1499 * 64
