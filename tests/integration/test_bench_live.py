@@ -81,7 +81,9 @@ def test_detailed_point_and_step_trace(gateway_url, trace_path):
         assert r["error"] is None
         assert 0 < r["ttft_s"] <= r["e2e_s"]
         assert r["normalized_latency"] == pytest.approx(r["e2e_s"] / r["output_len"], abs=1e-3)
-        assert 0 < r["max_tbt_s"] <= r["e2e_s"]
+        # 0 when every token after the first came in one event batch: a commit that lagged
+        # behind its Steps (a loaded machine) carries several Steps' tokens at once
+        assert 0 <= r["max_tbt_s"] <= r["e2e_s"]
     steps = [json.loads(line) for line in trace_path.read_text().splitlines()[before:]]
     # every output token comes from one Step; prompts were prefilled in some of them
     assert sum(s["decode"] for s in steps) + len(rows) >= sum(r["output_len"] for r in rows)
