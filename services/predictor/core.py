@@ -159,7 +159,7 @@ class LengthPredictor:
             fresh = self.embedder.embed_prepared([texts[i] for i in missing])  # [M, D]
             for i, v in zip(missing, fresh):
                 rows[i] = v
-                self.cache.put(keys[i], v)
+                self.cache.put(keys[i], v.copy())  # its own 1.5 KB, not a view of the batch
         vectors = np.stack(rows) if rows else np.zeros((0, self.embedder.dim), np.float32)
         return vectors, length_feature(texts)
 

@@ -118,8 +118,10 @@ class Embedder:
                 convert_to_numpy=True,
                 normalize_embeddings=True,
                 show_progress_bar=False,
-            )  # [N, D]
-        return vectors.astype(np.float32, copy=False)
+            )  # [N, D], a view of the model's output tensor
+        # a copy of its own: a kept row (the caches) must not keep the torch tensor, and with it
+        # ~3 KB more per prompt, alive
+        return np.array(vectors, dtype=np.float32)
 
     @property
     def space(self) -> str:

@@ -224,3 +224,20 @@ async def test_the_service_gives_free_heap_back_while_it_serves(tmp_path, embedd
         assert not off.trimmer.enabled and await off.trimmer.now() is None
     finally:
         await off.stop()
+
+
+def test_cached_embeddings_hold_only_their_own_vector(tmp_path, embedder):
+    """A prompt's embedding kept for Observe owns its 1.5 KB: no view of the batch it came in,
+    nor of the model's output tensor behind that (~3 KB more per cached prompt, which the
+    soak saw as anonymous memory rising until the cache's 4,096 entries were full)."""
+    from services.predictor.core import LengthPredictor
+    from services.predictor.embedder import text_hash
+
+    predictor = LengthPredictor(embedder, None, None)
+    prompts = ["Tell me about the sea (1).", "Tell me about bees (2).", "Name a volcano."]
+    vectors, _ = predictor.embed(prompts)
+    for text, row in zip(embedder.prepare(prompts), vectors, strict=True):
+        kept = predictor.cache.get(text_hash(text))
+        assert kept is not None and kept.base is None and kept.flags["OWNDATA"]
+        assert kept.nbytes == embedder.dim * 4 and np.array_equal(kept, row)
+    assert embedder.embed(prompts).base is None  # the embedder's own result: no tensor behind
