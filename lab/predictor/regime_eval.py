@@ -77,9 +77,7 @@ def fits(settings: PredictorSettings, regime: str) -> dict[str, SeedSet]:
     from services.predictor.regimes import REGIMES, regime_file
 
     model, data_dir = served_models(settings)[0], Path(settings.data_dir)
-    own = regime_file(model, data_dir, regime) or draws_file(
-        model, data_dir, DEFAULT_CAP, "train", regime
-    )
+    own = regime_file(model, data_dir, regime)  # a regime's draws/ file when it has no other
     if own is None:
         raise SystemExit(f"no train-split calibration file for regime {regime}")
     full = regime_seed(settings, regime, path=own)
