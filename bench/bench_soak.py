@@ -214,7 +214,7 @@ def beyond_noise(series: dict[str, dict[str, float]]) -> list[str]:
 def soak(args: argparse.Namespace, run_dir: Path) -> dict:
     from lab.launcher.serve_stack import ServeStack
 
-    env = {"ALISE_RETENTION_S": str(args.retention_s)}
+    env = {"ALISE_RETENTION_S": str(args.retention_s), **dict(args.env)}
     with ServeStack(run_dir, args.model, env=env) as stack:
         warm = asyncio.run(warm_up(stack.url, stack.model_id, args.max_tokens))
         with Sampler(stack, args.sample_s) as sampler:
@@ -230,6 +230,7 @@ def soak(args: argparse.Namespace, run_dir: Path) -> dict:
         "sample_s": args.sample_s,
         "warmup_s": args.warmup_s,
         "retention_s": args.retention_s,
+        "env": dict(args.env),
         "seed": args.seed,
         "warm_up_error": warm,
         "load": load,
@@ -277,4 +278,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="ALISE_RETENTION_S: finished requests' Redis keys expire after this",
     )
     p.add_argument("--seed", type=int, default=0, help="arrival times")
+    p.add_argument(
+        "--env",
+        type=env_pair,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for the stack's processes, e.g. ALISE_PREDICTOR_CAPACITY=1000 so the "
+        "store reaches its bound within the run (repeatable)",
+    )
     p.set_defaults(func=_run)
+
+
+def env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("ALISE_"):
+        raise argparse.ArgumentTypeError(f"expected ALISE_NAME=VALUE, got {text!r}")
+    return name, value

@@ -3,8 +3,10 @@
 In this process, per mode, a fresh `EdgeStore` seeded with `--seed-points` random unit vectors
 (and optimized, as after the service's seed), then `--inserts` new points one at a time, each
 after the searches a request makes (Predict's, then Observe's). Modes: `evict` (what the
-service does: the oldest points go past `--capacity`), `grow` (no capacity: every point
-stays) and `optimize` (evicting, plus `optimize()` every `--optimize-every` inserts). Every
+service does: the oldest points go past `--capacity`, and the shard is compacted once the dead
+points reach half the live ones), `no-compact` (evicting, never compacting: what the store did
+before compaction), `grow` (no capacity: every point stays) and `optimize` (evicting without
+compaction, plus Qdrant's own `optimize()` every `--optimize-every` inserts). Every
 `--report-every` inserts, after `malloc_trim` (so freed heap does not count), it records the
 live points, the number of segments and the process's resident memory: anonymous, and the
 pages of the store's files.
@@ -42,6 +44,11 @@ def resident_mib(store_root: Path) -> dict[str, float]:
     return {k: round(v / 1024, 2) for k, v in out.items()}
 
 
+def disk_mib(root: Path) -> float:
+    """Allocated size of the store's files (their mapped size is mostly unallocated)."""
+    return round(sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file()) / 2**20, 2)
+
+
 def churn(args: argparse.Namespace, mode: str, root: Path) -> list[dict]:
     from services.predictor.store_base import Record
     from services.predictor.store_edge import EdgeStore
@@ -52,7 +59,7 @@ def churn(args: argparse.Namespace, mode: str, root: Path) -> list[dict]:
         v = rng.standard_normal((n, args.dim)).astype(np.float32)
         return v / np.linalg.norm(v, axis=1, keepdims=True)
 
-    store = EdgeStore(args.dim, root)
+    store = EdgeStore(args.dim, root, compact=mode in ("evict", "grow"))
     now = time.time()
     seed = [
         Record(str(uuid.uuid4()), v, 10.0, 1, [f"s{i}"], now)
@@ -61,7 +68,9 @@ def churn(args: argparse.Namespace, mode: str, root: Path) -> list[dict]:
     store.upsert(MODEL, seed)
     store.optimize(MODEL)
     heap.trim()
-    rows = [{"inserts": 0, "points": store.count(MODEL), **resident_mib(root)}]
+    rows = [
+        {"inserts": 0, "points": store.count(MODEL), "disk": disk_mib(root)} | resident_mib(root)
+    ]
     for i in range(args.inserts):
         v = unit(1)
         store.search(MODEL, v, 2)  # Predict's search, then Observe's
@@ -73,9 +82,10 @@ def churn(args: argparse.Namespace, mode: str, root: Path) -> list[dict]:
             store.optimize(MODEL)
         if (i + 1) % args.report_every == 0:
             heap.trim()
-            segments = len(list((root / store.collection(MODEL) / "segments").iterdir()))
+            segments = len(list((store.shard_path(MODEL) / "segments").iterdir()))
             rows.append(
                 {"inserts": i + 1, "points": store.count(MODEL), "segments": segments}
+                | {"compactions": store.compactions, "disk": disk_mib(root)}
                 | resident_mib(root)
             )
     store.close()
@@ -86,7 +96,7 @@ def per_insert(rows: list[dict]) -> dict[str, float]:
     first, last = rows[0], rows[-1]
     return {
         f"{k}_kib_per_insert": round((last[k] - first[k]) * 1024 / max(1, last["inserts"]), 2)
-        for k in ("rss", "anon", "store_file")
+        for k in ("rss", "anon", "store_file", "disk")
     }
 
 
@@ -111,8 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=("evict", "grow", "optimize"),
-        default=["evict", "grow", "optimize"],
+        choices=("evict", "no-compact", "grow", "optimize"),
+        default=["evict", "no-compact", "grow", "optimize"],
     )
     p.add_argument("--seed-points", type=int, default=2000)
     p.add_argument("--capacity", type=int, default=2500, help="evict past this (mode evict)")

@@ -67,6 +67,11 @@ class RegimePredictors:
     ) -> int:
         return self.pick(temperature)[0].observe(model, observations)
 
+    def compactions(self) -> int:
+        """Store compactions so far (each store once; 0 where the backend has none)."""
+        stores = {id(p.store): p.store for p in self.by_regime.values() if p.store}
+        return sum(getattr(s, "compactions", 0) for s in stores.values())
+
     def count(self, model: str) -> dict[str, int]:
         """Points per regime's collection."""
         return {r: p.store.count(p.key(model)) for r, p in self.by_regime.items() if p.store}

@@ -45,6 +45,11 @@ class PredictorMetrics(Metrics):
         self.queue_depth = self.gauge(
             "predictor_observe_queue_depth", "Observations waiting to be learned."
         )
+        self.store_compactions = self.gauge(
+            "predictor_store_compactions",
+            "Compactions of the embedded store's shards since the start (copies that give "
+            "evicted and rewritten points' space back).",
+        )
         self.heap_trim = self.histogram(
             "predictor_heap_trim_seconds",
             "Duration of each return of the allocator's free pages (malloc_trim).",
@@ -138,6 +143,7 @@ class ObserveQueue:
                 self.metrics.observations.labels("already_stored").inc(len(batch) - changed)
                 sizes = await asyncio.to_thread(self.predictors.count, model)
                 self.metrics.store_size.labels(model).set(sum(sizes.values()))
+                self.metrics.store_compactions.set(self.predictors.compactions())
             except Exception:
                 log.exception("observe batch failed")
                 self.metrics.observations.labels("failed").inc(len(batch))
