@@ -241,3 +241,34 @@ def test_cached_embeddings_hold_only_their_own_vector(tmp_path, embedder):
         assert kept is not None and kept.base is None and kept.flags["OWNDATA"]
         assert kept.nbytes == embedder.dim * 4 and np.array_equal(kept, row)
     assert embedder.embed(prompts).base is None  # the embedder's own result: no tensor behind
+
+
+async def test_the_service_compacts_its_store_while_it_learns(tmp_path, embedder, monkeypatch):
+    """New prompts past the capacity evict the oldest points; the embedded store then compacts
+    itself (counted in the metric) and goes on answering from what it holds."""
+    from services.predictor import store_edge
+
+    monkeypatch.setattr(store_edge, "COMPACT_MIN_DEAD", 8)
+    handle = await _start(_settings(tmp_path, predictor_capacity=16), embedder, seed=False)
+    try:
+        async with aio_channel(f"127.0.0.1:{handle.port}") as channel:
+            stub = predictor_pb2_grpc.PredictorStub(channel)
+            for i in range(60):
+                topic = ("rivers", "bread", "chess", "bees")[i % 4]
+                obs = predictor_pb2.Observation(
+                    request_id=f"r{i}", prompt=chat(f"Tell me about {topic}, part {i}."),
+                    true_length=10 + i,
+                )  # fmt: skip
+                await stub.Observe(predictor_pb2.ObserveRequest(model=MODEL, observations=[obs]))
+        await handle.observer.drain()
+        store = handle.predictor.store
+        assert store.compactions >= 1
+        assert 15 <= store.count(MODEL) <= 16
+        rendered = handle.metrics.render().decode().splitlines()
+        gauge = [line for line in rendered if line.startswith("alise:predictor_store_compactions")]
+        assert float(gauge[0].split()[1]) == store.compactions
+        last = (await _predict(handle.port, [chat("Tell me about bees, part 59.")]))[0]
+        assert last.source == "retrieval"
+        assert 10 + 60 - 16 <= last.length <= 10 + 59  # from the 16 newest points only
+    finally:
+        await handle.stop()
