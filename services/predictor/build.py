@@ -311,14 +311,21 @@ def train_mlp(
 
 
 def seed_if_empty(
-    settings: PredictorSettings, predictors: RegimePredictors, stop: threading.Event | None = None
+    settings: PredictorSettings,
+    predictors: RegimePredictors,
+    stop: threading.Event | None = None,
+    empty: set[str] | None = None,
 ) -> dict | None:
     """Service start-up, per regime: seed an empty collection, and train the MLP when it has
-    no checkpoint. Returns the seed reports by regime (None: nothing was seeded)."""
+    no checkpoint. `empty`: the regimes whose collection was empty before the service took
+    its first Observe (one learned while an earlier regime seeded is still seeded); None:
+    look now. Returns the seed reports by regime (None: nothing was seeded)."""
     model = served_models(settings)[0]
+    if empty is None:
+        empty = predictors.empty(model)
     reports = {}
     for regime, predictor in predictors.by_regime.items():
-        if predictor.store is not None and predictor.store.count(predictor.key(model)) == 0:
+        if predictor.store is not None and regime in empty:
             reports[regime] = seed(settings, predictor, model, stop=stop)
             log.info("seeded the %s store of regime %s", model, regime, extra=reports[regime])
         if predictor.mlp is None:

@@ -72,6 +72,10 @@ class RegimePredictors:
         stores = {id(p.store): p.store for p in self.by_regime.values() if p.store}
         return sum(getattr(s, "compactions", 0) for s in stores.values())
 
+    def empty(self, model: str) -> set[str]:
+        """The regimes whose collection of `model` holds no point."""
+        return {r for r, n in self.count(model).items() if n == 0}
+
     def count(self, model: str) -> dict[str, int]:
         """Points per regime's collection."""
         return {r: p.store.count(p.key(model)) for r, p in self.by_regime.items() if p.store}

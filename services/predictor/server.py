@@ -78,9 +78,10 @@ async def _seed(
     model: str,
     stop: threading.Event,
     trimmer: Trimmer,
+    empty: set[str],
 ) -> dict | None:
     try:
-        report = await asyncio.to_thread(seed_if_empty, settings, predictors, stop)
+        report = await asyncio.to_thread(seed_if_empty, settings, predictors, stop, empty)
         sizes = await asyncio.to_thread(predictors.count, model)
         metrics.store_size.labels(model).set(sum(sizes.values()))
         await trimmer.now()  # the seed's embedding and training freed hundreds of MiB
@@ -102,6 +103,11 @@ async def start_predictor(
     """
     predictors = await asyncio.to_thread(build_predictors, settings, embedder)
     models = served_models(settings)
+    # which regimes to seed is decided before any Observe can land (the seed runs while
+    # the service answers, and a regime seeded later may have learned a request by then)
+    empty = (
+        await asyncio.to_thread(predictors.empty, models[0]) if settings.predictor_seed else set()
+    )
     metrics = PredictorMetrics()
     observer = ObserveQueue(predictors, metrics)
     servicer = PredictorServicer(
@@ -128,7 +134,9 @@ async def start_predictor(
     )
     if settings.predictor_seed:
         handle.seeding = asyncio.create_task(
-            _seed(settings, predictors, metrics, models[0], handle.stop_seeding, handle.trimmer)
+            _seed(
+                settings, predictors, metrics, models[0], handle.stop_seeding, handle.trimmer, empty
+            )
         )
     log.info(
         "predictor serving",

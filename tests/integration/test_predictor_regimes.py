@@ -130,3 +130,41 @@ async def test_a_regime_without_a_file_falls_back_to_t1_labelled(
         assert 'alise:predictor_predictions_total{source="retrieval@t1"}' in metrics
     finally:
         await handle.stop()
+
+
+async def test_a_regime_that_learns_before_its_seed_is_still_seeded(
+    tmp_path, embedder, prompts, monkeypatch
+):
+    """The service seeds its regimes one after the other while it already answers: a greedy
+    request finished during the first regime's seed must not make the second one look seeded."""
+    from services.predictor import build
+    from services.predictor.core import Observation
+
+    a, b, c, _ = prompts
+    data_dir = _data_dir(
+        tmp_path,
+        {
+            f"{MODEL}-cap256-t1.jsonl": [_row(a, [40, 50, 60]), _row(b, [200, 210, 190])],
+            f"{MODEL}-cap256-t0.jsonl": [_row(a, [300]), _row(b, [12]), _row(c, [256], [True])],
+        },
+    )
+    settings = PredictorSettings(data_dir=data_dir, predictor_port=0, predictor_seed=True)
+    real_seed, learned = build.seed, []
+
+    def seed_after_a_request(settings, predictor, model, **kw):
+        if not learned:  # the first regime's seed: a request of the other regime ends meanwhile
+            other = next(p for p in handle.predictors.by_regime.values() if p is not predictor)
+            assert other.observe(model, [Observation("early", "Hello there!", 9)]) == 1
+            learned.append(other.regime)
+        return real_seed(settings, predictor, model, **kw)
+
+    monkeypatch.setattr(build, "seed", seed_after_a_request)
+    handle = await start_predictor(settings, embedder=embedder)
+    try:
+        reports = await handle.wait_seeded()
+        assert len(learned) == 1 and sorted(reports) == ["t0", "t1"]
+        seeded = {"t1": 2, "t0": 3}
+        seeded[learned[0]] += 1  # its seed and the request it learned first
+        assert handle.predictors.count(MODEL) == seeded
+    finally:
+        await handle.stop()
