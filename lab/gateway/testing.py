@@ -32,17 +32,12 @@ def running_gateway(
     import uvicorn
 
     from services.gateway.app import create_app
+    from services.gateway.cli import server_config
 
     port = port or free_port()
-    config = uvicorn.Config(
-        create_app(settings),
-        host="127.0.0.1",
-        port=port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=2,
-    )
+    here = settings.model_copy(update={"gateway_host": "127.0.0.1", "gateway_port": port})
+    config = server_config(create_app(here), here)  # what `alise gateway serve` runs
+    config.lifespan, config.timeout_graceful_shutdown = "on", 2
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()

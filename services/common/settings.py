@@ -428,6 +428,14 @@ class GatewaySettings(CommonSettings):
         ge=0,
         description="HTTP connections the gateway holds before answering 503 (0 = unlimited).",
     )
+    keep_alive_s: int = Field(
+        75,
+        ge=1,
+        description="How long an idle keep-alive connection stays open. Longer than clients' "
+        "and proxies' own idle expiry (httpx 5 s, aiohttp 15 s, nginx 60 s), so the client "
+        "always closes first: a server that closes first races the client's next request on "
+        "that connection, which then fails (uvicorn's own default is 5 s).",
+    )
     admission_wait_ms: float = Field(
         250.0,
         ge=0,

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from types import FrameType
 
     import uvicorn
 
+    from services.common.settings import GatewaySettings
+
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
 
     from services.common.logs import setup_logging
     from services.common.settings import GatewaySettings
@@ -25,18 +26,25 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging("gateway", settings.log_level, settings.log_format)
     app = create_app(settings)
     DrainingServer = _draining_server_class(settings.drain_s)
-    config = uvicorn.Config(
+    DrainingServer(server_config(app, settings)).run()
+    return 0
+
+
+def server_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
+    """The HTTP server's settings for the gateway app."""
+    import uvicorn
+
+    return uvicorn.Config(
         app,
         host=settings.gateway_host,
         port=settings.gateway_port,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_s) + 2,
+        timeout_keep_alive=settings.keep_alive_s,
         backlog=4096,
         limit_concurrency=settings.max_connections or None,
     )
-    DrainingServer(config).run()
-    return 0
 
 
 def _draining_server_class(drain_s: float) -> type[uvicorn.Server]:
