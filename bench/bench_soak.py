@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -65,14 +66,17 @@ async def steady_load(url: str, model: str, args: argparse.Namespace, stop_at: f
     """Poisson arrivals at args.rate until `stop_at` (monotonic); waits for every answer."""
     rng = random.Random(args.seed)
     tasks: list[asyncio.Task[str | None]] = []
+    sent_at: list[str] = []  # wall-clock time of each request, to find it in the logs
     async with httpx.AsyncClient(timeout=300) as client:
         i = 0
         while time.monotonic() < stop_at:
             body = request_body(model, i, args.max_tokens)
             tasks.append(asyncio.create_task(one_request(client, url, body)))
+            sent_at.append(time.strftime("%H:%M:%S"))
             i += 1
             await asyncio.sleep(rng.expovariate(args.rate))
-        errors = [e for e in await asyncio.gather(*tasks) if e is not None]
+        results = await asyncio.gather(*tasks)
+    errors = [f"request {i} sent {sent_at[i]}: {e}" for i, e in enumerate(results) if e]
     return {"sent": len(tasks), "completed": len(tasks) - len(errors), "errors": errors[:5]}
 
 
@@ -251,7 +255,11 @@ async def warm_up(url: str, model: str, max_tokens: int) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="alise-bench-soak-") as tmp:
-        out = soak(args, Path(tmp))
+        try:
+            out = soak(args, Path(tmp))
+        finally:
+            if args.logs is not None:  # the services' logs outlive the run's directory
+                shutil.copytree(Path(tmp) / "logs", args.logs, dirs_exist_ok=True)
     emit_json(out, args.json)
     print(f"sent {out['load']['sent']}, completed {out['load']['completed']}")
     print(f"growth beyond noise: {out['beyond_noise'] or 'none'}")
@@ -278,6 +286,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="ALISE_RETENTION_S: finished requests' Redis keys expire after this",
     )
     p.add_argument("--seed", type=int, default=0, help="arrival times")
+    p.add_argument("--logs", type=Path, default=None, help="copy the services' logs here")
     p.add_argument(
         "--env",
         type=env_pair,
