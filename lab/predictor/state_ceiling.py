@@ -22,10 +22,6 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
-
-from lab.predictor.progressive import _auc, _tau
-
 log = logging.getLogger(__name__)
 
 
@@ -63,6 +59,10 @@ def _continue(driver, starts, left, k, temperature, seed, eos) -> list[list[tupl
 def scores(runs: list[list[tuple[int, bool]]], others: int) -> dict:
     """τ and cap-AUC when each continuation is scored by the mean of `others` of its
     siblings (every choice of held-out continuation, the next `others` cyclically)."""
+    import numpy as np
+
+    from lab.predictor.progressive import _auc, _tau
+
     pred, true, share, cut = [], [], [], []
     for conts in runs:
         k = len(conts)
@@ -111,7 +111,7 @@ def run(settings, n: int, generated: int, k: int, cap: int, temperature: float, 
         "continuations": k,
         "test_prompts": len(samples),
         "running_at_generated": len(starts),
-        "capped_share": round(float(np.mean([c[1] for r in runs for c in r])), 4),
+        "capped_share": round(sum(c[1] for r in runs for c in r) / max(1, sum(map(len, runs))), 4),
         "by_others": [scores(runs, m) for m in range(1, k)],
         "runs": [[list(c) for c in r] for r in runs],
         "seconds": round(time.perf_counter() - t0, 1),

@@ -32,6 +32,19 @@ def test_alise_help_lists_existing_commands():
         assert command in out
 
 
+def test_building_the_command_line_imports_no_model_library():
+    """Every `alise serve` process (Redis's runner, the scheduler, the gateway) parses its
+    command first: a lab command whose module imported torch at the top cost each of them
+    ~170 MiB and a second (the soak saw the scheduler at 265 MiB instead of 87)."""
+    code = (
+        "import sys; from services.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'sentence_transformers') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_lab_commands_join_the_service_groups():
     """`alise predictor calibrate | eval | bench-store | train --proxy` and `alise executor
     stub` live in lab/ (serving never imports it) yet keep their names."""
