@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -278,7 +279,7 @@ class EdgeStore(LengthStore):
         from qdrant_edge import EdgeShard, Point, ScrollRequest, UpdateOperation
 
         name = self.collection(model)
-        new, number = None, -1
+        new, number, started = None, -1, time.perf_counter()
         try:
             with self._cond:
                 old = self._open[name]
@@ -321,6 +322,14 @@ class EdgeStore(LengthStore):
             old.shard.close()
             self._remove(name, old.number)
             self.compactions += 1
+            log.info(
+                "compacted the store",
+                extra={
+                    "collection": name,
+                    "generation": number,
+                    "seconds": round(time.perf_counter() - started, 2),
+                },
+            )
         except Exception:
             log.exception("compaction of %s failed; the current shard stays", name)
             self._journal.pop(name, None)
