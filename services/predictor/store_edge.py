@@ -40,6 +40,23 @@ COMPACT_DEAD_SHARE = 0.5  # ... and at least this share of the live points
 COPY_PAGE = 1024
 
 
+def _copy_points(source, target) -> None:
+    """Every live point of shard `source` (vector and payload) into shard `target`."""
+    from qdrant_edge import Point, ScrollRequest, UpdateOperation
+
+    offset = None
+    while True:
+        page, offset = source.scroll(
+            ScrollRequest(offset=offset, limit=COPY_PAGE, with_payload=True, with_vector=True)
+        )
+        if page:
+            target.update(
+                UpdateOperation.upsert_points([Point(p.id, p.vector, p.payload) for p in page])
+            )
+        if offset is None:
+            return
+
+
 @dataclass(eq=False)
 class _Generation:
     """One open shard directory and how many calls are using it."""
@@ -276,7 +293,7 @@ class EdgeStore(LengthStore):
 
     def _compact(self, model: str) -> None:
         """Copy the live points into a new generation, then swap it in (see the module doc)."""
-        from qdrant_edge import EdgeShard, Point, ScrollRequest, UpdateOperation
+        from qdrant_edge import EdgeShard
 
         name = self.collection(model)
         new, number, started = None, -1, time.perf_counter()
@@ -289,18 +306,7 @@ class EdgeStore(LengthStore):
             self._remove(name, number)
             new = EdgeShard.create(str(path), self._config())
             try:
-                offset = None
-                while True:
-                    page, offset = old.shard.scroll(
-                        ScrollRequest(
-                            offset=offset, limit=COPY_PAGE, with_payload=True, with_vector=True
-                        )
-                    )
-                    points = [Point(p.id, p.vector, p.payload) for p in page]
-                    if points:
-                        new.update(UpdateOperation.upsert_points(points))
-                    if offset is None:
-                        break
+                _copy_points(old.shard, new)
             finally:
                 with self._cond:
                     old.users -= 1
