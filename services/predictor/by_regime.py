@@ -70,7 +70,7 @@ class RegimePredictors:
     def compactions(self) -> int:
         """Store compactions so far (each store once; 0 where the backend has none)."""
         stores = {id(p.store): p.store for p in self.by_regime.values() if p.store}
-        return sum(getattr(s, "compactions", 0) for s in stores.values())
+        return sum(s.compactions for s in stores.values())
 
     def empty(self, model: str) -> set[str]:
         """The regimes whose collection of `model` holds no point."""

@@ -100,6 +100,7 @@ class LengthStore:
 
     backend = "abstract"
     space = ""  # embedding space id (Embedder.space); part of every collection name
+    compactions = 0  # shard compactions so far (backends that compact count them)
 
     def collection(self, model: str) -> str:
         return collection_name(model, self.space)
