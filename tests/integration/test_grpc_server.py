@@ -1,5 +1,7 @@
 """A real aio gRPC server on loopback: health, reflection and error mapping."""
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,6 +55,9 @@ async def server():
 
 async def test_health_serving_then_not(server):
     async with aio_channel(f"127.0.0.1:{server.port}") as channel:
+        # connected first: check_health's 2 s bound covers connecting, which a loaded
+        # machine once stretched past it (seen once in make test)
+        await asyncio.wait_for(channel.channel_ready(), 30)
         assert await check_health(channel)
         assert await check_health(channel, "alise.v1.Executor")
         stub = health_pb2_grpc.HealthStub(channel)
