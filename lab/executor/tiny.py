@@ -10,6 +10,10 @@ import shutil
 from pathlib import Path
 
 ARCHS = ("llama", "opt", "qwen2", "mistral")
+# the families the model registry added (services/executor/models/): tests/unit/test_model_families.py
+NEW_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
+FAMILIES = ARCHS + NEW_FAMILIES
+TINY_WINDOW = 12  # the Gemma models' sliding window: prompts in the tests run past it
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -44,19 +48,75 @@ def _config(arch: str, vocab: int, bos: int, eos: int, head_dim: int | None = No
         return Qwen2Config(**llama_like, tie_word_embeddings=True, use_sliding_window=False)
     if arch == "mistral":
         return MistralConfig(**llama_like, tie_word_embeddings=False, sliding_window=None)
-    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if arch in NEW_FAMILIES:
+        return _new_family_config(arch, llama_like)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {FAMILIES}")
+
+
+def _new_family_config(arch: str, llama_like: dict):
+    """Qwen3 (QK-norm), Gemma 2 (soft-capping, windows), Gemma 3 text and image-text
+    (windows, two RoPE tables, one of them scaled), Phi-3 (fused weights, partial rotary):
+    three layers, windowed and global ones interleaved."""
+    from transformers import (
+        Gemma2Config,
+        Gemma3Config,
+        Gemma3TextConfig,
+        Phi3Config,
+        Qwen3Config,
+        SiglipVisionConfig,
+    )
+
+    three = dict(llama_like, num_hidden_layers=3)
+    if arch == "qwen3":
+        return Qwen3Config(**three, tie_word_embeddings=False)
+    if arch == "phi3":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        return Phi3Config(**three, tie_word_embeddings=False, rope_parameters=rope)
+    gemma = dict(
+        three,
+        query_pre_attn_scalar=24,
+        sliding_window=TINY_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    if arch == "gemma2":
+        return Gemma2Config(**gemma, attn_logit_softcapping=2.0, final_logit_softcapping=4.0)
+    text = Gemma3TextConfig(
+        **gemma,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+    if arch == "gemma3_text":
+        return text
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8,
+    )  # fmt: skip
+    last = llama_like["vocab_size"] - 1
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_id=last,
+        boi_token_id=last - 1,
+        eoi_token_id=last - 2,
+    )
 
 
 def _randomize(model, seed: int) -> None:
-    """Non-trivial norms and biases too, so a runner that skips them fails parity."""
+    """Non-trivial norms and biases too, so a runner that skips them fails parity. Gemma's
+    norms scale by (1 + w): their w is the noise alone."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    one = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
+                p.copy_(one + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.05 * noise)
             else:
@@ -71,7 +131,8 @@ def make_tiny_model(
     head_dim: int | None = None,
 ) -> Path:
     """Write a tiny random-weight `arch` model (config, safetensors, tokenizer) to `path`;
-    `head_dim` (Llama-like archs): heads of that size instead of hidden_size / heads = 16."""
+    `head_dim` (Llama-like archs): heads of that size instead of hidden_size / heads = 16.
+    `arch`: one of FAMILIES (a model_type)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

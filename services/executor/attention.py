@@ -31,14 +31,31 @@ if TYPE_CHECKING:
     from services.executor.kv_pool import KVCache
 
 
-def group_mask(g: Group, groups_per_kv: int) -> torch.Tensor:
-    """[1, B, Qmax*G, Lk] bool: key valid and (for chunks) not after the query."""
+def group_mask(g: Group, groups_per_kv: int, window: int = 0) -> torch.Tensor:
+    """[1, B, Qmax*G, Lk] bool: key valid, (for chunks) not after the query and, in a
+    sliding-window layer, one of its last `window` keys (transformers: key > query - window)."""
     key_pos, key_valid = g.extra["key_pos"], g.extra["key_valid"]  # [B, Lk]
     if g.q_max == 1:
-        return key_valid[None, :, None, :]
-    mask = key_valid[:, None, :] & (key_pos[:, None, :] <= g.q_pos[:, :, None])  # [B, Q, Lk]
+        return window_keys(g, window)[None, :, None, :]
+    q_pos = g.q_pos[:, :, None]
+    mask = key_valid[:, None, :] & (key_pos[:, None, :] <= q_pos)  # [B, Q, Lk]
+    if window:
+        mask &= key_pos[:, None, :] > q_pos - window
     mask = mask[:, :, None, :].expand(-1, -1, groups_per_kv, -1)
     return mask.reshape(1, g.size, g.q_max * groups_per_kv, -1)
+
+
+def window_keys(g: Group, window: int) -> torch.Tensor:
+    """[B, Lk] bool: the keys a decode group's queries see (the last `window` if > 0)."""
+    valid = g.extra["key_valid"]
+    if not window:
+        return valid
+    return valid & (g.extra["key_pos"] >= g.ctx_after[:, None] - window)
+
+
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma-style soft-capping, cap * tanh(scores / cap) (cap 0: scores unchanged)."""
+    return torch.tanh(scores / cap) * cap if cap else scores
 
 
 class TorchAttention:
@@ -51,10 +68,24 @@ class TorchAttention:
     group_cost: int | None = 1024
     split_decodes = True  # decodes are padded too (False: the kernel reads each one's length)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        windows: tuple[int, ...] = (),
+        softcap: float = 0.0,
+    ) -> None:
+        """windows: per layer, a sliding window in keys (0: global; empty: none); softcap:
+        attention scores soft-capped (0: off)."""
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
+        self.windows, self.softcap = tuple(windows), softcap
         self.ws: Workspace | None = None  # gathers, reused by every layer and step
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
     def prepare(self, batch: StepBatch) -> None:
         if self.ws is None or self.ws.device != batch.token_ids.device:
@@ -63,11 +94,12 @@ class TorchAttention:
             if g.q_max == 1:
                 self._prepare_decodes(g)
             else:
-                g.extra["mask"] = group_mask(g, self.g)
+                g.extra["mask"] = {w: group_mask(g, self.g, w) for w in {0, *self.windows}}
 
     def _prepare_decodes(self, g: Group) -> None:
-        """Per-step data of a decode group, shared by all layers: the additive key mask."""
-        g.extra["bias"] = decode_bias(g.extra["key_valid"])
+        """Per-step data of a decode group, shared by all layers: the additive key mask of
+        each window the layers use."""
+        g.extra["bias"] = {w: decode_bias(window_keys(g, w)) for w in {0, *self.windows}}
 
     def forward(
         self,
@@ -106,10 +138,11 @@ class TorchAttention:
         """One query per request: [B, H*D]."""
         b = g.size
         qg = q[g.row_start : g.row_start + b].view(b, self.hkv, self.g, self.d).transpose(0, 1)
-        bias = g.extra["bias"]
+        bias, cap = g.extra["bias"][self.window(layer)], self.softcap
         if isinstance(cache, Int8PagedKV):
             assert self.ws is not None
-            o = int8_decode_attention(qg, cache.read_codes(layer, g, self.ws), bias, self.scale)
+            codes = cache.read_codes(layer, g, self.ws)
+            o = int8_decode_attention(qg, codes, bias, self.scale, cap)
         else:
             if "v_rows" not in g.extra:  # built once per step, at the first layer
                 g.extra["v_rows"] = value_rows(
@@ -117,7 +150,7 @@ class TorchAttention:
                 )
             keys = self._gather(layer, cache, g, "k")
             values = cache.tensors["v"][layer]
-            o = decode_attention(qg, keys, values, g.extra["v_rows"], bias, self.scale)
+            o = decode_attention(qg, keys, values, g.extra["v_rows"], bias, self.scale, cap)
         return o.transpose(0, 1).reshape(b, self.h * self.d)
 
     def _chunks(self, layer: int, q: torch.Tensor, cache: KVCache, g: Group) -> torch.Tensor:
@@ -127,6 +160,14 @@ class TorchAttention:
         qg = q.index_select(0, g.q_rows.view(-1))  # [B*Qm, H, D]
         qg = qg.view(b, qm, self.hkv, self.g, self.d).permute(2, 0, 1, 3, 4)
         qg = qg.reshape(self.hkv, b, qm * self.g, self.d)  # [Hkv, B, Qm*G, D]
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=g.extra["mask"], scale=self.scale)
+        mask = g.extra["mask"][self.window(layer)]
+        if self.softcap:  # SDPA has no soft-cap: the scores in full
+            scores = soft_cap(
+                torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale, self.softcap
+            )
+            p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            o = torch.matmul(p.to(vc.dtype), vc)
+        else:
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scale)
         o = o.view(self.hkv, b, qm, self.g, self.d).permute(1, 2, 0, 3, 4)  # [B, Qm, Hkv, G, D]
         return o.reshape(b * qm, self.h * self.d)[g.q_valid.view(-1)]  # [Tg, H*D]

@@ -28,20 +28,21 @@ def make_attention(
         backend = "triton"
     elif backend == "auto":
         backend = "cpu" if supported(spec.head_dim, device) else "torch"
-    scale = spec.head_dim**-0.5
+    v = spec.variant
+    scale = v.query_scale or spec.head_dim**-0.5
+    shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
+    bends = {"windows": v.windows, "softcap": v.attn_softcap}  # per-layer windows, soft-cap
     if backend == "torch":
-        return TorchAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
+        return TorchAttention(*shape, **bends)
     if backend == "cpu":
         if not supported(spec.head_dim, device):
             raise ValueError(
                 f"attention_backend=cpu needs a CPU device, head dim in {HEAD_DIMS} (got "
                 f"{spec.head_dim}) and the compiled kernels (see the log); use torch"
             )
-        return CpuAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
+        return CpuAttention(*shape, **bends)
     if backend == "triton":
         from services.executor.triton_attention import TritonAttention
 
-        return TritonAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, device, dtype=dtype
-        )
+        return TritonAttention(*shape, device, dtype=dtype, **bends)
     raise ValueError(f"unknown attention backend {backend!r}: expected auto, torch, cpu or triton")

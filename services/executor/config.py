@@ -7,14 +7,15 @@ from pathlib import Path
 
 import torch
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-SUPPORTED = (*LLAMA_FAMILY, "opt")
+from services.executor.models import family_for
+from services.executor.models.variant import Family, Variant
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class ModelSpec:
-    arch: str  # "llama" | "mistral" | "qwen2" | "opt"
+    arch: str  # the config's model_type (models.supported() lists them)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -24,7 +25,9 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
-    hf_config: object = None  # the transformers config, for RoPE and OPT details
+    hf_config: object = None  # the language model's transformers config (RoPE, OPT details)
+    family: Family | None = None  # the registry's entry (models/)
+    variant: Variant = field(default_factory=Variant)  # what the family changes (models/)
 
     @property
     def q_size(self) -> int:
@@ -35,8 +38,10 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
 
-def _eos_ids(config, model_dir: Path) -> list[int]:
-    ids = config.eos_token_id
+def _eos_ids(configs: tuple, model_dir: Path) -> list[int]:
+    """generation_config.json's EOS ids, else the first config (checkpoint, then language
+    model) that names one."""
+    ids = next((c.eos_token_id for c in configs if getattr(c, "eos_token_id", None)), None)
     gen = model_dir / "generation_config.json"
     if gen.exists():
         import json
@@ -48,13 +53,21 @@ def _eos_ids(config, model_dir: Path) -> list[int]:
 
 
 def load_spec(model_dir: Path) -> ModelSpec:
-    """Parse `model_dir/config.json`; unsupported architectures raise ValueError."""
+    """Parse `model_dir/config.json`; unsupported architectures raise ValueError naming the
+    supported ones (models.family_for)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
-    arch = config.model_type
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED)}")
+    try:
+        outer = AutoConfig.from_pretrained(model_dir)
+    except (KeyError, ValueError) as e:  # a model_type transformers itself does not know
+        import json
+
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+        family_for(str(model_type))  # raises with the supported list
+        raise ValueError(f"{model_dir}/config.json: {e}") from e
+    family = family_for(outer.model_type)
+    config = family.text_config(outer)
+    arch = outer.model_type
     heads = config.num_attention_heads
     if arch == "opt":
         kv_heads, inter = heads, config.ffn_dim
@@ -62,9 +75,7 @@ def load_spec(model_dir: Path) -> ModelSpec:
         kv_heads, inter = config.num_key_value_heads or heads, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     max_len = config.max_position_embeddings
-    window = getattr(config, "sliding_window", None)
-    if arch != "opt" and window and getattr(config, "use_sliding_window", True):
-        max_len = min(max_len, window)  # sliding window never engages below this length
+    limit = family.max_len(config)
     return ModelSpec(
         arch,
         config.num_hidden_layers,
@@ -74,9 +85,11 @@ def load_spec(model_dir: Path) -> ModelSpec:
         head_dim,
         inter,
         config.vocab_size,
-        max_len,
-        _eos_ids(config, model_dir),
+        min(max_len, limit) if limit else max_len,
+        _eos_ids((outer, config), model_dir),
         config,
+        family,
+        family.variant(config),
     )
 
 

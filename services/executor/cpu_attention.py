@@ -54,7 +54,9 @@ class CpuAttention(TorchAttention):
         assert isinstance(cache, PagedKV)
         qg = q.index_select(0, g.extra["q_rows"])  # [Tg, H, D]
         k, v = cache.tensors["k"][layer], cache.tensors["v"][layer]
-        o = cpu_kernels.paged_decode(qg, k, v, g.extra["q_tables"], g.extra["q_lens"], self.scale)
+        o = cpu_kernels.paged_decode(
+            qg, k, v, g.extra["q_tables"], g.extra["q_lens"], self.scale, *self._bends(layer)
+        )
         return o.view(qg.shape[0], self.h * self.d)
 
     def _prepare_decodes(self, g: Group) -> None:
@@ -77,8 +79,15 @@ class CpuAttention(TorchAttention):
                 g.extra["slots"],
                 g.ctx_after,
                 self.scale,
+                *self._bends(layer),
             )
         else:
             k, v = cache.tensors["k"][layer], cache.tensors["v"][layer]
-            o = cpu_kernels.paged_decode(qg, k, v, g.tables, g.ctx_after, self.scale)
+            o = cpu_kernels.paged_decode(
+                qg, k, v, g.tables, g.ctx_after, self.scale, *self._bends(layer)
+            )
         return o.view(b, self.h * self.d)
+
+    def _bends(self, layer: int) -> tuple[int, float]:
+        """The kernel's window and soft-cap arguments for `layer`."""
+        return self.window(layer), self.softcap

@@ -249,10 +249,14 @@ def paged_decode(
     tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per request) against the paged pools [Hkv, NB, bs, D] of one
-    layer, request b reading its first lens[b] keys through tables[b] -> [B, H, D]."""
-    return _ops().paged_decode(q, k_pool, v_pool, tables, lens, scale)
+    layer, request b reading its first lens[b] keys through tables[b] -> [B, H, D]; a
+    sliding-window layer (`window` > 0) sees only the last `window` of them, and `softcap` > 0
+    bends scores to softcap * tanh(score / softcap) before the softmax."""
+    return _ops().paged_decode(q, k_pool, v_pool, tables, lens, scale, window, softcap)
 
 
 def paged_decode_int8(
@@ -264,6 +268,8 @@ def paged_decode_int8(
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """As paged_decode over one layer of an INT8 pool (`pools`: kq ks ko vq vs vo, see
     int8_kv.py): request b's lens[b] // bs full blocks as codes, then the rest of its keys
@@ -283,6 +289,8 @@ def paged_decode_int8(
         slots,
         lens,
         scale,
+        window,
+        softcap,
     )
 
 

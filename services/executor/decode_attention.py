@@ -47,8 +47,12 @@ def decode_bias(key_valid: torch.Tensor) -> torch.Tensor:
     return bias.masked_fill_(~key_valid, float("-inf"))[None, :, None, :]
 
 
-def _softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.softmax(scores.float().mul_(scale).add_(bias), dim=-1)
+def _softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    """softmax(scale * scores + bias), the scaled scores soft-capped first when cap > 0."""
+    scaled = scores.float().mul_(scale)
+    if cap:
+        scaled = torch.tanh(scaled / cap).mul_(cap)
+    return torch.softmax(scaled.add_(bias), dim=-1)
 
 
 def value_rows(
@@ -71,11 +75,12 @@ def decode_attention(
     v_rows: torch.Tensor,
     bias: torch.Tensor,
     scale: float,
+    cap: float = 0.0,
 ) -> torch.Tensor:
     """q [Hkv, B, G, D] against gathered keys k [Hkv, B, Lk, D] and the values read in place:
     the probability-weighted sum of each query's value rows `v_rows` [Hkv*B*G, Lk] of the
     layer's pool `v_pool` [Hkv, NB, bs, D] is one embedding_bag (no copy of V). -> [Hkv, B, G, D]"""
-    p = _softmax(torch.matmul(q, k.transpose(-1, -2)), bias, scale)  # [Hkv, B, G, Lk]
+    p = _softmax(torch.matmul(q, k.transpose(-1, -2)), bias, scale, cap)  # [Hkv, B, G, Lk]
     table = v_pool.reshape(-1, v_pool.shape[-1])
     weights = p.to(v_pool.dtype).view(v_rows.shape)
     out = F.embedding_bag(v_rows, table, mode="sum", per_sample_weights=weights)
@@ -83,7 +88,7 @@ def decode_attention(
 
 
 def int8_decode_attention(
-    q: torch.Tensor, ctx: Int8Context, bias: torch.Tensor, scale: float
+    q: torch.Tensor, ctx: Int8Context, bias: torch.Tensor, scale: float, cap: float = 0.0
 ) -> torch.Tensor:
     """q [Hkv, B, G, D] over an INT8 context (bias over NF*bs + bs keys) -> [Hkv, B, G, D]."""
     h, b, g, _ = q.shape
@@ -96,7 +101,7 @@ def int8_decode_attention(
         full -= torch.matmul(qf, ctx.k_offset.transpose(-1, -2)).transpose(-1, -2)[..., None]
         scores[..., : nf * bs].view(h, b, g, nf, bs).copy_(full.transpose(2, 3))
     scores[..., nf * bs :] = torch.matmul(q, ctx.k_stage.transpose(-1, -2))
-    p = _softmax(scores, bias, scale)
+    p = _softmax(scores, bias, scale, cap)
     p_full, p_stage = p.split([nf * bs, bs], dim=-1)
     out = torch.matmul(p_stage.to(q.dtype), ctx.v_stage).float()
     if nf:

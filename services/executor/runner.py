@@ -1,4 +1,5 @@
-"""Build a model runner from a model directory (`ModelRunner`: the Llama family or OPT)."""
+"""Build a model runner from a model directory (`ModelRunner`: the shared decoder of the
+Llama-shaped families, or OPT's), as the model registry (models/) says."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
-from services.executor.config import LLAMA_FAMILY, ModelSpec, load_spec
+from services.executor.config import ModelSpec, load_spec
+from services.executor.models.variant import OPT
 from services.executor.weights import LOAD_FORMATS, dummy_state, load_state
 
 if TYPE_CHECKING:
@@ -25,14 +27,17 @@ def load_runner(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {load_format!r}")
     spec = load_spec(Path(model_dir))
+    assert spec.family is not None
+    rename = spec.family.rename
     if load_format == "dummy":
-        state = dummy_state(Path(model_dir), dtype, device)
+        norm = 0.0 if spec.variant.norm_offset else 1.0  # (1 + w) norms start at w = 0
+        state = dummy_state(Path(model_dir), dtype, device, rename=rename, norm_fill=norm)
     else:
-        state = load_state(Path(model_dir), dtype, device)
-    if spec.arch in LLAMA_FAMILY:
-        from services.executor.llama import LlamaRunner
+        state = load_state(Path(model_dir), dtype, device, rename=rename)
+    if spec.family.runner == OPT:
+        from services.executor.opt import OptRunner
 
-        return spec, LlamaRunner(spec, state, device, dtype)
-    from services.executor.opt import OptRunner
+        return spec, OptRunner(spec, state, device, dtype)
+    from services.executor.llama import LlamaRunner
 
-    return spec, OptRunner(spec, state, device, dtype)
+    return spec, LlamaRunner(spec, state, device, dtype)

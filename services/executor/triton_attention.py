@@ -43,9 +43,13 @@ class TritonAttention:
         device: torch.device,
         kv_splits: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        windows: tuple[int, ...] = (),
+        softcap: float = 0.0,
     ) -> None:
         """kv_splits: force a split-KV factor (a power of two; None: plan.num_kv_splits);
-        dtype: the model's compute dtype (fp32 takes smaller KV tiles: plan.kv_tile)."""
+        dtype: the model's compute dtype (fp32 takes smaller KV tiles: plan.kv_tile);
+        windows: per layer, a sliding window in keys (0: global); softcap: attention
+        soft-capping (0: off)."""
         if not _pow2(head_dim) or head_dim < 16:
             raise ValueError(
                 f"the Triton backend needs a power-of-two head_dim >= 16, not {head_dim}"
@@ -59,6 +63,7 @@ class TritonAttention:
             raise ValueError(f"kv_splits must be a power of two, not {kv_splits}")
         self.h, self.hkv, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.g = num_heads // num_kv_heads
+        self.windows, self.softcap = tuple(windows), softcap
         self.kv_splits = kv_splits
         # set by the CUDA runtime (graph_split_kv): decode-only steps split by their graph
         # bucket up to this context length (plan.bucket_splits); None: by their contexts
@@ -191,6 +196,7 @@ class TritonAttention:
             kv[0].shape[1],
             kv[6].shape[1],
             m["tables"].shape[1],
+            self.windows[layer] if self.windows else 0,
             H=self.h,
             G=self.g,
             D=self.d,
@@ -201,6 +207,7 @@ class TritonAttention:
             SPLITS=step.splits,
             PRECISION="ieee" if fp32 else "tf32",
             EMULATE=emulate,
+            SOFTCAP=self.softcap,
             **plan.launch_config(q.dtype),
         )
         if step.splits > 1:

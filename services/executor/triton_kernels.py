@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -88,13 +89,20 @@ def _load_int8_tile(
 
 
 @triton.jit
-def _softmax_step(q, kt, v, n, q_pos, m, l_sum, acc, qk_scale, CDT: tl.constexpr,
-                  PRECISION: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+def _softmax_step(q, kt, v, n, q_pos, m, l_sum, acc, qk_scale, window, CDT: tl.constexpr,
+                  PRECISION: tl.constexpr, EMULATE: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
     """Fold one KV tile (kt, v in the compute dtype CDT) into the running max m [M], sum
     l_sum [M] and output acc [M, D] (fp32, base-2 exponentials; a row that has seen no key
-    yet keeps m = -inf and zeros). l_sum sums the weights as rounded for P @ V."""
+    yet keeps m = -inf and zeros). l_sum sums the weights as rounded for P @ V. Keys after
+    the query, or (window > 0) not among its last `window`, are masked; SOFTCAP > 0 bends
+    the scores to SOFTCAP * tanh(score / SOFTCAP) first (in natural units)."""
     scores = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-    scores = tl.where(n[None, :] <= q_pos[:, None], scores, float("-inf"))
+    if SOFTCAP > 0:  # tanh(x) = 2 sigmoid(2x) - 1, in the base-2 domain of the scores
+        cap2 = SOFTCAP * LOG2E
+        scores = cap2 * (2.0 * tl.sigmoid(2.0 * scores / cap2) - 1.0)
+    seen = n[None, :] <= q_pos[:, None]
+    seen = seen & ((window <= 0) | (n[None, :] > q_pos[:, None] - window))
+    scores = tl.where(seen, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_safe)
@@ -129,21 +137,23 @@ def _tile_rows(Q, TILES, n_tiles, tile, hk, H: tl.constexpr, G: tl.constexpr, D:
 # compile one variant per class of their values (== 1, divisible by 16, other), so a shape
 # warm-up never met would compile while serving a request. The pool sizes stay specialised:
 # they are fixed for an engine's life, and warm-up meets them.
-STEP_VARYING = ("n_tiles", "n_tokens", "nb_max")
+STEP_VARYING = ("n_tiles", "n_tokens", "nb_max", "window")
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)
 def paged_attention(
     Q, OUT, PART_ACC, PART_ML, TILES, TABLES, REQ_CTX, REQ_SLOT, K, V, KS, KO, VS, VO, KST, VST,
-    qk_scale, n_tiles, n_tokens, nb_total, n_slots, nb_max,
+    qk_scale, n_tiles, n_tokens, nb_total, n_slots, nb_max, window,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr, SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    PRECISION: tl.constexpr, EMULATE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Grid (query tiles, Hkv, SPLITS). Q, OUT [T, H, D]; TILES [4, n_tiles] (plan's
     tile_table); qk_scale = softmax scale * log2(e). SPLITS > 1: each program covers a
     contiguous share of the tile's KV tiles and writes its unnormalised state to PART_ACC
-    [SPLITS, T, H, D] and PART_ML [SPLITS, T, H, 2] (max, sum) for reduce_splits."""
+    [SPLITS, T, H, D] and PART_ML [SPLITS, T, H, 2] (max, sum) for reduce_splits. window > 0
+    (a sliding-window layer): KV tiles wholly before the tile's first query's window are
+    skipped, the rest masked per query (_softmax_step); SOFTCAP: attention soft-capping."""
     tile, hk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, q, rows, ok, q_pos, kv_len = _tile_rows(
         Q, TILES, n_tiles, tile, hk, H, G, D, BLOCK_M, EMULATE
@@ -152,12 +162,14 @@ def paged_attention(
     head_base = hk.to(tl.int64) * nb_total
     stage_base = (hk.to(tl.int64) * n_slots + tl.load(REQ_SLOT + r)) * BS * D
     sealed_len = tl.load(REQ_CTX + r) // BS * BS
-    per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLITS)
+    n_kv = tl.cdiv(kv_len, BLOCK_N)
+    first = tl.where(window > 0, tl.maximum(tl.min(q_pos, axis=0) - window + 1, 0) // BLOCK_N, 0)
+    per_split = tl.cdiv(n_kv - first, SPLITS)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    last = tl.minimum((split + 1) * per_split, tl.cdiv(kv_len, BLOCK_N))
-    for j in range(split * per_split, last):
+    last = tl.minimum(first + (split + 1) * per_split, n_kv)
+    for j in range(first + split * per_split, last):
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = n < kv_len
         if INT8:
@@ -170,8 +182,9 @@ def paged_attention(
             if EMULATE:  # the interpreter's bf16 stand-in: fp32 holding bf16 values (exact)
                 kt, v = kt.to(tl.float32), v.to(tl.float32)
         m, l_sum, acc = _softmax_step(
-            q, kt, v, n, q_pos, m, l_sum, acc, qk_scale, Q.dtype.element_ty, PRECISION, EMULATE
-        )
+            q, kt, v, n, q_pos, m, l_sum, acc, qk_scale, window, Q.dtype.element_ty, PRECISION,
+            EMULATE, SOFTCAP,
+        )  # fmt: skip
     d = tl.arange(0, D)
     if SPLITS == 1:
         out = _round(acc / l_sum[:, None], OUT.dtype.element_ty, EMULATE).to(OUT.dtype.element_ty)
@@ -202,7 +215,7 @@ def reduce_splits(PART_ACC, PART_ML, OUT, n_tokens, H: tl.constexpr, G: tl.const
         m_s = tl.load(PART_ML + part * 2, mask=ok, other=float("-inf"))
         l_s = tl.load(PART_ML + part * 2 + 1, mask=ok, other=0.0)
         acc_s = tl.load(PART_ACC + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m, m_s)  # finite from split 0 on: it always holds key 0
+        m_new = tl.maximum(m, m_s)  # -inf only before a split that saw a key (windows)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding heads
         alpha, beta = tl.exp2(m - m_safe), tl.exp2(m_s - m_safe)  # 0 for a split with no key
         l_sum = l_sum * alpha + l_s * beta

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
+Rename = Callable[[str], str | None]
 
 
 def _files(model_dir: Path) -> list[Path]:
@@ -22,18 +27,35 @@ def _files(model_dir: Path) -> list[Path]:
     return files
 
 
+def our_name(name: str, rename: Rename | None) -> str | None:
+    """A checkpoint tensor's key: any leading `model.` stripped, then the family's rename
+    (None: a tensor the executor does not use, e.g. a vision tower)."""
+    key = name[len("model.") :] if name.startswith("model.") else name
+    return rename(key) if rename else key
+
+
 def load_state(
-    model_dir: Path, dtype: torch.dtype, device: torch.device
+    model_dir: Path, dtype: torch.dtype, device: torch.device, rename: Rename | None = None
 ) -> dict[str, torch.Tensor]:
-    """All tensors, converted to `dtype` on `device`, with any leading `model.` stripped."""
+    """All tensors the family uses (our_name), converted to `dtype` on `device`."""
     from safetensors import safe_open
 
     state: dict[str, torch.Tensor] = {}
+    skipped = 0
     for path in _files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                key = name[len("model.") :] if name.startswith("model.") else name
+                key = our_name(name, rename)
+                if key is None:
+                    skipped += 1
+                    continue
                 state[key] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if skipped:
+        log.info(
+            "%s: %d tensors not used by the language model skipped (vision tower)",
+            model_dir,
+            skipped,
+        )
     return state
 
 
@@ -57,11 +79,16 @@ def _fill_random(x: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def dummy_state(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int = 0
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    rename: Rename | None = None,
+    norm_fill: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Random weights with the names and shapes of the checkpoint `model_dir/config.json`
     describes (vLLM's --load-format dummy): matrices ~ N(0, DUMMY_STD^2) (_fill_random), norm
-    weights 1, biases 0, drawn on `device` from `seed`. The names come from transformers' model built on
+    weights `norm_fill` (1; 0 for (1 + w) norms), biases 0, drawn on `device` from `seed`. The names come from transformers' model built on
     the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -75,10 +102,12 @@ def dummy_state(
     gen = torch.Generator(device=device).manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
-        key = name[len("model.") :] if name.startswith("model.") else name
+        key = our_name(name, rename)
+        if key is None:
+            continue
         x = torch.empty(shape, dtype=dtype, device=device)
         if len(shape) == 1:
-            x.fill_(1.0 if "norm" in name else 0.0)
+            x.fill_(norm_fill if "norm" in name else 0.0)
         else:
             _fill_random(x, gen)
         state[key] = x

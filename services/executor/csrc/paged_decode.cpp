@@ -1,6 +1,9 @@
 // Paged decode attention on CPU: one query token per request, read straight from the paged
 // KV pool (no gathered copy of K or V). Built at run time by cpu_kernels.py.
 //
+// Sliding-window layers read only the blocks holding their last `window` keys, and Gemma-style
+// soft-capping bends the scores before the softmax (finish_scores).
+//
 // One task per (request, KV head), spread over torch's intra-op threads: the G query heads
 // that share the KV head are scored against each key row as it streams from its block
 // (pass 1), the scores go through an fp32 softmax, then each value row is read once and
@@ -17,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -34,12 +38,12 @@ using namespace alise_vec;
 // scattered blocks 65-71 -> 41-44 ms for 30 layers, consecutive ones unchanged (26-31 ms).
 constexpr int64_t AHEAD = 2;
 
-// Rows `scores[g * n .. g * n + n)` -> probabilities (fp32 softmax, in place; n >= 1, so
-// every number stays finite). 16 scores at a time, the sum in a fixed order (vec.h).
-void softmax_rows(float* scores, int64_t g_count, int64_t n) {
+// Rows `scores[g * stride .. g * stride + n)` -> probabilities (fp32 softmax, in place;
+// n >= 1, so every number stays finite). 16 scores at a time, the sum in a fixed order (vec.h).
+void softmax_rows(float* scores, int64_t g_count, int64_t n, int64_t stride) {
   const int64_t body = n - n % W;
   for (int64_t g = 0; g < g_count && n > 0; ++g) {
-    float* s = scores + g * n;
+    float* s = scores + g * stride;
     float m = s[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
     vf acc{};
@@ -57,6 +61,27 @@ void softmax_rows(float* scores, int64_t g_count, int64_t n) {
     const float inv = 1.f / sum;
     for (int64_t i = 0; i < n; ++i) s[i] *= inv;
   }
+}
+
+// The keys a query at context length `len` sees: [start, len), start = len - window for a
+// sliding-window layer (transformers' mask: key > query - window), else 0.
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
+// Rows of `len` scores whose keys [start, len) are seen -> probabilities: soft-capped
+// (cap * tanh(score / cap), Gemma-style, when cap > 0), softmax over the seen keys, and the
+// unseen keys of the first block read, [from, start), weighted 0.
+void finish_scores(float* scores, int64_t g_count, int64_t len, int64_t start, int64_t from,
+                   float cap) {
+  for (int64_t g = 0; g < g_count; ++g) {
+    float* row = scores + g * len;
+    if (cap > 0.f)
+      for (int64_t i = start; i < len; ++i) row[i] = cap * std::tanh(row[i] / cap);
+  }
+  softmax_rows(scores + start, g_count, len - start, len);
+  for (int64_t g = 0; g < g_count; ++g)
+    for (int64_t i = from; i < start; ++i) scores[g * len + i] = 0.f;
 }
 
 struct Shape {
@@ -148,7 +173,8 @@ void check_common(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
 
 template <int64_t C, typename T>
 void decode_full(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                 const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
+                 const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
+                 float cap, at::Tensor& out) {
   const Shape s{k_pool.size(0), q.size(1) / k_pool.size(0), k_pool.size(3), k_pool.size(2),
                 k_pool.size(1), tables.size(1)};
   const int64_t batch = q.size(0), max_len = max_of(lens);
@@ -164,7 +190,7 @@ void decode_full(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     w.size(s, max_len);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.kv_heads, h = task % s.kv_heads, len = lp[b];
-      const int64_t nb = (len + bs - 1) / bs;
+      const int64_t nb = (len + bs - 1) / bs, start = window_start(len, window), i0 = start / bs;
       const int64_t* table = tp + b * s.table_width;
       const int64_t head = h * s.num_blocks * block_elems;
       auto block = [&](const T* pool, int64_t i) { return pool + head + table[i] * block_elems; };
@@ -175,16 +201,16 @@ void decode_full(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
         const int64_t a = i + AHEAD;
         return a < nb && table[a] != table[i] + AHEAD ? block(pool, a) : nullptr;
       };
-      for (int64_t i = 0; i < nb; ++i) {  // pass 1: scores
+      for (int64_t i = i0; i < nb; ++i) {  // pass 1: scores
         const int64_t n = std::min(bs, len - i * bs);
         score_rows<C>(w.q.data(), s.groups, block(kp, i), n, w.scores.data(), i * bs, len,
-                      i + AHEAD < nb        ? ahead(kp, i)
-                      : i + AHEAD - nb < nb ? block(vp, i + AHEAD - nb)
-                                            : nullptr);
+                      i + AHEAD < nb             ? ahead(kp, i)
+                      : i0 + i + AHEAD - nb < nb ? block(vp, i0 + i + AHEAD - nb)
+                                                 : nullptr);
       }
-      softmax_rows(w.scores.data(), s.groups, len);
+      finish_scores(w.scores.data(), s.groups, len, start, i0 * bs, cap);
       std::fill(w.acc.begin(), w.acc.end(), vf{});
-      for (int64_t i = 0; i < nb; ++i) {  // pass 2: values
+      for (int64_t i = i0; i < nb; ++i) {  // pass 2: values
         const int64_t n = std::min(bs, len - i * bs);
         add_rows<C>(w.acc.data(), s.groups, block(vp, i), n, w.scores.data() + i * bs, len,
                     nullptr, ahead(vp, i));
@@ -205,7 +231,8 @@ void with_head_dim(int64_t d, F&& f) {
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+                        const at::Tensor& tables, const at::Tensor& lens, double scale,
+                        int64_t window, double softcap) {
   check_common(q, tables, lens);
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   k_pool.sizes() == v_pool.sizes(),
@@ -214,12 +241,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
               "pools and q must share a dtype");
   TORCH_CHECK(q.size(1) % k_pool.size(0) == 0 && q.size(2) == k_pool.size(3), "head shapes");
   auto out = at::empty_like(q);
+  const float cap = static_cast<float>(softcap);
   with_head_dim(q.size(2), [&](auto c) {
     constexpr int64_t C = decltype(c)::value;
     switch (q.scalar_type()) {
-      case at::kFloat: decode_full<C, float>(q, k_pool, v_pool, tables, lens, scale, out); break;
+      case at::kFloat:
+        decode_full<C, float>(q, k_pool, v_pool, tables, lens, scale, window, cap, out);
+        break;
       case at::kBFloat16:
-        decode_full<C, c10::BFloat16>(q, k_pool, v_pool, tables, lens, scale, out);
+        decode_full<C, c10::BFloat16>(q, k_pool, v_pool, tables, lens, scale, window, cap, out);
         break;
       default: TORCH_CHECK(false, "paged_decode: fp32 or bf16 only");
     }
@@ -258,7 +288,7 @@ template <int64_t C, typename T>
 void decode_int8(const at::Tensor& q, const Int8Pools& p, const at::Tensor& k_stage,
                  const at::Tensor& v_stage, const at::Tensor& tables, const at::Tensor& slots,
                  const at::Tensor& lens, int64_t num_blocks, int64_t block_size, double scale,
-                 at::Tensor& out) {
+                 int64_t window, float cap, at::Tensor& out) {
   const int64_t kv_heads = k_stage.size(0);
   const Shape s{kv_heads, q.size(1) / kv_heads, C * W, block_size, num_blocks, tables.size(1)};
   const int64_t batch = q.size(0), max_len = max_of(lens), stage_slots = k_stage.size(1);
@@ -276,6 +306,7 @@ void decode_int8(const at::Tensor& q, const Int8Pools& p, const at::Tensor& k_st
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, len = lp[b];
       const int64_t full = len / bs, tail = len - full * bs;
+      const int64_t start = window_start(len, window), f0 = start / bs;
       const int64_t stage = (h * stage_slots + sp[b]) * block_elems;
       const int64_t* table = tp + b * s.table_width;
       load_query(qp + (b * kv_heads + h) * vecs * W, static_cast<float>(scale), w.q.data(),
@@ -286,7 +317,7 @@ void decode_int8(const at::Tensor& q, const Int8Pools& p, const at::Tensor& k_st
                    ? pool + (h * num_blocks + table[a]) * block_elems
                    : nullptr;
       };
-      for (int64_t f = 0; f < full; ++f) {  // pass 1, full blocks: codes
+      for (int64_t f = f0; f < full; ++f) {  // pass 1, full blocks: codes
         const int64_t blk = h * num_blocks + table[f];
         fold_key_scales<C>(w, s.groups, p.ks + blk * C * W, p.ko + blk * C * W, w.qs.data(),
                            w.qo.data());
@@ -297,10 +328,10 @@ void decode_int8(const at::Tensor& q, const Int8Pools& p, const at::Tensor& k_st
           for (int64_t t = 0; t < bs; ++t) sc[g * len + t] -= w.qo[g];
       }
       score_rows<C>(w.q.data(), s.groups, ksp + stage, tail, w.scores.data(), full * bs, len);
-      softmax_rows(w.scores.data(), s.groups, len);
+      finish_scores(w.scores.data(), s.groups, len, start, f0 * bs, cap);
       std::fill(w.acc.begin(), w.acc.end(), vf{});
       std::fill(w.voff.begin(), w.voff.end(), 0.f);
-      for (int64_t f = 0; f < full; ++f) {  // pass 2, full blocks: codes
+      for (int64_t f = f0; f < full; ++f) {  // pass 2, full blocks: codes
         const int64_t blk = h * num_blocks + table[f];
         const float* probs = w.scores.data() + f * bs;
         add_rows<C>(w.acc.data(), s.groups, p.vq + blk * block_elems, bs, probs, len,
@@ -322,7 +353,8 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& kq, const at
                              const at::Tensor& ko, const at::Tensor& vq, const at::Tensor& vs,
                              const at::Tensor& vo, const at::Tensor& k_stage,
                              const at::Tensor& v_stage, const at::Tensor& tables,
-                             const at::Tensor& slots, const at::Tensor& lens, double scale) {
+                             const at::Tensor& slots, const at::Tensor& lens, double scale,
+                             int64_t window, double softcap) {
   check_common(q, tables, lens);
   for (const auto* t : {&kq, &ks, &ko, &vq, &vs, &vo, &k_stage, &v_stage})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "int8 pools: contiguous CPU");
@@ -335,17 +367,18 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& kq, const at
   const Int8Pools p{kq.data_ptr<uint8_t>(), vq.data_ptr<uint8_t>(), ks.data_ptr<c10::Half>(),
                     ko.data_ptr<c10::Half>(), vs.data_ptr<c10::Half>(), vo.data_ptr<c10::Half>()};
   const int64_t num_blocks = kq.size(1), block_size = kq.size(2);
+  const float cap = static_cast<float>(softcap);
   auto out = at::empty_like(q);
   with_head_dim(q.size(2), [&](auto c) {
     constexpr int64_t C = decltype(c)::value;
     switch (q.scalar_type()) {
       case at::kFloat:
         decode_int8<C, float>(q, p, k_stage, v_stage, tables, slots, lens, num_blocks,
-                              block_size, scale, out);
+                              block_size, scale, window, cap, out);
         break;
       case at::kBFloat16:
         decode_int8<C, c10::BFloat16>(q, p, k_stage, v_stage, tables, slots, lens, num_blocks,
-                                      block_size, scale, out);
+                                      block_size, scale, window, cap, out);
         break;
       default: TORCH_CHECK(false, "paged_decode_int8: fp32 or bf16 only");
     }
@@ -357,10 +390,10 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& kq, const at
 
 ALISE_LIBRARY(ALISE_NS, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("paged_decode_int8(Tensor q, Tensor kq, Tensor ks, Tensor ko, Tensor vq, Tensor vs, "
         "Tensor vo, Tensor k_stage, Tensor v_stage, Tensor tables, Tensor slots, Tensor lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 ALISE_LIBRARY_IMPL(ALISE_NS, CPU, m) {
