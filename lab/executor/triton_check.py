@@ -46,6 +46,8 @@ class Case:
     kv: str  # "auto" (model dtype) or "int8"
     splits: int | None  # split-KV factor; None: the backend's rule
     runs: tuple[tuple[int, int], ...] = MIXED
+    window: int = 0  # sliding window in keys (0: none)
+    softcap: float = 0.0  # attention soft-capping (0: none)
 
     @property
     def tol(self) -> float:
@@ -73,7 +75,18 @@ def _matrix() -> tuple[Case, ...]:
     cases.append(Case("float16-d64-g8-bs16-hkv2-split1-mixed", 64, 8, 2, 16, "float16", "auto", 1))
     decodes = ((1, 2000), (1, 300))
     rule = Case("float32-d128-g4-bs16-decode-rule", 128, 4, 1, 16, "float32", "auto", None, decodes)
-    return (*cases, rule)
+    windowed = [  # Gemma's sliding windows and soft-capping, in every kind of step
+        Case(
+            f"{kind}-d64-g4-bs16-split{sp}-window40-cap2", 64, 4, 2, 16, dt, kv, sp, MIXED, 40, 2.0
+        )
+        for kind, dt, kv, sp in (
+            ("float32", "float32", "auto", 1),
+            ("float32", "float32", "auto", 4),
+            ("bfloat16", "bfloat16", "auto", 2),
+            ("int8-float32", "float32", "int8", 1),
+        )
+    ]
+    return (*cases, rule, *windowed)
 
 
 CASES = _matrix()
@@ -135,10 +148,16 @@ def _context_fp32(cache: KVPool, run: TokenRun) -> tuple[torch.Tensor, torch.Ten
 
 
 def reference_attention(
-    cache: KVPool, q: torch.Tensor, batch: StepBatch, scale: float
+    cache: KVPool,
+    q: torch.Tensor,
+    batch: StepBatch,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention in fp32 of the packed queries q [T, H, D] over each request's context
-    in the pool, GQA by folding the G heads of a KV head: plain torch, no backend involved."""
+    in the pool, GQA by folding the G heads of a KV head: plain torch, no backend involved.
+    window > 0: each query sees its last `window` keys; softcap > 0: scores soft-capped."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     row = 0
     for run in batch.runs:  # packed order
@@ -147,9 +166,12 @@ def reference_attention(
         g = q.shape[1] // hkv
         qr = q[row : row + n_q].float().view(n_q, hkv, g, d).permute(1, 0, 2, 3)
         scores = qr.reshape(hkv, n_q * g, d) @ k.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         pos = (run.ctx_before + torch.arange(n_q, device=q.device)).repeat_interleave(g)
-        later = torch.arange(k.shape[1], device=q.device)[None, :] > pos[:, None]
-        probs = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
+        key = torch.arange(k.shape[1], device=q.device)[None, :]
+        unseen = (key > pos[:, None]) | ((key <= pos[:, None] - window) if window else False)
+        probs = torch.softmax(scores.masked_fill(unseen, float("-inf")), dim=-1)
         o = (probs @ v).view(hkv, n_q, g, d).permute(1, 0, 2, 3)
         out[row : row + n_q] = o.reshape(n_q, hkv * g, d)
         row += n_q
@@ -179,11 +201,15 @@ def compare_case(case: Case, device: str = "cpu", seed: int = 0) -> dict[str, An
     q, k, v = (
         torch.randn(t, n, d, generator=gen).to(dev, dtype) for n in (h, *[case.kv_heads] * 2)
     )
-    tri = TritonAttention(h, case.kv_heads, d, d**-0.5, dev, kv_splits=case.splits, dtype=dtype)
+    tri = TritonAttention(
+        h, case.kv_heads, d, d**-0.5, dev, kv_splits=case.splits, dtype=dtype,
+        windows=(case.window,), softcap=case.softcap,
+    )  # fmt: skip
     batch = build_batch(runs, case.block_size, dev)
     ref_cache.prepare(batch)
     ref_cache.write(0, k, v, batch)
-    outs = [reference_attention(ref_cache, q, batch, d**-0.5).view(t, h * d)]
+    ref = reference_attention(ref_cache, q, batch, d**-0.5, case.window, case.softcap)
+    outs = [ref.view(t, h * d)]
     batch = build_batch(runs, case.block_size, dev)  # the same packed order, fresh metadata
     tri_cache.prepare(batch)
     tri.prepare(batch)
@@ -259,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--case", action="append", help="run only these cases (repeatable)")
     parser.add_argument("--engine", metavar="MODEL_DIR", help="also compare whole engines")
+    parser.add_argument(
+        "--windowed", metavar="MODEL_DIR", help="and on a model with windows and soft-capping"
+    )
     args = parser.parse_args(argv)
     chosen = [c for c in CASES if not args.case or c.name in args.case]
     results: dict[str, Any] = {
@@ -270,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{kv}-bs{bs}": engine_parity(args.engine, kv, bs, args.device)
             for kv, bs in (("auto", 16), ("int8", 8))
         }
+    if args.windowed:
+        results["windowed_engine"] = engine_parity(args.windowed, "auto", 16, args.device)
     print(json.dumps(results))
 
 

@@ -83,6 +83,90 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+_GEMMA3_ROPE = {  # per layer type (transformers 5); the global layers' 8x linear scaling
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+_GEMMA3 = {
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,  # five local layers to one global
+    "rope_parameters": _GEMMA3_ROPE,
+    "tie_word_embeddings": True,
+}
+_QWEN3 = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+PRESETS |= {
+    "qwen3-8b": _QWEN3
+    | {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "qwen3-32b": _QWEN3
+    | {
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+    "gemma-3-12b": _GEMMA3
+    | {
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+    },
+    "gemma-3-27b": _GEMMA3
+    | {
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "query_pre_attn_scalar": 168,
+    },
+    # Phi-4-mini's shapes; its LongRoPE factors are placeholders (1.0: random weights have no
+    # trained frequencies), served up to original_max_position_embeddings (models/phi3.py)
+    "phi-4-mini": {
+        "model_type": "phi3",
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 4096,
+            "short_factor": [1.0] * 48,
+            "long_factor": [1.0] * 48,
+        },
+        "tie_word_embeddings": True,
+    },
+}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -100,7 +184,7 @@ def preset_config(name: str, tokenizer_src: Path, num_layers: int | None = None)
         raise ValueError(f"unknown preset {name!r}: expected one of {sorted(PRESETS)}")
     base = json.loads((tokenizer_src / "config.json").read_text())
     config = {k: base[k] for k in _FROM_TOKENIZER if base.get(k) is not None}
-    config |= PRESETS[name] | {"torch_dtype": "bfloat16", "hidden_act": "silu"}
+    config |= {"torch_dtype": "bfloat16", "hidden_act": "silu"} | PRESETS[name]
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
     return config

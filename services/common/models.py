@@ -6,7 +6,7 @@ A model setting is one of:
   Face cache entry: a snapshot (`.../models--org--name/snapshots/<revision>`) or the entry
   itself (`.../models--org--name`, its `refs/main` snapshot), served as `name`;
 - a path to a `.gguf` file;
-- a shape preset (`llama-3-8b`, `llama-3.2-1b`, `qwen2.5-7b`, `mistral-7b`: model_presets.py):
+- a shape preset (`llama-3-8b`, `qwen3-8b`, `gemma-3-12b`, `phi-4-mini`, ...: model_presets.py):
   config.json and the bundled tokenizer in `<data_dir>/presets/<name>/`, no weights, served
   with load_format=dummy (random weights).
 

@@ -30,6 +30,8 @@ def _overrides(args: argparse.Namespace, policy: str) -> dict[str, str]:
     out = {"ALISE_POLICY": args.policy or policy}
     if args.load_format:
         out["ALISE_LOAD_FORMAT"] = args.load_format
+    if args.model:
+        out["ALISE_MODEL"] = args.model
     return out
 
 
@@ -96,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{info['port']}"
         print(
             f"\nALISE is ready at {url}  (playground: {url}/ , metrics: {url}/metrics)\n"
-            f"Try:\n  {_curl_example(url, served_model_id(info['settings'].model))}\n",
+            f"Try:\n  {_curl_example(url, served_model_id(args.model or info['settings'].model))}\n",
             flush=True,
         )
         while not stop.wait(0.5):
@@ -138,6 +140,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--host", default="", help="gateway bind address (ALISE_GATEWAY_HOST, default 127.0.0.1)"
     )
     serve.add_argument("--policy", default="", help="scheduling policy (ALISE_POLICY)")
+    serve.add_argument(
+        "--model",
+        default="",
+        help="model: a Hugging Face directory, a .gguf file, a shape preset or the bundled "
+        "model (ALISE_MODEL; families: docs/models.md)",
+    )
     serve.add_argument(
         "--load-format",
         default="",

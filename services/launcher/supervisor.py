@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,9 +122,12 @@ class Supervisor:
             if child.exited():
                 failures += 1
                 if failures >= attempts:
+                    reason = failure_reason(child.log_path)
                     raise RuntimeError(
                         f"{child.spec.name} exited with code {child.process.returncode} while "
-                        f"starting ({failures} attempts); see {child.log_path}"
+                        f"starting ({failures} attempts)"
+                        + (f": {reason}" if reason else "")
+                        + f"; see {child.log_path}"
                     )
                 delay = float(2 ** (failures - 1))
                 log.warning(
@@ -184,6 +188,22 @@ class Supervisor:
         tmp = self.run_dir / "pids.json.tmp"
         tmp.write_text(json.dumps(self.pids()))
         tmp.replace(self.run_dir / "pids.json")
+
+
+_EXCEPTION = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception): .+")
+
+
+def failure_reason(log_path: Path, tail_bytes: int = 65536) -> str:
+    """The last exception named in the end of a service's log (`ValueError: unsupported
+    architecture ...`, from a traceback or a logged error), or "" when it names none."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    found = [m.group(0).strip() for m in map(_EXCEPTION.search, lines) if m]
+    return found[-1] if found else ""
 
 
 def base_env(overrides: dict[str, str]) -> dict[str, str]:

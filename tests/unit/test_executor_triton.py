@@ -39,10 +39,17 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def interpreted(tiny_llama) -> dict:
-    """Every case, the padding write and the engine comparison in one interpreter process."""
+def tiny_gemma2(tmp_path_factory) -> Path:
+    """Sliding windows (12 keys) and attention soft-capping (lab/executor/tiny.py)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "gemma2", "gemma2", seed=1)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tiny_llama, tiny_gemma2) -> dict:
+    """Every case, the padding write and the engine comparisons in one interpreter process."""
+    check = ["-m", "lab.executor.triton_check", "--engine", str(tiny_llama)]
     proc = subprocess.run(
-        [sys.executable, "-m", "lab.executor.triton_check", "--engine", str(tiny_llama)],
+        [sys.executable, *check, "--windowed", str(tiny_gemma2)],
         env=dict(os.environ, TRITON_INTERPRET="1"),
         cwd=ROOT,
         capture_output=True,
@@ -68,6 +75,11 @@ def test_engine_on_triton_matches_torch_under_interpreter(interpreted):
     assert set(interpreted["engine"]) == {"auto-bs16", "int8-bs8"}
     for name, diff in interpreted["engine"].items():
         assert diff < ENGINE_TOL, (name, diff)
+
+
+def test_windowed_soft_capped_engine_on_triton_matches_torch_under_interpreter(interpreted):
+    """Gemma 2's interleaved 12-key windows and soft-capped scores, prompts past the window."""
+    assert interpreted["windowed_engine"] < ENGINE_TOL
 
 
 @pytest.mark.gpu
