@@ -134,7 +134,9 @@ class LlamaRunner:
             {"embed_tokens.weight": embed} if embed is not None else {}, "embed_tokens.weight"
         )
         scale = self.variant.embed_scale
-        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype)
+        self.embed_scale = (
+            None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
+        )
         self.lm_head = self.embed if lm_head is None else lm_head
         self.head = LmHead(self.lm_head)
         self.norm = self._norm_weight(take(state, "norm.weight"))

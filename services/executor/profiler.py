@@ -195,6 +195,7 @@ def profile_engine(
     return {
         "device": info["device"],
         "model": info["model"],
+        "architecture": info["architecture"],
         **fit(samples),
         "samples": samples,
         "block_size": engine.block_size,

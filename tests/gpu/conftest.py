@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.executor.tiny import ARCHS, make_tiny_model
+from lab.executor.tiny import ARCHS, NEW_FAMILIES, make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +27,11 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def model_dirs(smollm2_dir, tiny_dirs) -> dict[str, Path]:
     return {"smollm2": smollm2_dir, **{f"tiny-{a}": d for a, d in tiny_dirs.items()}}
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The registry's newer families (windows, soft-caps, QK-norm, partial rotary), 64-wide
+    heads."""
+    root = tmp_path_factory.mktemp("families-gpu")
+    return {a: make_tiny_model(root / a, a, seed=1, head_dim=64) for a in NEW_FAMILIES}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lab.executor.testing import teacher_forced_logits
+from lab.executor.tiny import NEW_FAMILIES
 from services.executor.cuda_runtime import RuntimeOptions
 from services.executor.engine import Engine
 from tests.gpu import GPU_ONLY
@@ -54,8 +55,19 @@ def _ours(model_dir, step_runtime: str = "auto") -> list[torch.Tensor]:
     "name", ["smollm2", "tiny-llama", "tiny-qwen2", "tiny-opt", "tiny-mistral"]
 )
 def test_bf16_logits_track_transformers(model_dirs, name):
-    ours = _ours(model_dirs[name])
-    ref32, ref16 = (_hf_logits(model_dirs[name], d) for d in (torch.float32, torch.bfloat16))
+    _assert_tracks(model_dirs[name], name)
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_bf16_logits_of_each_family_track_transformers(family_dirs, arch):
+    """Qwen3, Gemma 2/3 (windows past the 12-token window, soft-caps), Phi-3: Triton
+    attention with windows and soft-cap, the unfused layers, CUDA graphs."""
+    _assert_tracks(family_dirs[arch], arch)
+
+
+def _assert_tracks(model_dir, name: str) -> None:
+    ours = _ours(model_dir)
+    ref32, ref16 = (_hf_logits(model_dir, d) for d in (torch.float32, torch.bfloat16))
     for ids, o, r32, r16 in zip(PROMPTS, ours, ref32, ref16):
         ours_err, hf_err = (o - r32).abs().mean().item(), (r16 - r32).abs().mean().item()
         agree = (o.argmax(-1) == r32.argmax(-1)).float().mean().item()

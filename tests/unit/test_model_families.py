@@ -198,6 +198,21 @@ def test_greedy_tokens_equal_transformers_fp32(tiny_dirs, arch):
     assert seq.output == _hf_greedy(_hf(tiny_dirs[arch], torch.float32), GREEDY_PROMPT, 32)
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
+def test_deterministic_mode_greedy_equals_transformers_fp32(tiny_dirs, arch):
+    """Deterministic mode (fixed-tile products, prefill queries through the decode kernel,
+    which takes the windows too) on the compiled CPU kernels."""
+    from services.executor import cpu_kernels
+
+    if not cpu_kernels.load():
+        pytest.skip("deterministic mode needs the compiled CPU kernels")
+    engine = Engine(
+        tiny_dirs[arch], device="cpu", dtype="fp32", num_device_blocks=16, deterministic=True
+    )
+    seq = Driver(engine, token_budget=16).generate([GREEDY_PROMPT], GREEDY_TOKENS)[0]
+    assert seq.output == _hf_greedy(_hf(tiny_dirs[arch], torch.float32), GREEDY_PROMPT, 32)
+
+
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_int8_kv_perplexity_within_one_percent(tiny_dirs, arch):
     from transformers import AutoTokenizer
@@ -228,3 +243,14 @@ def test_gemma3_image_text_checkpoint_serves_its_language_model(tiny_dirs):
     assert spec.arch == "gemma3" and spec.num_layers == 3
     assert spec.variant.windows == (TINY_WINDOW, 0, TINY_WINDOW)
     assert spec.variant.rope_of_layer == (1, 0, 1)
+
+
+def test_a_gemma3_engine_profiles_for_the_cost_model(tiny_dirs):
+    """`alise executor profile`'s fit on a family with windows: usable coefficients."""
+    from services.scheduler.core.cost_model import CostModel
+
+    engine = Engine(tiny_dirs["gemma3_text"], device="cpu", dtype="fp32", num_device_blocks=64)
+    profile = engine.profile(quick=True)
+    assert profile["architecture"] == "gemma3_text"
+    model = CostModel.from_profile(profile)
+    assert model.c_decode > 0 and model.c0 >= 0
