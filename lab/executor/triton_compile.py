@@ -42,9 +42,17 @@ def _sig(
 
 
 def attention(
-    dtype: torch.dtype, int8: bool, splits: int, d: int, g: int, bs: int, chunks: bool
+    dtype: torch.dtype,
+    int8: bool,
+    splits: int,
+    d: int,
+    g: int,
+    bs: int,
+    chunks: bool,
+    softcap: float = 0.0,
 ) -> Variant:
-    """paged_attention as TritonAttention launches it for this shape."""
+    """paged_attention as TritonAttention launches it for this shape (softcap: a Gemma 2
+    model's attention soft-cap; sliding windows are a run-time argument)."""
     t = TYPES[dtype]
     block_m, _ = plan.query_tile(g, chunks)
     kv, scale = ("u8", "fp16") if int8 else (t, t)
@@ -53,7 +61,7 @@ def attention(
     pointers |= {"K": kv, "V": kv, "KS": scale, "KO": scale, "VS": scale, "VO": scale}
     pointers |= {"KST": t, "VST": t}
     scalars = {"qk_scale": "fp32"} | dict.fromkeys(
-        ("n_tiles", "n_tokens", "nb_total", "n_slots", "nb_max"), "i32"
+        ("n_tiles", "n_tokens", "nb_total", "n_slots", "nb_max", "window"), "i32"
     )
     consts: dict[str, Any] = {"H": 2 * g, "G": g, "D": d, "BS": bs, "BLOCK_M": block_m}
     consts |= {
@@ -62,8 +70,9 @@ def attention(
         "SPLITS": splits,
     }
     consts |= {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "EMULATE": False}
+    consts["SOFTCAP"] = softcap
     name = f"attention-{t}-{'int8' if int8 else 'fp'}-d{d}-g{g}-bs{bs}-split{splits}"
-    name += "-chunks" if chunks else "-decodes"
+    name += ("-chunks" if chunks else "-decodes") + (f"-softcap{softcap:g}" if softcap else "")
     sig = _sig(pointers, scalars, consts)
     return Variant(name, "paged_attention", sig, consts, plan.launch_config(dtype))
 
@@ -133,7 +142,11 @@ def variants() -> list[Variant]:
         attention(fp32, True, 1, 128, 7, 16, True),
         attention(fp32, False, 2, 64, 1, 16, False),
         attention(fp32, False, 1, 128, 4, 32, True),
+        attention(bf16, False, 2, 256, 2, 16, False),  # Gemma 3 12B's heads
+        attention(bf16, False, 1, 256, 2, 16, True),
+        attention(bf16, False, 1, 128, 2, 16, True, softcap=50.0),  # Gemma 2
         reduce(bf16, 128, 7, 4),
+        reduce(bf16, 256, 2, 2),
         reduce(fp32, 64, 1, 16),
         write(bf16, 128),
         quantize(bf16, 128, 16, True),
