@@ -126,11 +126,3 @@ def moe_forward(
     out.mul_(top.flatten().index_select(0, order)[:, None])
     summed = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
     return summed.index_add_(0, tokens, out).to(x.dtype)
-
-
-def expected_experts(batch_tokens: int, num_experts: int, top_k: int) -> float:
-    """Experts a layer reads for `batch_tokens` tokens routed uniformly at random, k each:
-    E (1 - (1 - k/E)^T) (the cost model's count of routed weights)."""
-    if num_experts <= 0 or batch_tokens <= 0:
-        return 0.0
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch_tokens)
