@@ -37,6 +37,8 @@ def load_runner(
     if load_format == "dummy":
         norm = 0.0 if spec.variant.norm_offset else 1.0  # (1 + w) norms start at w = 0
         state = dummy_state(Path(model_dir), dtype, device, rename=rename, norm_fill=norm)
+        if spec.quant_method:  # random weights of an FP8 checkpoint's shapes: rounded as one
+            quantize_state(state)
     else:
         state = load_state(Path(model_dir), dtype, device, rename=rename)
     if quantization == "fp8":

@@ -102,6 +102,8 @@ def dummy_state(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
+    if getattr(config, "quantization_config", None):  # an FP8 shape: its full-precision names
+        del config.quantization_config
     with torch.device("meta"):
         shapes = {
             k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
