@@ -15,9 +15,7 @@ def test_experts_read_grow_from_top_k_to_all_experts():
     reads = [QWEN3_30B.read(t) for t in (1, 2, 8, 32, 256, 4096)]
     assert reads[0] == pytest.approx(48 * 8)
     assert reads == sorted(reads) and reads[-1] == pytest.approx(48 * 128, rel=1e-6)
-    gains = [b - a for a, b in zip(reads, reads[1:])]
     assert QWEN3_30B.read(2) - QWEN3_30B.read(1) < reads[0]  # concave: overlaps
-    assert all(g >= 0 for g in gains)
 
 
 def _samples(model: CostModel) -> list[dict]:
