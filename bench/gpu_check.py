@@ -14,9 +14,9 @@ SmolLM2-shaped checkpoint (transformers' own initialisation), the benchmarks on 
 
 Runs, each under its own time limit: tests/gpu (pytest, marker gpu) with the native
 `triton_check` beside it, `alise bench engine --device cuda` on the 8B shape, bench/gpu_step.py
-(decode step vs the linear-only and KV-read floor, kernel-family profile; then the Qwen3-8B
-and Gemma-3-12B shapes' decode steps against their floors, key `family_ratio_to_floor`, while
-the time budget allows) and, where redis
+(decode step vs the linear-only and KV-read floor, kernel-family profile; then the Qwen3-8B,
+Gemma-3-12B, Qwen3-30B-A3B and FP8 Llama-3-8B shapes' decode steps against their floors, key
+`family_ratio_to_floor`, while the time budget allows) and, where redis
 can start, the fleet benchmark (`alise bench overhead --fake-executors ... --shards 1,2`).
 Writes one JSON file (default bench/results/gpu_check.json; keys `device`, `decode_step_ms`,
 `floor_ms` per batch size, ...) and prints a short table.
@@ -93,7 +93,8 @@ for f in tok.iterdir():
 for name in ("llama-3-8b", *sys.argv[3:]):
     write_preset(name, work / name, tok)
 """
-FAMILY_SHAPES = ("qwen3-8b", "gemma-3-12b")  # decode steps against their floors after Llama's
+# decode steps against their floors after Llama's (MoE and FP8: the bytes actually read)
+FAMILY_SHAPES = ("qwen3-8b", "gemma-3-12b", "qwen3-30b-a3b", "llama-3-8b-fp8")
 
 
 def run(cmd: list[str], env: dict, timeout: float, log: Path) -> dict[str, Any]:

@@ -139,6 +139,23 @@ def copy_bandwidth() -> float:
     return 2 * n * 2 / sorted(times[2:])[len(times[2:]) // 2]
 
 
+def routed_weight_bytes(spec: Any, params: dict[str, Any], batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads for a mixture of experts or an FP8
+    checkpoint: the dense part once, the experts the batch is routed to (Experts.read), at
+    the bytes per parameter of the weights as stored."""
+    from services.executor.profiler import experts_of
+
+    experts = experts_of(spec)
+    size = params["bytes_per_param"]
+    if experts is None:
+        return params["total"] * size
+    per_expert = (params["total"] - params["active_per_token"]) / (
+        experts.layers * (experts.num_experts - experts.top_k)
+    )
+    dense = params["active_per_token"] - experts.layers * experts.top_k * per_expert
+    return (dense + per_expert * experts.read(batch)) * size
+
+
 def kv_bytes(spec: Any, batch: int) -> int:
     return spec.num_layers * 2 * spec.kv_size * 2 * CONTEXT * batch  # bf16 K and V
 
@@ -162,8 +179,11 @@ def unfused(engine: Any) -> None:
 
 
 def run(model_dir: Path, load_format: str) -> dict[str, Any]:
+    from services.executor.profiler import parameter_counts
+
     engine = build(model_dir, load_format)
-    spec = engine.spec
+    spec, params = engine.spec, parameter_counts(engine)
+    routed = spec.variant.moe is not None or engine.weight_format == "fp8"
     steps = {b: round(step_ms(engine, b), 3) for b in BATCHES}
     prof = {b: profile_step(engine, b) for b in (1, 256)}
     without_splits = steps_after(engine, no_bucket_splits)
@@ -172,7 +192,10 @@ def run(model_dir: Path, load_format: str) -> dict[str, Any]:
     del engine
     torch.cuda.empty_cache()
     bw = copy_bandwidth()
-    lin = {b: round(linear_ms(spec, b), 3) for b in BATCHES}
+    if routed:  # experts or FP8: the weight bytes actually read, at copy bandwidth
+        lin = {b: round(routed_weight_bytes(spec, params, b) / bw, 3) for b in BATCHES}
+    else:
+        lin = {b: round(linear_ms(spec, b), 3) for b in BATCHES}
     kv = {b: round(kv_bytes(spec, b) / bw, 3) for b in BATCHES}
     floor = {b: round(lin[b] + kv[b], 3) for b in BATCHES}
     for b in (1, 256):
@@ -183,6 +206,8 @@ def run(model_dir: Path, load_format: str) -> dict[str, Any]:
         "context": CONTEXT,
         "decode_step_ms": steps,
         "linear_ms": lin,
+        "linear_floor": "weight bytes read / copy bandwidth" if routed else "cuBLAS graph",
+        "params": params,
         "kv_read_ms": kv,
         "floor_ms": floor,
         "ratio": {b: round(steps[b] / floor[b], 3) for b in BATCHES},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ARCHS = ("llama", "opt", "qwen2", "mistral")
 # the families the model registry added (services/executor/models/): tests/unit/test_model_families.py
-NEW_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
+NEW_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral", "qwen3_moe")
 FAMILIES = ARCHS + NEW_FAMILIES
 TINY_WINDOW = 12  # the Gemma models' sliding window: prompts in the tests run past it
 _TOKENIZER_FILES = (
@@ -61,14 +61,25 @@ def _new_family_config(arch: str, llama_like: dict):
         Gemma2Config,
         Gemma3Config,
         Gemma3TextConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen3Config,
+        Qwen3MoeConfig,
         SiglipVisionConfig,
     )
 
     three = dict(llama_like, num_hidden_layers=3)
     if arch == "qwen3":
         return Qwen3Config(**three, tie_word_embeddings=False)
+    if arch == "mixtral":  # 4 experts, top 2, renormalised
+        return MixtralConfig(
+            **three, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2
+        )
+    if arch == "qwen3_moe":  # 8 experts, top 3, not renormalised; layer 1 dense
+        return Qwen3MoeConfig(
+            **three, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+        )  # fmt: skip
     if arch == "phi3":
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
         return Phi3Config(**three, tie_word_embeddings=False, rope_parameters=rope)
@@ -117,6 +128,8 @@ def _randomize(model, seed: int) -> None:
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name and name.endswith("weight"):
                 p.copy_(one + 0.1 * noise)
+            elif name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.copy_(0.3 * noise)  # MoE routers: clear choices, not near-ties
             elif name.endswith("bias"):
                 p.copy_(0.05 * noise)
             else:

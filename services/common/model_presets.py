@@ -167,6 +167,46 @@ PRESETS |= {
         "tie_word_embeddings": True,
     },
 }
+_FP8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+PRESETS |= {
+    # mixtures of experts (services/executor/moe.py)
+    "qwen3-30b-a3b": _QWEN3
+    | {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+}
+# FP8 checkpoints of the same shapes (block scales 128 x 128, as Qwen3-*-FP8): random weights
+# rounded through FP8 at load (services/executor/fp8.py)
+PRESETS |= {f"{name}-fp8": PRESETS[name] | _FP8 for name in ("llama-3-8b", "qwen3-8b")}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

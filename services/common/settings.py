@@ -100,6 +100,12 @@ class ExecutorSettings(CommonSettings):
         description="auto = the model's safetensors weights; dummy = random weights of its "
         "config.json's shapes (a config-only directory or a shape preset such as llama-3-8b).",
     )
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: round the linear weights of a full-precision checkpoint through "
+        "FP8 (e4m3, per-channel scales) at load; FP8 checkpoints are read whatever this says "
+        "(docs/models.md).",
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     kv_memory_gb: float = Field(1.0, gt=0, description="Device memory for the KV pool (GiB).")
     swap_memory_gb: float = Field(1.0, ge=0, description="Host memory for the swap pool (GiB).")

@@ -28,6 +28,7 @@ class ModelSpec:
     hf_config: object = None  # the language model's transformers config (RoPE, OPT details)
     family: Family | None = None  # the registry's entry (models/)
     variant: Variant = field(default_factory=Variant)  # what the family changes (models/)
+    quant_method: str | None = None  # an FP8 checkpoint's quantization_config (fp8.py)
 
     @property
     def q_size(self) -> int:
@@ -65,8 +66,11 @@ def load_spec(model_dir: Path) -> ModelSpec:
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
         family_for(str(model_type))  # raises with the supported list
         raise ValueError(f"{model_dir}/config.json: {e}") from e
+    from services.executor.fp8 import quant_method
+
     family = family_for(outer.model_type)
     config = family.text_config(outer)
+    method = quant_method(outer)
     arch = outer.model_type
     heads = config.num_attention_heads
     if arch == "opt":
@@ -90,6 +94,7 @@ def load_spec(model_dir: Path) -> ModelSpec:
         config,
         family,
         family.variant(config),
+        method,
     )
 
 

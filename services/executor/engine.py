@@ -86,6 +86,7 @@ class Engine:
         profile_path: str | Path | None = None,
         runtime: RuntimeOptions | None = None,
         load_format: str = "auto",
+        quantization: str = "none",
         deterministic: bool = False,
         predict_every: int = 16,
         record_features: bool = False,
@@ -94,7 +95,10 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
         self.options = runtime or RuntimeOptions()
-        self.spec, self.runner = load_runner(self.model_dir, self.device, self.dtype, load_format)
+        self.spec, self.runner = load_runner(
+            self.model_dir, self.device, self.dtype, load_format, quantization
+        )
+        self.quantization = quantization
         self.kv_dtype, self.block_size = kv_dtype, block_size
         self.max_model_len = self._max_len(max_model_len)
         self.attn = make_attention(self.spec, attention_backend, self.device, self.dtype)
@@ -225,6 +229,7 @@ class Engine:
             profile_path=settings.profile_path,
             runtime=runtime_options(settings),
             load_format=settings.load_format,
+            quantization=settings.quantization,
             deterministic=settings.deterministic,
             predict_every=settings.predict_every,
         )
@@ -254,11 +259,20 @@ class Engine:
             self.device.type, self.model_name, str(self.dtype).removeprefix("torch.")
         )
 
+    @property
+    def weight_format(self) -> str:
+        """How the checkpoint's weights were stored: fp8 (an FP8 checkpoint, or rounded
+        through FP8 by ALISE_QUANTIZATION=fp8), else the model dtype."""
+        if self.quantization == "fp8" or self.spec.quant_method:
+            return "fp8"
+        return str(self.dtype).removeprefix("torch.")
+
     def describe(self) -> dict:
         return {
             "model": self.model_name,
             "architecture": self.spec.arch,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.weight_format,
             "kv_dtype": self.kv_dtype,
             "max_model_len": self.max_model_len,
             "block_size": self.block_size,

@@ -21,6 +21,7 @@ from services.executor import cpu_kernels
 from services.executor.config import ModelSpec
 from services.executor.lm_head import LmHead
 from services.executor.models.variant import Rope, Variant, rope_parameters
+from services.executor.moe import MoeWeights, moe_forward, moe_weights
 from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
 
@@ -106,12 +107,13 @@ class LlamaLayer:
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [hidden, Q]
     ln2: torch.Tensor
-    gate_up: torch.Tensor  # [2I, hidden]
-    down: torch.Tensor  # [hidden, I]
+    gate_up: torch.Tensor | None  # [2I, hidden] (None: a mixture-of-experts layer)
+    down: torch.Tensor | None  # [hidden, I]
     q_norm: torch.Tensor | None = None  # [D] QK-norm (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma 3): after attention
     mlp_out_norm: torch.Tensor | None = None  # and after the MLP
+    moe: MoeWeights | None = None  # routed experts in place of gate_up / down (moe.py)
 
 
 class LlamaRunner:
@@ -160,38 +162,51 @@ class LlamaRunner:
 
     def _layer(self, state, i: int) -> LlamaLayer:
         p, v = f"layers.{i}.", self.variant
-        a, m = p + "self_attn.", p + "mlp."
+        a = p + "self_attn."
         if v.fused_weights:
             qkv = take(state, a + "qkv_proj.weight")
             qkv_bias = take(state, a + "qkv_proj.bias", required=False)
-            gate_up = take(state, m + "gate_up_proj.weight")
         else:
             qkv = cat_rows(*(take(state, f"{a}{n}_proj.weight") for n in "qkv"))
             qkv_bias = cat_rows(*(take(state, f"{a}{n}_proj.bias", required=False) for n in "qkv"))
-            gate_up = cat_rows(
-                take(state, m + "gate_proj.weight"), take(state, m + "up_proj.weight")
-            )
 
         def norm(name: str, present: bool = True) -> torch.Tensor | None:
             return self._norm_weight(take(state, p + name)) if present else None
 
+        pre_mlp = "pre_feedforward_layernorm" if v.sandwich_norms else "post_attention_layernorm"
         return LlamaLayer(
             norm("input_layernorm.weight"),
             qkv,
             qkv_bias,
             take(state, a + "o_proj.weight"),
-            norm(
-                "pre_feedforward_layernorm.weight"
-                if v.sandwich_norms
-                else "post_attention_layernorm.weight"
-            ),
-            gate_up,
-            take(state, m + "down_proj.weight"),
+            norm(pre_mlp + ".weight"),
+            *self._mlp(state, i),
             norm("self_attn.q_norm.weight", v.qk_norm),
             norm("self_attn.k_norm.weight", v.qk_norm),
             norm("post_attention_layernorm.weight", v.sandwich_norms),
             norm("post_feedforward_layernorm.weight", v.sandwich_norms),
+            self._experts(state, i),
         )
+
+    def _mlp(self, state, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A dense layer's fused gate/up and down projections (None, None: experts)."""
+        moe, m = self.variant.moe, f"layers.{i}.mlp."
+        if moe is not None and moe.sparse_layers[i]:
+            return None, None
+        if self.variant.fused_weights:
+            return take(state, m + "gate_up_proj.weight"), take(state, m + "down_proj.weight")
+        gate_up = cat_rows(take(state, m + "gate_proj.weight"), take(state, m + "up_proj.weight"))
+        return gate_up, take(state, m + "down_proj.weight")
+
+    def _experts(self, state, i: int) -> MoeWeights | None:
+        """A mixture-of-experts layer's router and experts, from whichever of the family's
+        prefixes holds them."""
+        moe = self.variant.moe
+        if moe is None or not moe.sparse_layers[i]:
+            return None
+        prefixes = [f"layers.{i}.{x}" for x in moe.prefixes]
+        prefix = next((x for x in prefixes if x + "gate.weight" in state), prefixes[0])
+        return moe_weights(state, prefix, moe.names, moe.top_k, moe.renormalize)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin_signed [T, 1, rotary_dim] of the first RoPE table in the model dtype
@@ -276,7 +291,10 @@ class LlamaRunner:
             o = norm(o, layer.attn_out_norm, self.eps)
         x = x + o
         h = norm(x, layer.ln2, self.eps)
-        mlp = self.linear(self.act(self.linear(h, layer.gate_up)), layer.down)  # [T, hidden]
+        if layer.moe is not None:
+            mlp = moe_forward(h, layer.moe, self.act, self.linear)
+        else:
+            mlp = self.linear(self.act(self.linear(h, layer.gate_up)), layer.down)  # [T, hidden]
         if layer.mlp_out_norm is not None:
             mlp = norm(mlp, layer.mlp_out_norm, self.eps)
         return x + mlp

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from scipy.optimize import nnls
 
 from services.common.arith import ceil_div
 from services.common.step import NewRequestData, SchedulerOutput
+from services.scheduler.core.cost_model import Experts
 
 if TYPE_CHECKING:
     from services.executor.engine_protocol import SteppingEngine
@@ -146,10 +148,15 @@ def _grid(cfg: dict) -> list[tuple[int, int, int]]:
     return points + list(cfg["mixed"])
 
 
-def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Least-squares cost model, ALISE's T0/alpha/beta, pivot and fit error from samples."""
+def fit(samples: list[dict[str, Any]], experts: Experts | None = None) -> dict[str, Any]:
+    """Least-squares cost model, ALISE's T0/alpha/beta, pivot and fit error from samples;
+    `experts` (a mixture of experts): the c_expert column, the experts each batch reads."""
     x = np.array(
-        [[1, s["prefill_tokens"], s["decode_tokens"], s["context_tokens"]] for s in samples],
+        [
+            [1, s["prefill_tokens"], s["decode_tokens"], s["context_tokens"]]
+            + ([experts.read(s["prefill_tokens"] + s["decode_tokens"])] if experts else [])
+            for s in samples
+        ],
         dtype=float,
     )
     t = np.array([s["time_s"] for s in samples])
@@ -168,7 +175,10 @@ def fit(samples: list[dict[str, Any]]) -> dict[str, Any]:
         key=lambda s: s["prefill_tokens"],
     )
     return {
-        "coefficients": dict(zip(("c0", "c_prefill", "c_decode", "c_context"), map(float, coef))),
+        "coefficients": dict(
+            zip(("c0", "c_prefill", "c_decode", "c_context", "c_expert"), map(float, coef))
+        ),
+        "moe": experts.to_profile() if experts else None,
         "t0": t0,
         "alpha": float(alpha),
         "beta": float(beta),
@@ -196,7 +206,9 @@ def profile_engine(
         "device": info["device"],
         "model": info["model"],
         "architecture": info["architecture"],
-        **fit(samples),
+        "weights": info["weights"],
+        "params": parameter_counts(engine),
+        **fit(samples, experts_of(engine.spec)),
         "samples": samples,
         "block_size": engine.block_size,
         "num_device_blocks": engine.num_device_blocks,
@@ -206,6 +218,35 @@ def profile_engine(
         "quick": quick,
         "max_prefill": max_prefill,
     }
+
+
+def experts_of(spec: Any) -> Experts | None:
+    """The cost model's routing figures of a mixture-of-experts model (None: dense)."""
+    moe = spec.variant.moe
+    if moe is None:
+        return None
+    return Experts(moe.num_experts, moe.top_k, sum(moe.sparse_layers))
+
+
+def parameter_counts(engine: Any) -> dict[str, Any]:
+    """Parameters in all and read per token (a mixture of experts reads only the routed
+    experts), and the bytes per token of the weights as stored (FP8: one per linear weight)."""
+    runner = engine.runner
+    tensors = [t for t in vars(runner).values() if isinstance(t, torch.Tensor)]
+    tensors += [
+        t for layer in runner.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)
+    ]
+    dense = sum(t.numel() for t in {id(t): t for t in tensors}.values())
+    experts = [getattr(layer, "moe", None) for layer in runner.layers]
+    routed = [m for m in experts if m is not None]
+    per_expert = [(m.gate_up[0].numel() + m.down[0].numel(), m) for m in routed]
+    total = dense + sum(n * m.num_experts + m.router.numel() for n, m in per_expert)
+    active = dense + sum(n * m.top_k + m.router.numel() for n, m in per_expert)
+    size = (
+        1 if engine.weight_format == "fp8" else torch.empty((), dtype=engine.dtype).element_size()
+    )
+    return {"total": total, "active_per_token": active, "bytes_per_param": size,
+            "weight_bytes_per_token": active * size}  # fmt: skip
 
 
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:

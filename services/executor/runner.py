@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 
 from services.executor.config import ModelSpec, load_spec
+from services.executor.fp8 import quantize_state
 from services.executor.models.variant import OPT
 from services.executor.weights import LOAD_FORMATS, dummy_state, load_state
 
@@ -20,7 +21,11 @@ if TYPE_CHECKING:
 
 
 def load_runner(
-    model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    quantization: str = "none",
 ) -> tuple[ModelSpec, ModelRunner]:
     """(spec, runner) for a Hugging Face directory with safetensors weights (load_format
     auto), or random weights of its config's shapes (dummy: weights.dummy_state)."""
@@ -32,8 +37,14 @@ def load_runner(
     if load_format == "dummy":
         norm = 0.0 if spec.variant.norm_offset else 1.0  # (1 + w) norms start at w = 0
         state = dummy_state(Path(model_dir), dtype, device, rename=rename, norm_fill=norm)
+        if spec.quant_method:  # random weights of an FP8 checkpoint's shapes: rounded as one
+            quantize_state(state)
     else:
         state = load_state(Path(model_dir), dtype, device, rename=rename)
+    if quantization == "fp8":
+        quantize_state(state)
+    elif quantization != "none":
+        raise ValueError(f"quantization must be none or fp8, not {quantization!r}")
     if spec.family.runner == OPT:
         from services.executor.opt import OptRunner
 

@@ -3,15 +3,24 @@ per-request seed; token + logprob.
 
 The logprob reported is the token's log-probability under the model's raw distribution
 (log_softmax of the logits, before temperature/top-k/top-p), as OpenAI-style APIs report it.
-A seeded request draws its k-th output token from a generator seeded with (seed, k), so the
-same seed gives the same text whether or not the request was preempted and recomputed.
-Rows whose parameters adjust the logits (`SamplingParams.adjusts_logits`) get, in vLLM's
-order: logit bias, repetition penalty (prompt and output tokens: positive logits divided,
-negative multiplied), frequency and presence penalties (output tokens: minus penalty x count,
-minus penalty once), vLLM's bad words (the last token of a bad word is banned where the output
-ends with the rest of it), then temperature, top-k, top-p and min-p; greedy rows take the argmax of
-the adjusted logits. `top_alternatives` gives the rows that ask (`top_logprobs`) their most
-likely tokens under the same raw distribution, in one top-k over those rows.
+A seeded request draws its k-th output token with a uniform number from a generator seeded
+with (seed, k), so the same seed gives the same text whether or not the request was
+preempted and recomputed, and whatever else is in the batch.
+
+Rows whose parameters adjust the logits (`SamplingParams.adjusts_logits`) get their bias and
+penalties batched (logit_adjust.py); then temperature, top-k, top-p and min-p; greedy rows take
+the argmax of the adjusted logits (min-p never drops it). What a step costs follows what its
+rows ask (vLLM's sampler does the same):
+- greedy rows: one argmax over those rows;
+- a row at temperature 1 with no filter or penalty draws from the raw distribution, the
+  exponential of the log_softmax every row has anyway (or the caller's `probs`);
+- other temperatures: one softmax; min-p: a comparison with the row's largest probability;
+- top-k alone: a partial top-k; top-p: the top TOP_P_CANDIDATES tokens first, a full sort only
+  for the rows whose top-p mass lies beyond them. No row is sorted that does not ask.
+The draw is inverse-CDF: one uniform number per row against the row's cumulative
+probabilities (one cumsum), not a noise value per vocabulary entry.
+`top_alternatives` gives the rows that ask (`top_logprobs`) their most likely tokens under the
+same raw distribution, in one top-k over those rows.
 """
 
 from __future__ import annotations
@@ -19,10 +28,14 @@ from __future__ import annotations
 import torch
 
 from services.common.sampling import SamplingParams
+from services.executor.logit_adjust import adjust_logits
+
+TOP_P_CANDIDATES = 256  # top-p looks at this many best tokens before sorting a whole row
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits [V] / temperature with everything outside top-k / top-p set to -inf."""
+    """logits [V] / temperature with everything outside top-k / top-p set to -inf (the
+    row-by-row reference of allowed_mask)."""
     x = logits / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
@@ -35,33 +48,14 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def _adjust(logits: torch.Tensor, p: SamplingParams, tokens: list[int], n_out: int) -> torch.Tensor:
-    """logits [V] with the bias and penalties of `p`; tokens = prompt + output so far."""
-    x = logits.clone()
-    vocab = x.shape[-1]
-    for token, bias in p.logit_bias:
-        if token < vocab:
-            x[token] += bias
-    if p.repetition_penalty != 1.0 and tokens:
-        seen = torch.tensor(sorted(set(tokens)), device=x.device)
-        picked = x[seen]
-        x[seen] = torch.where(
-            picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
-        )
-    output = tokens[len(tokens) - n_out :] if n_out else []
-    for word in p.bad_words:  # ban the token that would complete a bad word
-        head = list(word[:-1])
-        if word[-1] < vocab and (not head or output[len(output) - len(head) :] == head):
-            x[word[-1]] = float("-inf")
-    if (p.frequency_penalty or p.presence_penalty) and output:
-        counts = torch.bincount(torch.tensor(output, device=x.device), minlength=vocab)[:vocab]
-        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
-    return x
-
-
 def _min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
     return x.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def _adjust(logits: torch.Tensor, p: SamplingParams, tokens: list[int], n_out: int) -> torch.Tensor:
+    """One row's bias and penalties (logit_adjust.adjust_logits on that row)."""
+    return adjust_logits(logits[None], [p], [tokens], [n_out])[0]
 
 
 def _raw(p: SamplingParams, vocab: int) -> bool:
@@ -76,10 +70,170 @@ def _raw(p: SamplingParams, vocab: int) -> bool:
     )
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Exponential-race sampling: argmax(p / E), E ~ Exp(1)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+# -- which tokens a row may draw ---------------------------------------------------------------
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows `rows` (t itself when they are all of its rows, in order)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, _index(rows, t.device))
+
+
+def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    return torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True)[:, None]
+
+
+def allowed_mask(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """bool [S, V]: the tokens each row may draw after temperature, top-k, top-p and min-p,
+    the same sets as `_filter` and `_min_p` row by row. x [S, V]: the (adjusted) logits.
+    Rows that ask for no filter, and greedy rows (their argmax: every filter keeps it),
+    allow every token."""
+    return _scaled_mask(x / _temperatures(params, x.device), params)
+
+
+def _scaled_mask(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """allowed_mask of logits already divided by their temperatures: each kind of filter on
+    the rows that ask for it, no sort for the others."""
+    vocab = z.shape[-1]
+    keep = torch.ones(z.shape, dtype=torch.bool, device=z.device)
+    live = [(i, p) for i, p in enumerate(params) if not p.greedy]
+    top_p = [i for i, p in live if 0 < p.top_p < 1]
+    top_k = [i for i, p in live if 0 < p.top_k < vocab and i not in top_p]
+    min_p = [i for i, p in live if p.min_p and i not in top_p and i not in top_k]
+    for rows, kind in ((top_p, _top_p_mask), (top_k, _top_k_mask), (min_p, _top_k_mask)):
+        if rows:
+            idx = _index(rows, z.device)
+            keep.index_copy_(0, idx, kind(z.index_select(0, idx), [params[i] for i in rows]))
+    return keep
+
+
+def _top_k_mask(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k (ties with the k-th kept) by a partial top-k, then min-p; no sort."""
+    vocab = z.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    keep = torch.ones(z.shape, dtype=torch.bool, device=z.device)
+    if min(ks) < vocab:
+        values = torch.topk(z, max(ks), dim=-1).values
+        kth = values.gather(1, torch.tensor(ks, device=z.device)[:, None] - 1)
+        keep = z >= kth
+    if any(p.min_p for p in params):
+        probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+        floor = torch.tensor([p.min_p for p in params], device=z.device)[:, None]
+        keep &= probs >= floor * probs.amax(dim=-1, keepdim=True)
+    return keep
+
+
+def _top_p_mask(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, top-p and min-p over the best TOP_P_CANDIDATES tokens of each row (one partial
+    top-k); the rows whose top-p mass lies beyond them are sorted whole."""
+    vocab = z.shape[-1]
+    n = min(vocab, max([TOP_P_CANDIDATES] + [p.top_k for p in params if 0 < p.top_k < vocab]))
+    values, order = torch.topk(z, n, dim=-1)  # sorted, best first
+    keep, reached = _sorted_keep(values, z, params)
+    mask = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(1, order, keep)
+    if n < vocab and not bool(reached.all()):
+        rows = (~reached).nonzero().flatten()
+        sub = [params[i] for i in rows.tolist()]
+        whole, order = torch.sort(z.index_select(0, rows), dim=-1, descending=True)
+        keep, _ = _sorted_keep(whole, z.index_select(0, rows), sub)
+        mask.index_copy_(0, rows, torch.zeros_like(keep).scatter_(1, order, keep))
+    return mask
+
+
+def _sorted_keep(
+    values: torch.Tensor, z: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the best tokens `values` [R, n] of rows z [R, V] (sorted, best first): which to
+    keep after top-k, top-p and min-p, and per row whether the decision is complete within
+    them (top-k restricts to them, or the top-p mass is reached)."""
+    vocab, n, dev = z.shape[-1], values.shape[-1], z.device
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    kth = values.gather(1, (ks.clamp(max=n) - 1)[:, None])
+    keep = values >= kth  # top-k, ties kept
+    restricted = (ks <= n)[:, None]
+    # probabilities: over the top-k where it restricts, else over the whole row
+    lse = torch.where(
+        restricted,
+        torch.logsumexp(values.masked_fill(~keep, float("-inf")), -1, keepdim=True),
+        torch.logsumexp(z, -1, keepdim=True),
+    )
+    probs = torch.exp(values - lse).masked_fill(~keep, 0.0)
+    cum = probs.cumsum(-1)
+    top_p = torch.tensor([p.top_p if 0 < p.top_p < 1 else 2.0 for p in params], device=dev)
+    keep &= cum - probs < top_p[:, None]  # the first token always stays
+    floor = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    keep &= probs >= floor * probs[:, :1]  # min-p against the most likely token
+    reached = restricted.squeeze(1) | (cum[:, -1] >= top_p) | (n == vocab)
+    return keep, reached
+
+
+# -- probabilities and the draw ------------------------------------------------------------------
+
+
+def _probabilities(
+    x: torch.Tensor,
+    logprobs: torch.Tensor,
+    probs: torch.Tensor | None,
+    params: list[SamplingParams],
+    rows: list[int],
+) -> torch.Tensor:
+    """[R, V] the distributions rows `rows` draw from: the raw distribution (the caller's
+    `probs`, else exp(logprobs)) for temperature-1 rows without filter or penalty; the
+    softmax of the filtered, temperature-scaled adjusted logits for the others."""
+    vocab = x.shape[-1]
+    raw = [i for i in rows if _raw(params[i], vocab)]
+    if raw == rows:
+        return _take(probs, rows) if probs is not None else _take(logprobs, rows).exp()
+    scaled = [i for i in rows if i not in raw]
+    sub = [params[i] for i in scaled]
+    z = _take(x, scaled) / _temperatures(sub, x.device)
+    filtered = torch.softmax(z.masked_fill(~_scaled_mask(z, sub), float("-inf")), dim=-1)
+    if not raw:
+        return filtered
+    out = torch.empty((len(rows), vocab), dtype=filtered.dtype, device=x.device)
+    at = {i: j for j, i in enumerate(rows)}
+    raw_probs = _take(probs, raw) if probs is not None else _take(logprobs, raw).exp()
+    out.index_copy_(0, _index([at[i] for i in raw], x.device), raw_probs.to(out.dtype))
+    out.index_copy_(0, _index([at[i] for i in scaled], x.device), filtered)
+    return out
+
+
+def _uniforms(
+    params: list[SamplingParams],
+    rows: list[int],
+    output_index: list[int],
+    device: torch.device,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """[R] uniform numbers in [0, 1): unseeded rows from the default generator in one call, a
+    seeded row from a generator seeded with (seed, output index), so its draw depends on
+    nothing else in the batch."""
+    u = torch.rand(len(rows), device=device)
+    for j, i in enumerate(rows):
+        p = params[i]
+        if p.seed is not None:
+            gen = generator or torch.Generator(device=device)
+            gen.manual_seed((p.seed * 1_000_003 + output_index[i]) % (2**63))
+            u[j] = torch.rand(1, generator=gen, device=device)[0]
+    return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[R] token ids: the first whose cumulative probability exceeds u x the row's total (a
+    zero-probability token is never the first; the target stays below the total)."""
+    cum = probs.cumsum(-1)
+    total = cum[:, -1:]
+    target = torch.minimum(u[:, None].to(cum.dtype) * total, torch.nextafter(total, total * 0))
+    return torch.searchsorted(cum, target, right=True).squeeze(1)
+
+
+# -- the two entry points -------------------------------------------------------------------------
 
 
 def sample(
@@ -97,26 +251,18 @@ def sample(
     penalty) draws from its `probs` row instead of a softmax of its own."""
     if logprobs is None:
         logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
-    tokens = torch.argmax(logits, dim=-1).tolist()  # greedy default
-    for i, p in enumerate(params):
-        row = logits[i]
-        if p.adjusts_logits:
-            row = _adjust(row, p, histories[i] if histories else [], output_index[i])
-            if p.greedy:
-                tokens[i] = int(torch.argmax(row if not p.min_p else _min_p(row, p.min_p)))
-                continue
-        elif p.greedy:
-            continue
-        if probs is not None and _raw(p, row.shape[-1]):
-            row_probs = probs[i]
-        else:
-            x = _filter(row, p)
-            row_probs = torch.softmax(_min_p(x, p.min_p) if p.min_p else x, dim=-1)
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator(device=logits.device)
-            gen.manual_seed((p.seed * 1_000_003 + output_index[i]) % (2**63))
-        tokens[i] = _draw(row_probs, gen)
+    x = adjust_logits(logits, params, histories, output_index)
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        for i, t in zip(greedy, torch.argmax(_take(x, greedy), dim=-1).tolist(), strict=True):
+            tokens[i] = t
+    if drawn:
+        dist = _probabilities(x, logprobs, probs, params, drawn)
+        u = _uniforms(params, drawn, output_index, logits.device)
+        for i, t in zip(drawn, _inverse_cdf(dist, u).tolist(), strict=True):
+            tokens[i] = t
     index = torch.tensor(tokens, device=logits.device)[:, None]
     return tokens, logprobs.gather(1, index).squeeze(1).tolist()
 
@@ -139,54 +285,6 @@ def top_alternatives(
     return out
 
 
-# -- batched sampling (CUDA): one filter pass over the batch, one packed result ----------------
-
-
-def allowed_mask(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """bool [S, V]: the tokens each row may draw after temperature, top-k, top-p and min-p,
-    the same sets as `_filter` and `_min_p` row by row, in one sort over the batch.
-    x [S, V]: the (adjusted) logits. Greedy rows take their argmax, which every filter keeps."""
-    dev, vocab = x.device, x.shape[-1]
-    rows = [
-        (
-            1.0 if p.greedy else p.temperature,
-            p.top_k if 0 < p.top_k < vocab else vocab,
-            p.top_p if 0 < p.top_p < 1 else 2.0,  # >1: never drops a token
-            p.min_p,
-        )
-        for p in params
-    ]
-    knobs = torch.tensor(rows, dtype=torch.float32).to(dev, non_blocking=True)  # [S, 4]
-    z = x / knobs[:, 0:1]
-    sorted_z, order = torch.sort(z, dim=-1, descending=True)
-    kth = sorted_z.gather(1, knobs[:, 1:2].long() - 1)  # [S, 1]
-    keep = sorted_z >= kth  # top-k, ties kept (as `x < kth` masking)
-    probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=-1)
-    keep &= probs.cumsum(-1) - probs < knobs[:, 2:3]  # top-p: the first token always stays
-    probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=-1)
-    keep &= probs >= knobs[:, 3:4] * probs[:, :1]  # min-p against the most likely token
-    return torch.zeros_like(keep).scatter_(1, order, keep)
-
-
-def _noise(
-    shape: torch.Size,
-    device: torch.device,
-    params: list[SamplingParams],
-    output_index: list[int],
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Exp(1) noise [S, V]: unseeded rows from the default generator in one call, a seeded
-    row from `generator` seeded with (seed, output index), so its draw depends on nothing else
-    in the batch."""
-    noise = torch.empty(shape, device=device).exponential_()
-    for i, p in enumerate(params):
-        if p.seed is not None and not p.greedy:
-            gen = generator or torch.Generator(device=device)
-            gen.manual_seed((p.seed * 1_000_003 + output_index[i]) % (2**63))
-            noise[i].exponential_(generator=gen)
-    return noise
-
-
 def sample_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -197,24 +295,18 @@ def sample_batch(
     """`sample` and `top_alternatives` on the logits' device without a host round trip:
     float64 [S, 2 + 2k] = (token, logprob, k alternative ids, k alternative logprobs), k the
     largest `top_logprobs` asked (rows asking fewer, or none, hold unused columns). Read it
-    with `unpack_samples` after one device-to-host copy. Penalties and biases are applied row
-    by row (rare); everything else is one pass over the batch."""
+    with `unpack_samples` after one device-to-host copy. `generator`: the device's generator
+    that seeded rows re-seed."""
     logprobs = torch.log_softmax(logits, dim=-1)  # under the raw distribution
-    x = logits
-    adjust = [i for i, p in enumerate(params) if p.adjusts_logits]
-    if adjust:
-        x = logits.clone()
-        for i in adjust:
-            x[i] = _adjust(logits[i], params[i], histories[i] if histories else [], output_index[i])
-    tokens = torch.argmax(x, dim=-1)
-    if not all(p.greedy for p in params):
-        keep = allowed_mask(x, params)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
-        z = (x / temps.to(x.device, non_blocking=True)[:, None]).masked_fill(~keep, float("-inf"))
-        noise = _noise(z.shape, z.device, params, output_index, generator)
-        drawn = torch.argmax(torch.softmax(z, dim=-1) / noise, dim=-1)
-        greedy = torch.tensor([p.greedy for p in params]).to(x.device, non_blocking=True)
-        tokens = torch.where(greedy, tokens, drawn)
+    x = adjust_logits(logits, params, histories, output_index)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    tokens = torch.argmax(x, dim=-1) if len(drawn) < len(params) else None
+    if drawn:
+        dist = _probabilities(x, logprobs, None, params, drawn)
+        picked = _inverse_cdf(dist, _uniforms(params, drawn, output_index, x.device, generator))
+        at = _index(drawn, x.device)
+        tokens = picked if tokens is None else tokens.index_copy(0, at, picked)
+    assert tokens is not None
     k = max((p.top_logprobs for p in params), default=0)
     out = torch.zeros((len(params), 2 + 2 * k), dtype=torch.float64, device=logits.device)
     out[:, 0] = tokens

@@ -40,7 +40,10 @@ def load_state(
     """All tensors the family uses (our_name), converted to `dtype` on `device`."""
     from safetensors import safe_open
 
+    from services.executor import fp8
+
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}  # FP8 weights and their scales (fp8.py)
     skipped = 0
     for path in _files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -49,7 +52,13 @@ def load_state(
                 if key is None:
                     skipped += 1
                     continue
-                state[key] = f.get_tensor(name).to(device=device, dtype=dtype)
+                t = f.get_tensor(name)
+                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or fp8.is_scale(key):
+                    quantized[key] = t
+                else:
+                    state[key] = t.to(device=device, dtype=dtype)
+    if quantized:
+        state.update(fp8.dequantize_state(quantized, dtype, device))
     if skipped:
         log.info(
             "%s: %d tensors not used by the language model skipped (vision tower)",
@@ -93,6 +102,8 @@ def dummy_state(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
+    if getattr(config, "quantization_config", None):  # an FP8 shape: its full-precision names
+        del config.quantization_config
     with torch.device("meta"):
         shapes = {
             k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()

@@ -19,6 +19,7 @@ the Gemma models' 12-token sliding windows are shorter than every long prompt he
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -149,6 +150,23 @@ def _no_softcap(monkeypatch):
     monkeypatch.setattr(Engine, "__init__", init)
 
 
+def _experts_changed(change):
+    def plant(monkeypatch):
+        real = llama.moe_weights
+
+        def patched(*a, **kw):
+            return change(real(*a, **kw))
+
+        monkeypatch.setattr(llama, "moe_weights", patched)
+
+    return plant
+
+
+def _swap_experts(w):
+    order = [1, 0, *range(2, w.num_experts)]
+    return dataclasses.replace(w, gate_up=w.gate_up[order], down=w.down[order])
+
+
 PLANTED = {
     "gemma3_text: Llama's norm form": (
         "gemma3_text",
@@ -157,6 +175,11 @@ PLANTED = {
     "gemma3_text: a window one key wider": ("gemma3_text", _wider_windows),
     "gemma2: no attention soft-cap": ("gemma2", _no_softcap),
     "qwen3: no QK-norm": ("qwen3", lambda mp: mp.setattr(llama.LlamaLayer, "q_norm", None)),
+    "mixtral: two experts swapped": ("mixtral", _experts_changed(_swap_experts)),
+    "qwen3_moe: top-k weights renormalised": (
+        "qwen3_moe",
+        _experts_changed(lambda w: dataclasses.replace(w, renormalize=not w.renormalize)),
+    ),
     "phi3: full rotary": (
         "phi3",
         lambda mp: mp.setattr(llama, "apply_partial_rope", lambda x, c, s: x),

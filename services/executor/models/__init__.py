@@ -9,7 +9,7 @@ from functools import cache
 
 from services.executor.models.variant import Family
 
-FAMILY_MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "opt")
+FAMILY_MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "opt")
 
 
 @cache

@@ -7,7 +7,7 @@ from typing import Any
 from services.executor.models.variant import Family
 
 
-def _max_len(config: Any) -> int | None:
+def mistral_max_len(config: Any) -> int | None:
     """Mistral and Qwen2 with a sliding window: served up to the window, where it never
     engages (these families' windows are not masked: Gemma 3's are, gemma3.py)."""
     window = getattr(config, "sliding_window", None)
@@ -16,4 +16,4 @@ def _max_len(config: Any) -> int | None:
     return None
 
 
-FAMILY = Family("llama", ("llama", "mistral", "qwen2"), max_len=_max_len)
+FAMILY = Family("llama", ("llama", "mistral", "qwen2"), max_len=mistral_max_len)

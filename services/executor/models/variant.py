@@ -23,6 +23,18 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Moe:
+    """A mixture-of-experts MLP: which layers have one, and how the checkpoint names it."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool  # top-k weights divided by their sum
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
+    prefixes: tuple[str, ...] = ("mlp.",)  # where a layer's router and experts live
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert tensors
+
+
+@dataclass(frozen=True)
 class Variant:
     """The differences of a decoder family from Llama's layer (the defaults are Llama's)."""
 
@@ -38,6 +50,7 @@ class Variant:
     windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = global
     ropes: tuple[Rope, ...] = ()  # distinct RoPE tables (empty: one from the config)
     rope_of_layer: tuple[int, ...] = ()  # per layer: index into ropes (empty: all 0)
+    moe: Moe | None = None  # Mixtral, Qwen3-MoE: routed experts (services/executor/moe.py)
 
     @property
     def plain(self) -> bool:
@@ -48,6 +61,7 @@ class Variant:
             and self.embed_scale is None
             and self.activation == "silu"
             and not (self.attn_softcap or self.final_softcap)
+            and self.moe is None
         )
         return llama_layer and not any(self.windows) and not self.ropes
 

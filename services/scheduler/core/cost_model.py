@@ -1,7 +1,9 @@
 """One cost model (docs/scheduling.md, "Cost model"): iteration time of a batch, fitted by least squares.
 
-    iteration_time = c0 + c_prefill * P + c_decode * D + c_context * C
+    iteration_time = c0 + c_prefill * P + c_decode * D + c_context * C [+ c_expert * X]
 
+X (mixture-of-experts models only, `Experts`): the expert weight matrices a step reads, which
+follow the experts its P + D tokens are routed to, not the model's total parameters.
 P = prefill tokens (requests with more than one uncomputed token), D = decode tokens,
 C = attention context = sum over scheduled requests of (computed + newly scheduled tokens),
 i.e. the KV length each scheduled request reads. ALISE's per-request model is derived from it:
@@ -31,6 +33,26 @@ COEFFS = ("c0", "c_prefill", "c_decode", "c_context")
 _T0_GRID = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts model's routing, for what a step's expert weights cost."""
+
+    num_experts: int  # per MoE layer
+    top_k: int  # experts each token is routed to
+    layers: int  # layers with experts
+
+    def read(self, tokens: float) -> float:
+        """Experts a step of `tokens` tokens reads, summed over the MoE layers, with tokens
+        routed uniformly at random: layers x E x (1 - (1 - k/E)^tokens)."""
+        if tokens <= 0 or self.num_experts <= 0:
+            return 0.0
+        miss: float = math.pow(1.0 - min(self.top_k, self.num_experts) / self.num_experts, tokens)
+        return self.layers * self.num_experts * (1.0 - miss)
+
+    def to_profile(self) -> dict[str, int]:
+        return {"num_experts": self.num_experts, "top_k": self.top_k, "layers": self.layers}
+
+
 @dataclass
 class CostModel:
     c0: float
@@ -48,6 +70,8 @@ class CostModel:
     block_size: int | None = None
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None
+    experts: Experts | None = None  # mixture of experts: the c_expert term
+    c_expert: float = 0.0  # seconds per expert weight read (Experts.read)
     samples: list[Sample] = field(default_factory=list, repr=False)
     _residuals: Residuals | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -85,7 +109,13 @@ class CostModel:
             + self.c_prefill * prefill_tokens
             + self.c_decode * decode_tokens
             + self.c_context * context_tokens
+            + self._experts_time(prefill_tokens + decode_tokens)
         )
+
+    def _experts_time(self, tokens: float) -> float:
+        if self.experts is None or not self.c_expert:
+            return 0.0
+        return self.c_expert * self.experts.read(tokens)
 
     def measured_time(
         self, prefill_tokens: int, decode_tokens: int, context_tokens: int = 0
@@ -144,11 +174,27 @@ class CostModel:
         to a multiple of `tile_size` and at least one tile (Sarathi-Serve section 4.3)."""
         if tbt_s <= 0:
             raise ValueError(f"tbt_s must be > 0, got {tbt_s}")
-        fixed = self.c0 + self.c_decode * decode_tokens + self.c_context * context_tokens
-        per = self.c_prefill + self.c_context
-        n = max_tokens if per <= 0 else int((tbt_s - fixed) / per) + decode_tokens
+        if self._experts_time(1):
+            n = self._budget_by_search(tbt_s, decode_tokens, context_tokens, max_tokens)
+        else:
+            fixed = self.c0 + self.c_decode * decode_tokens + self.c_context * context_tokens
+            per = self.c_prefill + self.c_context
+            n = max_tokens if per <= 0 else int((tbt_s - fixed) / per) + decode_tokens
         n = min(n, max_tokens)
         return max(tile_size, (n // tile_size) * tile_size)
+
+    def _budget_by_search(self, tbt_s: float, decodes: int, context: int, max_tokens: int) -> int:
+        """token_budget with the (concave) expert term: the largest chunk m whose iteration
+        beside the decodes fits, found by bisection (time grows with m); returns m + decodes."""
+        lo, hi = 0, max(0, max_tokens - decodes)
+
+        def fits(m: int) -> bool:
+            return self.iteration_time(m, decodes, context + m) <= tbt_s
+
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo + decodes
 
     def accelgen_budget(self, slo_min_s: float) -> int:
         """AccelGen eq. 6: S_b = S_pf * SLO_min / T_pf."""
@@ -173,6 +219,7 @@ class CostModel:
             c_context,
             **_alise(profile),
             **_meta(profile),
+            c_expert=float(coeffs.get("c_expert", 0.0)),
             samples=list(profile.get("samples") or []),
         )
 
@@ -180,7 +227,9 @@ class CostModel:
         return {
             "device": self.device,
             "model": self.model,
-            "coefficients": {k: getattr(self, k) for k in COEFFS},
+            "coefficients": {k: getattr(self, k) for k in COEFFS}
+            | ({"c_expert": self.c_expert} if self.experts else {}),
+            "moe": self.experts.to_profile() if self.experts else None,
             "t0": self.t0,
             "alpha": self.alpha,
             "beta": self.beta,
@@ -199,14 +248,21 @@ class CostModel:
         context_tokens, time_s}; fit_error is the relative RMSE."""
         from services.scheduler.core.lsq import nnls
 
-        rows, ys = _design(samples)
-        c0, c_prefill, c_decode, c_context = nnls(rows, ys)
-        model = cls(c0, c_prefill, c_decode, c_context, samples=list(samples), **meta)
+        experts: Experts | None = meta.get("experts")
+        rows, ys = _design(samples, experts)
+        c0, c_prefill, c_decode, c_context, *c_expert = nnls(rows, ys)
+        model = cls(
+            c0, c_prefill, c_decode, c_context, samples=list(samples),
+            c_expert=c_expert[0] if c_expert else 0.0, **meta,
+        )  # fmt: skip
         model.fit_error = _relative_rmse(model, rows, ys)
         return model
 
 
-def _design(samples: list[Sample]) -> tuple[list[list[float]], list[float]]:
+def _design(
+    samples: list[Sample], experts: Experts | None = None
+) -> tuple[list[list[float]], list[float]]:
+    """Rows [1, P, D, C] (and X = experts read, for a mixture of experts) and times."""
     if len(samples) < 4:
         raise ValueError(
             f"need at least 4 profile samples to fit 4 coefficients, got {len(samples)}"
@@ -221,7 +277,7 @@ def _design(samples: list[Sample]) -> tuple[list[list[float]], list[float]]:
             raise ValueError(f"profile sample {i} is malformed: {s!r}") from exc
         if t <= 0 or min(p, d, c) < 0:
             raise ValueError(f"profile sample {i} has a negative count or non-positive time: {s!r}")
-        rows.append([1.0, p, d, c])
+        rows.append([1.0, p, d, c] + ([experts.read(p + d)] if experts else []))
         ys.append(t)
     return rows, ys
 
@@ -246,6 +302,9 @@ def _meta(profile: Profile) -> dict[str, Any]:
     for key in ("block_size", "num_device_blocks", "num_host_blocks"):
         if profile.get(key) is not None:
             out[key] = int(profile[key])
+    moe = profile.get("moe")
+    if isinstance(moe, dict):
+        out["experts"] = Experts(int(moe["num_experts"]), int(moe["top_k"]), int(moe["layers"]))
     return out
 
 
