@@ -4,10 +4,12 @@
   against a per-token loop (each token's k experts one after another, the arithmetic a naive
   port runs) at batch `--batch`, on a Qwen3-30B-A3B layer's shape (128 experts, top 8,
   hidden 2048, expert width 768) and on Mixtral's routing (8 experts, top 2) at a smaller
-  width; the two must agree (max |diff|, fp32), and the speedup is the ratio of medians.
-- fidelity: a tiny Qwen3-MoE (lab/executor/tiny.py) profiled with `alise executor profile`'s
-  quick grid, then its live decode steps at three batch sizes the grid does not hold, against
-  what the cost model of that profile (the simulator's clock) predicts.
+  width, in the executor's dtype; the two must agree (max |diff|), and the speedup is the
+  ratio of medians. The reuse bounds it: 256 assignments over ~110 of 128 experts read each
+  expert's weights ~2.3 times in the loop for once grouped, 64 over 8 experts 8 times.
+- fidelity: a small random Qwen3-MoE (small_moe) profiled with `alise executor profile`'s
+  full grid, then its live decode steps at three batch sizes and a context the grid does not
+  hold, against what the simulator's clock (CostModel.measured_time of that profile) says.
 """
 
 from __future__ import annotations
@@ -49,24 +51,27 @@ def _median_ms(f, reps: int) -> float:
     return statistics.median(times)
 
 
-def grouped(batch: int, reps: int) -> dict:
+def grouped(batch: int, reps: int, dtype_name: str) -> dict:
     import torch
 
+    from services.executor.config import resolve_dtype
     from services.executor.llama import gate_activation
     from services.executor.moe import MoeWeights, moe_forward
 
-    act, out = gate_activation("silu"), {}
+    act, out = gate_activation("silu"), {"dtype": dtype_name}
+    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
+    out["dtype"] = str(dtype).removeprefix("torch.")
     gen = torch.Generator().manual_seed(0)
     for name, (e, k, h, i) in SHAPES.items():
         w = MoeWeights(
-            torch.randn(e, h, generator=gen) * 0.1,
-            torch.randn(e, 2 * i, h, generator=gen) * 0.02,
-            torch.randn(e, h, i, generator=gen) * 0.02,
+            (torch.randn(e, h, generator=gen) * 0.1).to(dtype),
+            (torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(dtype),
+            (torch.randn(e, h, i, generator=gen) * 0.02).to(dtype),
             k,
             True,
         )
-        x = torch.randn(batch, h, generator=gen)
-        diff = float((moe_forward(x, w, act) - per_token(x, w, act)).abs().max())
+        x = torch.randn(batch, h, generator=gen).to(dtype)
+        diff = float((moe_forward(x, w, act).float() - per_token(x, w, act).float()).abs().max())
         fast = _median_ms(lambda: moe_forward(x, w, act), reps)  # noqa: B023
         slow = _median_ms(lambda: per_token(x, w, act), reps)  # noqa: B023
         out[name] = {"experts": e, "top_k": k, "hidden": h, "expert_width": i,
@@ -75,30 +80,46 @@ def grouped(batch: int, reps: int) -> dict:
     return out
 
 
+def small_moe(path) -> object:
+    """A small random Qwen3-MoE (8 layers, 16 experts of width 256, top 4, hidden 512) whose
+    decode steps take tens of milliseconds here, so machine noise stays small beside them,
+    and whose experts touched grow over the batch sizes measured (4 at one token, ~16 at 12)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=2048,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
 def fidelity(reps: int, batches: tuple[int, ...] = (2, 5, 12)) -> dict:
     import tempfile
     from pathlib import Path
 
-    from lab.executor.tiny import make_tiny_model
     from services.executor.engine import Engine
-    from services.executor.profiler import StepTimer
+    from services.executor.profiler import StepTimer, profile_engine
     from services.scheduler.core.cost_model import CostModel
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "qwen3_moe", "qwen3_moe", seed=3, head_dim=64)
-        engine = Engine(model_dir, device="cpu", dtype="fp32", num_device_blocks=256)
-        profile = engine.profile(quick=True)
+        engine = Engine(small_moe(Path(tmp) / "moe"), device="cpu", num_device_blocks=512)
+        profile = profile_engine(engine, quick=False, max_prefill=256)  # the decode regime
         model = CostModel.from_profile(profile)
         rows = {}
         for b in batches:
             with engine.exclusive():
                 live = StepTimer(engine).time(0, b, 96, reps)["time_s"]
-            predicted = model.iteration_time(0, b, b * 96)
+            predicted = model.measured_time(0, b, b * 96)  # the simulator's clock
             rows[str(b)] = {"live_ms": round(1e3 * live, 3),
                             "simulated_ms": round(1e3 * predicted, 3),
                             "error": round(predicted / live - 1, 4)}  # fmt: skip
         engine.close()
     return {"profile_moe": profile["moe"], "c_expert": profile["coefficients"]["c_expert"],
+            "fit_error": profile["fit_error"], "dtype": profile["dtype"],
             "decode_steps_at_context_96": rows}  # fmt: skip
 
 
@@ -109,7 +130,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "threads": torch.get_num_threads(),
         "batch": args.batch,
-        "grouped_vs_per_token": grouped(args.batch, args.reps),
+        "grouped_vs_per_token": grouped(args.batch, args.reps, args.dtype),
         "simulator_vs_live": fidelity(args.reps),
     }
 
@@ -120,4 +141,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     p.add_argument("--batch", type=int, default=32, help="tokens in the step (32)")
     p.add_argument("--reps", type=int, default=7, help="repetitions (7)")
+    p.add_argument("--dtype", default="auto", help="model dtype (the executor's auto)")
     p.set_defaults(func=lambda a: _emit(measure(a), a.json))

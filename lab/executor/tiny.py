@@ -57,16 +57,7 @@ def _new_family_config(arch: str, llama_like: dict):
     """Qwen3 (QK-norm), Gemma 2 (soft-capping, windows), Gemma 3 text and image-text
     (windows, two RoPE tables, one of them scaled), Phi-3 (fused weights, partial rotary):
     three layers, windowed and global ones interleaved."""
-    from transformers import (
-        Gemma2Config,
-        Gemma3Config,
-        Gemma3TextConfig,
-        MixtralConfig,
-        Phi3Config,
-        Qwen3Config,
-        Qwen3MoeConfig,
-        SiglipVisionConfig,
-    )
+    from transformers import MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 
     three = dict(llama_like, num_hidden_layers=3)
     if arch == "qwen3":
@@ -83,6 +74,13 @@ def _new_family_config(arch: str, llama_like: dict):
     if arch == "phi3":
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
         return Phi3Config(**three, tie_word_embeddings=False, rope_parameters=rope)
+    return _gemma_config(arch, three)
+
+
+def _gemma_config(arch: str, three: dict):
+    """Gemma 2 (soft-caps) and Gemma 3 text and image-text, windowed and global layers."""
+    from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
     gemma = dict(
         three,
         query_pre_attn_scalar=24,
@@ -105,7 +103,7 @@ def _new_family_config(arch: str, llama_like: dict):
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         image_size=32, patch_size=8,
     )  # fmt: skip
-    last = llama_like["vocab_size"] - 1
+    last = three["vocab_size"] - 1
     return Gemma3Config(
         text_config=text,
         vision_config=vision,

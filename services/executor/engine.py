@@ -94,11 +94,10 @@ class Engine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
-        self.options = runtime or RuntimeOptions()
+        self.options, self.quantization = runtime or RuntimeOptions(), quantization
         self.spec, self.runner = load_runner(
             self.model_dir, self.device, self.dtype, load_format, quantization
         )
-        self.quantization = quantization
         self.kv_dtype, self.block_size = kv_dtype, block_size
         self.max_model_len = self._max_len(max_model_len)
         self.attn = make_attention(self.spec, attention_backend, self.device, self.dtype)
@@ -118,20 +117,28 @@ class Engine:
             raise ValueError(f"kv memory budget holds no block ({per_block} bytes each)")
         self.pool_blocks = num_device_blocks  # the scheduler's; a graph padding block follows
         self.cache = self._make_pool(num_device_blocks + graphs)
-        host_bytes = SwapManager.host_block_bytes(self.cache, swap_compress)
-        if num_host_blocks is None:
-            num_host_blocks = int(swap_memory_gb * GIB // host_bytes)
-        self.swap = SwapManager(self.cache, num_host_blocks, swap_compress)
+        self.swap = self._make_swap(num_host_blocks, swap_memory_gb, swap_compress)
         self.runtime = self._make_runtime(packed, graphs)  # None: the CPU path
         self.profile_path = Path(profile_path) if profile_path else None
         self.instance_id = uuid.uuid4().hex
-        self.book = StepBook(
-            num_device_blocks, num_host_blocks, block_size, self.max_model_len, self.spec.vocab_size
-        )
         self._init_state(predict_every, record_features)
 
+    def _make_swap(self, blocks: int | None, memory_gb: float, compress: bool) -> SwapManager:
+        """The host swap pool: `blocks`, else as many as `memory_gb` holds."""
+        if blocks is None:
+            blocks = int(memory_gb * GIB // SwapManager.host_block_bytes(self.cache, compress))
+        return SwapManager(self.cache, blocks, compress)
+
     def _init_state(self, predict_every: int, record_features: bool) -> None:
-        """The request book's views, the step lock, caches and the remaining-length probe."""
+        """The request book and its views, the step lock, caches and the remaining-length
+        probe."""
+        self.book = StepBook(
+            self.pool_blocks,
+            self.swap.num_host_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.spec.vocab_size,
+        )
         self.requests: dict[str, RequestState] = self.book.requests
         self.owners = self.book.owners
         self._lock = threading.RLock()

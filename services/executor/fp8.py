@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from services.common.arith import ceil_div
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 QUANT_METHODS = ("fp8", "compressed-tensors")
@@ -59,7 +61,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, k = w.shape[-2:]
     if s.dim() == 1 or s.shape[-1] == 1:
         return w * s.reshape(*w.shape[:-2], n, 1)
-    bn, bk = -(-n // s.shape[-2]), -(-k // s.shape[-1])
+    bn, bk = ceil_div(n, s.shape[-2]), ceil_div(k, s.shape[-1])
     full = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)
     return w * full[..., :k]
 

@@ -75,15 +75,17 @@ def route(x: torch.Tensor, w: MoeWeights, linear: Callable = F.linear) -> tuple[
     return top, experts
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of x [N, K] sorted by expert (counts[e] rows for expert e) times each expert's
-    weight [E, M, K] transposed -> [N, M]."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x [N, K] sorted by expert (counts[e] rows for expert e, a device tensor) times
+    each expert's weight [E, M, K] transposed -> [N, M]. With torch._grouped_mm nothing
+    waits for the device (the offsets stay there: CUDA graphs can hold the step); the
+    fallback reads the counts on the host."""
     if _grouped_mm_works(x.device.type, x.dtype):
-        ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        ends = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
     out = x.new_empty((x.shape[0], weight.shape[1]))
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.tolist()):
         if n:
             torch.mm(x[start : start + n], weight[e].t(), out=out[start : start + n])
             start += n
@@ -119,7 +121,8 @@ def moe_forward(
     flat = experts.flatten()  # [T * k], token t's j-th choice at t * k + j
     order = torch.argsort(flat, stable=True)
     tokens = order // k
-    counts = torch.bincount(flat, minlength=w.num_experts).tolist()
+    counts = torch.zeros(w.num_experts, dtype=torch.long, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync, unlike bincount
     rows = x.index_select(0, tokens)  # [T * k, H], grouped by expert
     hidden = act(grouped_linear(rows, w.gate_up, counts))  # [T * k, I]
     out = grouped_linear(hidden, w.down, counts).float()  # [T * k, H]
