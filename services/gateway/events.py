@@ -177,14 +177,17 @@ class BatchedCall:
 
     # -- the subscription's side ------------------------------------------------------------
     def deliver(self, event: scheduler_pb2.TokenEvent) -> None:
-        """Queue the next event; one already queued is dropped (after a re-attach on the same
-        subscription, events the previous attachment sent may still arrive: the same tokens,
-        from the same log)."""
+        """Queue the next event. After a re-attach on the same subscription, events the
+        previous attachment sent may still arrive (the same tokens, from the same log), before
+        or while the new attachment replays from its resume index in order: a token that is
+        not the next index is dropped (a repeat, or one racing ahead of the replay, which
+        sends it again in its place), and so is a final event that follows more tokens than
+        were queued (its index is the number of tokens before it)."""
         if event.finished:
-            if self._final_queued:
+            if self._final_queued or event.index > self._next_index:  # index: tokens before it
                 return
             self._final_queued = True
-        elif event.index < self._next_index:
+        elif event.index != self._next_index:
             return
         else:
             self._next_index = event.index + 1
