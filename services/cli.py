@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _apply_nice() -> None:
+    """Under `alise serve`: the control plane's lower priority (launcher/cpu_plan.py)."""
+    nice = int(os.environ.get("ALISE_NICE", "0") or 0)
+    if nice > 0:
+        os.nice(nice)
+
+
 def _die_with_parent() -> None:
     """Under `alise serve`: get SIGTERM when the launcher dies, even by SIGKILL."""
     parent = os.environ.pop("ALISE_DIE_WITH_PARENT", "")
@@ -74,6 +81,7 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
+    _apply_nice()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

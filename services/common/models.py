@@ -12,7 +12,9 @@ A model setting is one of:
 
 GGUF models are materialized once into `<data_dir>/models/<name>/` as a plain Hugging Face
 directory: `tokenizer_dir()` writes the tokenizer and config (seconds), `weights_dir()` also
-writes the dequantized weights as safetensors, so every later start loads fast. Writes go to a
+writes the dequantized weights as safetensors, so every later start loads fast, and beside
+them `gguf_types.json`, the file's tensor types (the executor's `auto` quantization serves
+4-bit weights as INT4 from it). Writes go to a
 temporary directory and are renamed into place under a file lock, so concurrent services
 never see half a cache. Nothing is ever downloaded.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -210,6 +213,22 @@ def tokenizer_dir(model: str, data_dir: Path) -> Path:
     return cache
 
 
+GGUF_TYPES = "gguf_types.json"  # a materialized GGUF's tensor types: {name: type}
+
+
+def gguf_tensor_types(gguf: Path) -> dict[str, str]:
+    """Each tensor's storage type in a GGUF file (Q4_1, Q8_0, F32, ...), read off its header."""
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(gguf)).tensors}
+
+
+def _write_gguf_types(gguf: Path, target: Path) -> None:
+    tmp = target / (GGUF_TYPES + ".tmp")
+    tmp.write_text(json.dumps(gguf_tensor_types(gguf), sort_keys=True))
+    tmp.rename(target / GGUF_TYPES)
+
+
 def weights_dir(model: str, data_dir: Path) -> Path:
     """A Hugging Face directory with safetensors weights (dequantized once from GGUF); for a
     preset, its directory without weights (load_format=dummy)."""
@@ -218,10 +237,12 @@ def weights_dir(model: str, data_dir: Path) -> Path:
         return preset_dir(model, data_dir)
     if source.hf_dir is not None:
         return source.hf_dir
-    cache = _cache_dir(source, data_dir)
+    cache, gguf = _cache_dir(source, data_dir), source.gguf_file()
     if (cache / "model.safetensors").exists():
+        if not (cache / GGUF_TYPES).exists():  # a cache written before the types were kept
+            with _locked(cache):
+                _write_gguf_types(gguf, cache)
         return cache
-    gguf = source.gguf_file()
     with _locked(cache):
         if not (cache / "model.safetensors").exists():
             import torch
@@ -242,6 +263,7 @@ def weights_dir(model: str, data_dir: Path) -> Path:
                     delattr(config, "quantization_config")
                 config.save_pretrained(tmp)
                 AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
+                _write_gguf_types(gguf, tmp)
 
             _write_atomically(cache, write)
     return cache

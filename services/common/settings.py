@@ -100,11 +100,13 @@ class ExecutorSettings(CommonSettings):
         description="auto = the model's safetensors weights; dummy = random weights of its "
         "config.json's shapes (a config-only directory or a shape preset such as llama-3-8b).",
     )
-    quantization: Literal["none", "fp8"] = Field(
-        "none",
-        description="fp8: round the linear weights of a full-precision checkpoint through "
-        "FP8 (e4m3, per-channel scales) at load; FP8 checkpoints are read whatever this says "
-        "(docs/models.md).",
+    quantization: Literal["auto", "none", "fp8", "int4", "int8"] = Field(
+        "auto",
+        description="Weight format. auto: on CPU a GGUF model keeps its file's bit width (4-bit "
+        "layers as INT4 with an INT8 LM head, 8-bit as INT8), everything else as stored; "
+        "int4 / int8: weight-only quantization at load (CPU); fp8: round the linear weights "
+        "of a full-precision checkpoint through FP8 (e4m3, per-channel scales); none: as "
+        "stored. FP8 checkpoints are read whatever this says (docs/models.md).",
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     kv_memory_gb: float = Field(1.0, gt=0, description="Device memory for the KV pool (GiB).")
@@ -480,6 +482,14 @@ class LauncherSettings(RedisSettings):
         le=65000,
         description="`alise serve`'s loopback gRPC ports: scheduler at this port, predictor +1, "
         "standby schedulers +4, executors +10 (change it to run a second stack on one machine).",
+    )
+    control_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="`alise serve`: the nice value of the gateway, scheduler, predictor and "
+        "Redis, so the executors' threads get the cores they leave (0 = normal priority; "
+        "services/launcher/cpu_plan.py).",
     )
 
 

@@ -46,7 +46,7 @@ from services.executor.messages import RequestState, StepOutput, StepTimings
 from services.executor.probe import make_hook
 from services.executor.prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from services.executor.ragged_batch import StepBatch, TokenRun, build_batch
-from services.executor.runner import load_runner
+from services.executor.runner import load_runner, resolve_quantization
 from services.executor.sampler import sample, sample_batch, top_alternatives, unpack_samples
 from services.executor.step_plan import StepBook, StepPlan
 from services.executor.swap import SwapManager
@@ -94,9 +94,12 @@ class Engine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir, self.model_name = Path(model_dir), model_name or Path(model_dir).name
-        self.options, self.quantization = runtime or RuntimeOptions(), quantization
+        self.options = runtime or RuntimeOptions()
+        self.quantization = resolve_quantization(
+            quantization, self.model_dir, self.device, deterministic
+        )
         self.spec, self.runner = load_runner(
-            self.model_dir, self.device, self.dtype, load_format, quantization
+            self.model_dir, self.device, self.dtype, load_format, self.quantization
         )
         self.kv_dtype, self.block_size = kv_dtype, block_size
         self.max_model_len = self._max_len(max_model_len)
@@ -268,10 +271,12 @@ class Engine:
 
     @property
     def weight_format(self) -> str:
-        """How the checkpoint's weights were stored: fp8 (an FP8 checkpoint, or rounded
-        through FP8 by ALISE_QUANTIZATION=fp8), else the model dtype."""
+        """How the weights are served: fp8 (an FP8 checkpoint, or rounded through FP8 by
+        ALISE_QUANTIZATION=fp8), int4 / int8 (packed: wquant.py), else the model dtype."""
         if self.quantization == "fp8" or self.spec.quant_method:
             return "fp8"
+        if self.quantization in ("int4", "int8"):
+            return self.quantization
         return str(self.dtype).removeprefix("torch.")
 
     def describe(self) -> dict:

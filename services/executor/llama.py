@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 from services.executor import cpu_kernels
 from services.executor.config import ModelSpec
+from services.executor import wquant
 from services.executor.lm_head import LmHead
 from services.executor.models.variant import Rope, Variant, rope_parameters
 from services.executor.moe import MoeWeights, moe_forward, moe_weights
 from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
+from services.executor.wquant import Weight
 
 if TYPE_CHECKING:
     from services.executor.attention_backends import Attention
@@ -103,12 +105,12 @@ def gate_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 @dataclass
 class LlamaLayer:
     ln1: torch.Tensor
-    qkv: torch.Tensor  # [Q + 2KV, hidden]
+    qkv: Weight  # [Q + 2KV, hidden] (full precision, or packed: wquant.py)
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, Q]
+    o: Weight  # [hidden, Q]
     ln2: torch.Tensor
-    gate_up: torch.Tensor | None  # [2I, hidden] (None: a mixture-of-experts layer)
-    down: torch.Tensor | None  # [hidden, I]
+    gate_up: Weight | None  # [2I, hidden] (None: a mixture-of-experts layer)
+    down: Weight | None  # [hidden, I]
     q_norm: torch.Tensor | None = None  # [D] QK-norm (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma 3): after attention
@@ -154,7 +156,9 @@ class LlamaRunner:
         # tests set it under the interpreter
         self.fused = device.type == "cuda" and self.variant.plain
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.linear = F.linear  # batch_invariant.tiled_linear in deterministic mode
+        # wquant.linear takes packed INT4/INT8 weights too; batch_invariant.tiled_linear
+        # in deterministic mode
+        self.linear: Callable[..., torch.Tensor] = wquant.linear
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         """A norm's weight as norm_fn takes it ((1 + w) in fp32 for the offset form)."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from services.executor.wquant import Int8Weight, quantize_int8
+
 SMALL_ROWS = 3
 
 
@@ -29,9 +31,17 @@ class LmHead:
         )
         # deterministic mode: batch_invariant.tiled_linear (fixed row tiles)
         self.product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.packed: Int8Weight | None = None  # INT8 weights (wquant.py: int4/int8 modes)
+
+    def pack(self, dtype: torch.dtype) -> None:
+        """Serve the head from INT8 weights (per-channel scales); the full-precision weight
+        stays only where the embedding shares it."""
+        self.packed, self.transposed = quantize_int8(self.weight, dtype), None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]."""
+        if self.packed is not None:
+            return self.packed.matmul(hidden.contiguous()).float()
         if self.product is not None:
             return self.product(hidden, self.weight).float()
         if self.transposed is not None and hidden.shape[0] <= SMALL_ROWS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,9 +11,11 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from services.executor.config import ModelSpec
+from services.executor import wquant
 from services.executor.lm_head import LmHead
 from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
+from services.executor.wquant import Weight
 
 if TYPE_CHECKING:
     from services.executor.attention_backends import Attention
@@ -25,15 +28,15 @@ POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 class OptLayer:
     ln1_w: torch.Tensor | None
     ln1_b: torch.Tensor | None
-    qkv: torch.Tensor  # [3E, E]
+    qkv: Weight  # [3E, E] (full precision, or packed: wquant.py)
     qkv_bias: torch.Tensor | None
-    out: torch.Tensor
+    out: Weight
     out_bias: torch.Tensor | None
     ln2_w: torch.Tensor | None
     ln2_b: torch.Tensor | None
-    fc1: torch.Tensor
+    fc1: Weight
     fc1_bias: torch.Tensor | None
-    fc2: torch.Tensor
+    fc2: Weight
     fc2_bias: torch.Tensor | None
 
 
@@ -59,7 +62,9 @@ class OptRunner:
         lm_head = take(state, "lm_head.weight", required=False)
         self.lm_head = self.embed if lm_head is None else lm_head
         self.head = LmHead(self.lm_head)
-        self.linear = F.linear  # batch_invariant.tiled_linear in deterministic mode
+        # wquant.linear takes packed INT4/INT8 weights too; batch_invariant.tiled_linear
+        # in deterministic mode
+        self.linear: Callable[..., torch.Tensor] = wquant.linear
         self.layers = [self._layer(state, f"{d}layers.{i}.") for i in range(spec.num_layers)]
 
     @staticmethod

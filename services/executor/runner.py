@@ -3,15 +3,20 @@ Llama-shaped families, or OPT's), as the model registry (models/) says."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
+from services.common.models import GGUF_TYPES
+from services.executor import wquant
 from services.executor.config import ModelSpec, load_spec
 from services.executor.fp8 import quantize_state
 from services.executor.models.variant import OPT
 from services.executor.weights import LOAD_FORMATS, dummy_state, load_state
+
+QUANTIZATIONS = ("auto", "none", "fp8", *wquant.MODES)
 
 if TYPE_CHECKING:
     from services.executor.llama import LlamaRunner
@@ -43,12 +48,43 @@ def load_runner(
         state = load_state(Path(model_dir), dtype, device, rename=rename)
     if quantization == "fp8":
         quantize_state(state)
+    elif quantization in wquant.MODES:
+        wquant.check_supported(quantization, device)
     elif quantization != "none":
-        raise ValueError(f"quantization must be none or fp8, not {quantization!r}")
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
+    runner = _runner(spec, state, device, dtype)
+    if quantization in wquant.MODES:
+        wquant.quantize_layers(runner.layers, quantization, dtype)
+        runner.head.pack(dtype)
+    return spec, runner
+
+
+def _runner(
+    spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> ModelRunner:
+    assert spec.family is not None
     if spec.family.runner == OPT:
         from services.executor.opt import OptRunner
 
-        return spec, OptRunner(spec, state, device, dtype)
+        return OptRunner(spec, state, device, dtype)
     from services.executor.llama import LlamaRunner
 
-    return spec, LlamaRunner(spec, state, device, dtype)
+    return LlamaRunner(spec, state, device, dtype)
+
+
+def resolve_quantization(
+    requested: str, model_dir: Path, device: torch.device, deterministic: bool = False
+) -> str:
+    """The weight format to serve. `auto`: on CPU, a model materialized from GGUF keeps its
+    file's bit width (4-/5-bit layers as INT4, 6-/8-bit as INT8: wquant.gguf_mode); anything
+    else, other devices and deterministic mode (whose products are the batch-invariant bf16
+    ones) serve the checkpoint as stored. Other values as asked; INT4/INT8 with deterministic
+    mode is refused."""
+    if requested != "auto":
+        if deterministic and requested in wquant.MODES:
+            raise ValueError(f"deterministic mode serves full-precision weights, not {requested}")
+        return requested
+    types = Path(model_dir) / GGUF_TYPES
+    if device.type != "cpu" or deterministic or not types.exists():
+        return "none"
+    return wquant.gguf_mode(json.loads(types.read_text()))

@@ -40,7 +40,13 @@ def _supervisor(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from services.common.internal_auth import TOKEN_ENV, internal_token
     from services.common.logs import setup_logging
     from services.common.redis_runner import free_port, generate_password
-    from services.common.settings import GatewaySettings, LauncherSettings, SchedulerSettings
+    from services.common.settings import (
+        ExecutorSettings,
+        GatewaySettings,
+        LauncherSettings,
+        SchedulerSettings,
+    )
+    from services.launcher import cpu_plan
     from services.launcher.supervisor import Supervisor, base_env
     from services.launcher.topology import LocalPorts, RedisPlan, local_topology
 
@@ -77,7 +83,10 @@ def _supervisor(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         ports=LocalPorts(settings.internal_port_base),
     )
     info["policy"] = overrides["ALISE_POLICY"]
-    return Supervisor(specs, run_dir, base_env(overrides)), info
+    env = base_env(overrides)
+    cpu = cpu_plan.plan(info["executors"], ExecutorSettings().num_threads, settings.control_nice)
+    info["cpu"] = cpu.describe(env)
+    return Supervisor(cpu_plan.apply(specs, cpu, env), run_dir, env), info
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -90,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         print(
             f"starting ALISE ({info['executors']} executor(s), {info['schedulers']} "
-            f"scheduler(s), policy {info['policy']}); logs in {info['run_dir']}",
+            f"scheduler(s), policy {info['policy']}); logs in {info['run_dir']}\n{info['cpu']}",
             flush=True,
         )
         supervisor.start_all(info["settings"].health_timeout_s)
