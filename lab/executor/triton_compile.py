@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from services.executor import triton_plan as plan
+from services.executor.moe_layout import moe_tiles
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -29,6 +30,7 @@ class Variant:
     signature: dict[str, str]
     constexprs: dict[str, Any]
     options: dict[str, int]
+    aligned: tuple[str, ...] = ()  # arguments a launch specialises as multiples of 16
 
 
 def _sig(
@@ -125,6 +127,38 @@ def fused(dtype: torch.dtype) -> list[Variant]:
     ]
 
 
+def moe(dtype: torch.dtype, tokens: int, top_k: int, experts: int, inner: int,
+        hidden: int) -> list[Variant]:  # fmt: skip
+    """The fused MoE kernels (triton_moe.py) with the tiles moe_tiles picks for a step of
+    `tokens` tokens of this model."""
+    t = TYPES[dtype]
+    up, down = moe_tiles(tokens * top_k, experts, inner, hidden, dtype)
+    scalars = dict.fromkeys(("n_rows", "n_experts", "hidden", "inner"), "i32")
+    rows = {"IDS": "i32", "BLOCK_EXPERTS": "i32"}
+    out = []
+    for kernel, tiles, pointers, top in (
+        ("moe_gate_up_kernel", up, {"X": t, "W": t} | rows | {"OUT": t}, {"TOP_K": top_k}),
+        ("moe_down_kernel", down, {"A": t, "W": t} | rows | {"ROUTE": "fp32", "OUT": "fp32"}, {}),
+    ):
+        consts: dict[str, Any] = {
+            **top,
+            "BLOCK_M": tiles.block_m,
+            "BLOCK_N": tiles.block_n,
+            "BLOCK_K": tiles.block_k,
+        }
+        consts |= {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "EMULATE": False}
+        name = (
+            f"{kernel.removesuffix('_kernel').replace('_', '-')}-{t}-e{experts}-bm{tiles.block_m}"
+        )
+        options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+        sig = _sig(pointers, scalars, consts)
+        # as launched: torch's pointers and these models' sizes are multiples of 16 (without
+        # it a bf16 row has no known 4-byte alignment and nothing is pipelined)
+        aligned = (*pointers, "hidden", "inner")
+        out.append(Variant(name, kernel, sig, consts, options, aligned))
+    return out
+
+
 def variants() -> list[Variant]:
     """Both head dims, INT8 and not, decodes with split-KV and prefill chunks, GQA 1/7/8,
     blocks 8 (the tiny test models, D 16), 16 and 32, in bf16 (the GPU default), fp16, fp32."""
@@ -153,6 +187,13 @@ def variants() -> list[Variant]:
         quantize(bf16, 64, 32, False),
         *fused(bf16),
         *fused(fp32),
+        # every row of triton_moe's tile table: Mixtral 8x7B decodes and a long prefill,
+        # Qwen3-30B-A3B (128 experts of inner 768) at 32 and 128 rows per expert
+        *moe(bf16, 8, 2, 8, 14336, 4096),
+        *moe(bf16, 512, 8, 128, 768, 2048),
+        *moe(bf16, 2048, 8, 128, 768, 2048),
+        *moe(bf16, 8192, 2, 8, 14336, 4096),
+        *moe(fp32, 16, 2, 4, 96, 64),
     ]
     return out
 
@@ -163,13 +204,15 @@ def compile_all(arch: int = 90) -> tuple[dict[str, dict[str, int]], dict[str, st
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from services.executor import triton_fused, triton_kernels
+    from services.executor import triton_fused, triton_kernels, triton_moe
 
     target = GPUTarget("cuda", arch, 32)
     done, failed = {}, {}
     for v in variants():
-        module = triton_fused if hasattr(triton_fused, v.kernel) else triton_kernels
-        src = ASTSource(getattr(module, v.kernel), v.signature, v.constexprs)
+        module = next(m for m in (triton_fused, triton_moe, triton_kernels) if hasattr(m, v.kernel))
+        fn = getattr(module, v.kernel)
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in v.aligned}
+        src = ASTSource(fn, v.signature, v.constexprs, attrs)
         try:
             compiled = triton.compile(src, target=target, options=v.options)
         except Exception as e:  # report every failing variant, not only the first

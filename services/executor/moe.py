@@ -6,7 +6,9 @@ T x k assignments sorted by expert (one stable argsort), the tokens gathered in 
 then one grouped matrix product per projection over the sorted rows (`torch._grouped_mm`
 where this torch has it for the device and dtype, else one product per expert that received
 tokens: a loop over experts, not tokens), the activation, and the rows weighted and summed
-back onto their tokens (fp32 accumulation) with one index_add.
+back onto their tokens (fp32 accumulation) with one index_add. On CUDA with Triton and SiLU
+gating the experts run instead as two fused grouped-GEMM launches (triton_moe.py: the
+activation and the routing weights in the kernels' epilogues, no host synchronisation).
 
 Weights: the router [E, H], gate and up projections fused [E, 2I, H], down [E, H, I], read
 from either checkpoint layout (per-expert tensors as released, or transformers 5's fused
@@ -14,15 +16,23 @@ from either checkpoint layout (per-expert tensors as released, or transformers 5
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
+from services.executor import cpu_kernels
+from services.executor.moe_layout import moe_tiles
 from services.executor.weights import take
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+# The fused Triton experts (triton_moe.py): None picks them for CUDA tensors where Triton
+# imports; tests set True to run them on CPU under TRITON_INTERPRET=1 (False: never).
+TRITON: bool | None = None
 
 
 @dataclass
@@ -117,6 +127,12 @@ def moe_forward(
 ) -> torch.Tensor:
     """x [T, H] -> the experts' weighted sum [T, H] (act: act(gate) * up over [N, 2I])."""
     top, experts = route(x, w, linear)
+    if _fused(x, w, act):
+        from services.executor.triton_moe import fused_moe
+
+        inner, hidden = w.down.shape[2], w.down.shape[1]
+        tiles = moe_tiles(experts.numel(), w.num_experts, inner, hidden, x.dtype)
+        return fused_moe(x, w.gate_up, w.down, top, experts, tiles)
     k = w.top_k
     flat = experts.flatten()  # [T * k], token t's j-th choice at t * k + j
     order = torch.argsort(flat, stable=True)
@@ -129,3 +145,20 @@ def moe_forward(
     out.mul_(top.flatten().index_select(0, order)[:, None])
     summed = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
     return summed.index_add_(0, tokens, out).to(x.dtype)
+
+
+def _fused(x: torch.Tensor, w: MoeWeights, act: Activation) -> bool:
+    """Whether the fused Triton experts take this step: SiLU gating (the kernel's epilogue),
+    contiguous weights in x's dtype, and TRITON (None: a CUDA tensor and Triton importable)."""
+    if act is not cpu_kernels.silu_and_mul:
+        return False
+    if not all(p.dtype == x.dtype and p.is_contiguous() for p in (w.gate_up, w.down)):
+        return False
+    if TRITON is not None:
+        return TRITON
+    return x.device.type == "cuda" and _triton_importable()
+
+
+@cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lab.executor.triton_compile import variants
+from services.executor.moe_layout import TILE_TABLE
 
 ROOT = Path(__file__).resolve().parents[2]
 H100_SHARED_BYTES = 227 * 1024  # the most shared memory one H100 block may use
@@ -49,7 +50,9 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
 def test_compiled_variants_cover_the_supported_shapes():
     names = [v.name for v in variants()]
     assert len(names) == len(set(names))
-    for needle in ("-d64-", "-d128-", "-int8-", "-fp-", "-bs32-", "-g7-", "-split4-", "bf16"):
+    needles = ("-d64-", "-d128-", "-int8-", "-fp-", "-bs32-", "-g7-", "-split4-", "bf16")
+    needles += tuple(f"-bm{row[1]}" for row in TILE_TABLE)  # every row of the MoE tile table
+    for needle in needles:
         assert any(needle in n for n in names), needle
     kernels = {v.kernel for v in variants()}
     assert kernels == {
@@ -60,4 +63,6 @@ def test_compiled_variants_cover_the_supported_shapes():
         "add_rms_norm_kernel",
         "silu_mul_kernel",
         "rope_qkv_kernel",
+        "moe_gate_up_kernel",
+        "moe_down_kernel",
     }
