@@ -67,6 +67,29 @@ def chat_prompts(tok: PreTrainedTokenizerBase, n: int) -> list[list[int]]:
     ]
 
 
+def ppl_and_agreement(
+    base: Engine,
+    other: Engine,
+    tok: PreTrainedTokenizerBase,
+    n_prompts: int = 8,
+    n_tokens: int = 64,
+) -> tuple[float, float, float]:
+    """(perplexity of the fixed 512-token passage under `base`, under `other`, the share of
+    greedy tokens `other` agrees with `base` on over n_prompts chat prompts x n_tokens)."""
+    from lab.executor.driver import Driver
+    from lab.executor.testing import perplexity, teacher_forced_logits
+
+    ids = passage(tok)
+    ppl = [perplexity(teacher_forced_logits(e, [ids], [64])[0], ids) for e in (base, other)]
+    prompts = chat_prompts(tok, n_prompts)
+    outs = [
+        [s.output for s in Driver(e, token_budget=64).generate(prompts, n_tokens)]
+        for e in (base, other)
+    ]
+    agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y))
+    return ppl[0], ppl[1], agree / (len(prompts) * n_tokens)
+
+
 def measure(
     fp_engine: Engine,
     q_engine: Engine,
@@ -74,24 +97,14 @@ def measure(
     n_prompts: int = 8,
     n_tokens: int = 64,
 ) -> dict[str, Any]:
-    from lab.executor.driver import Driver
-    from lab.executor.testing import perplexity, teacher_forced_logits
-
-    ids = passage(tok)
-    ppl = [perplexity(teacher_forced_logits(e, [ids], [64])[0], ids) for e in (fp_engine, q_engine)]
-    prompts = chat_prompts(tok, n_prompts)
-    outs = [
-        [s.output for s in Driver(e, token_budget=64).generate(prompts, n_tokens)]
-        for e in (fp_engine, q_engine)
-    ]
-    agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y))
+    ppl_fp, ppl_q, agreement = ppl_and_agreement(fp_engine, q_engine, tok, n_prompts, n_tokens)
     fp_bytes = fp_engine.cache.bytes_per_block / fp_engine.block_size
     q_bytes = q_engine.cache.bytes_per_block / q_engine.block_size
     return {
-        "ppl_fp": ppl[0],
-        "ppl_int8": ppl[1],
-        "ppl_rel_diff": ppl[1] / ppl[0] - 1,
-        "greedy_agreement": agree / (len(prompts) * n_tokens),
+        "ppl_fp": ppl_fp,
+        "ppl_int8": ppl_q,
+        "ppl_rel_diff": ppl_q / ppl_fp - 1,
+        "greedy_agreement": agreement,
         "kv_bytes_per_token_fp": fp_bytes,
         "kv_bytes_per_token_int8": q_bytes,
         "kv_bytes_ratio": q_bytes / fp_bytes,

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from services.executor import cpu_kernels
+from services.executor import cpu_kernels, wquant
 from services.executor.config import ModelSpec
-from services.executor import wquant
 from services.executor.lm_head import LmHead
 from services.executor.models.variant import Rope, Variant, rope_parameters
 from services.executor.moe import MoeWeights, moe_forward, moe_weights

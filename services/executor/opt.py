@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from services.executor.config import ModelSpec
 from services.executor import wquant
+from services.executor.config import ModelSpec
 from services.executor.lm_head import LmHead
 from services.executor.ragged_batch import StepBatch
 from services.executor.weights import cat_rows, take
