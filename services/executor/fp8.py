@@ -7,10 +7,15 @@ Checkpoint formats read (`quantization_config` in config.json):
   per tensor (and a static `X.input_scale`, which only FP8 activations would use);
 - `quant_method: compressed-tensors` with float 8-bit weights (llm-compressor's FP8 and
   FP8-dynamic): `X.weight_scale` per channel [N, 1] or per tensor.
-Here the weights are dequantized once at load into the model dtype (W = w x scale, in fp32,
-then rounded): the numbers of the same checkpoint dequantized, on every device. FP8 matrix
-products on GPUs with FP8 units (`torch._scaled_mm`) are not wired yet: an FP8 checkpoint
-takes the bf16 weights' memory and speed.
+The weights are dequantized once at load into the model dtype (W = w x scale, in fp32, then
+rounded): the numbers of the same checkpoint dequantized, which is how every device without
+FP8 units serves them. On GPUs with FP8 units (compute capability 8.9 and newer) each linear
+layer's weight is then packed back into FP8 with one scale per output channel (Fp8Weight: a
+per-tensor or per-channel checkpoint's codes come back as stored, a block-scaled one is
+rounded onto per-channel scales) and multiplied by `torch._scaled_mm` against activations
+quantized per token at run time (scale = max |x| / 448 of each row: vLLM's dynamic FP8), half
+the bytes of bf16 per step. `SCALED_MM` forces that path on or off (tests run it on CPU,
+where torch has the same operator).
 
 `ALISE_QUANTIZATION=fp8` rounds a full-precision checkpoint's linear weights through FP8 at
 load: per output channel, scale = max |w| / 448 (e4m3's largest normal), w -> fp8(w / scale)
@@ -19,6 +24,7 @@ x scale; embeddings, the LM head, norms and MoE routers stay as they are (vLLM's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,6 +90,48 @@ def dequantize_state(
             t = dequantize(t.to(device), scale.to(device))
         out[name] = t.to(device=device, dtype=dtype)
     return out
+
+
+SCALED_MM: bool | None = None  # None: on GPUs with FP8 units (uses_scaled_mm)
+
+
+def uses_scaled_mm(device: torch.device) -> bool:
+    """Whether FP8 weights run as FP8 products (`torch._scaled_mm`) on `device`."""
+    if SCALED_MM is not None:
+        return SCALED_MM
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@dataclass
+class Fp8Weight:
+    """A linear weight in FP8 with one fp32 scale per output channel; products against
+    activations quantized per token (dynamic scales), accumulated and scaled by
+    `torch._scaled_mm` into the activations' dtype."""
+
+    codes: torch.Tensor  # [N, K] e4m3
+    scales: torch.Tensor  # [1, N] fp32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x_scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [T, 1]
+        xq = (x32 / x_scale).to(FP8)
+        return torch._scaled_mm(
+            xq, self.codes.t(), scale_a=x_scale, scale_b=self.scales, out_dtype=x.dtype
+        )
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.t()
+
+
+def pack(w: torch.Tensor) -> Fp8Weight:
+    """[N, K] -> FP8 codes with one scale per output channel (max |w| / 448)."""
+    x = w.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [N, 1]
+    return Fp8Weight((x / scale).to(FP8).contiguous(), scale.t().contiguous())
 
 
 def quantizable(name: str, t: torch.Tensor) -> bool:

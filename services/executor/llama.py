@@ -257,14 +257,14 @@ class LlamaRunner:
         norms = [layer.ln1 for layer in self.layers[1:]] + [self.norm]
         x, h = tf.add_rms_norm(x, None, self.layers[0].ln1, self.eps)
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
+            qkv = wquant.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
             q, k, v = tf.rope_qkv(
                 qkv, batch.positions, self._rope_table, s.num_heads, s.num_kv_heads, s.head_dim
             )
             o = attn.forward(i, q, k, v, cache, batch)  # [T, H*D]
-            x, h = tf.add_rms_norm(x, F.linear(o, layer.o), layer.ln2, self.eps)
-            act = tf.silu_and_mul(F.linear(h, layer.gate_up))  # [T, I]
-            x, h = tf.add_rms_norm(x, F.linear(act, layer.down), next_norm, self.eps)
+            x, h = tf.add_rms_norm(x, wquant.linear(o, layer.o), layer.ln2, self.eps)
+            act = tf.silu_and_mul(wquant.linear(h, layer.gate_up))  # [T, I]
+            x, h = tf.add_rms_norm(x, wquant.linear(act, layer.down), next_norm, self.eps)
         assert t == h.shape[0]
         return h
 

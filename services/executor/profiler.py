@@ -228,22 +228,34 @@ def experts_of(spec: Any) -> Experts | None:
     return Experts(moe.num_experts, moe.top_k, sum(moe.sparse_layers))
 
 
+WEIGHT_BYTES = {"fp8": 1, "int8": 1, "int4": 0.5}  # per parameter, by Engine.weight_format
+
+
 def parameter_counts(engine: Any) -> dict[str, Any]:
     """Parameters in all and read per token (a mixture of experts reads only the routed
-    experts), and the bytes per token of the weights as stored (FP8: one per linear weight)."""
-    runner = engine.runner
+    experts), and the bytes per token of the weights as served (FP8 and INT8: one per
+    parameter, INT4: half; scales and the unpacked embeddings and norms not counted apart)."""
+    from services.executor.wquant import Fp8Weight, Int4Weight, Int8Weight
+
+    runner, packed = engine.runner, (Int4Weight, Int8Weight, Fp8Weight)
     tensors = [t for t in vars(runner).values() if isinstance(t, torch.Tensor)]
     tensors += [
         t for layer in runner.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)
     ]
     dense = sum(t.numel() for t in {id(t): t for t in tensors}.values())
+    dense += sum(
+        w.shape[0] * w.shape[1]
+        for layer in runner.layers
+        for w in vars(layer).values()
+        if isinstance(w, packed)
+    )
     experts = [getattr(layer, "moe", None) for layer in runner.layers]
     routed = [m for m in experts if m is not None]
     per_expert = [(m.gate_up[0].numel() + m.down[0].numel(), m) for m in routed]
     total = dense + sum(n * m.num_experts + m.router.numel() for n, m in per_expert)
     active = dense + sum(n * m.top_k + m.router.numel() for n, m in per_expert)
-    size = (
-        1 if engine.weight_format == "fp8" else torch.empty((), dtype=engine.dtype).element_size()
+    size = WEIGHT_BYTES.get(
+        engine.weight_format, torch.empty((), dtype=engine.dtype).element_size()
     )
     return {"total": total, "active_per_token": active, "bytes_per_param": size,
             "weight_bytes_per_token": active * size}  # fmt: skip

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 
 from services.common.models import GGUF_TYPES
-from services.executor import wquant
+from services.executor import fp8, wquant
 from services.executor.config import ModelSpec, load_spec
 from services.executor.fp8 import quantize_state
 from services.executor.models.variant import OPT
@@ -56,6 +56,8 @@ def load_runner(
     if quantization in wquant.MODES:
         wquant.quantize_layers(runner.layers, quantization, dtype)
         runner.head.pack(dtype)
+    elif (quantization == "fp8" or spec.quant_method) and fp8.uses_scaled_mm(device):
+        wquant.quantize_layers(runner.layers, "fp8", dtype)  # FP8 products (fp8.py)
     return spec, runner
 
 

@@ -29,6 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.executor import fp8
+from services.executor.fp8 import Fp8Weight
+
 GROUP = 32  # INT4 group size: GGUF's block of 32 (Q4_0, Q4_1, the sub-blocks of Q4_K)
 MODES = ("int4", "int8")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K")  # served as INT4 under `auto`
@@ -67,7 +70,7 @@ class Int8Weight:
         return self.codes.float() * self.scales.float()[:, None]
 
 
-PackedWeight = Int4Weight | Int8Weight
+PackedWeight = Int4Weight | Int8Weight | Fp8Weight
 Weight = torch.Tensor | PackedWeight
 
 
@@ -109,6 +112,9 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
 
 
 def quantize(w: torch.Tensor, mode: str, dtype: torch.dtype) -> PackedWeight:
+    """`w` packed as `mode`: int4, int8 or fp8 (fp8.pack: per-channel FP8 products)."""
+    if mode == "fp8":
+        return fp8.pack(w)
     return quantize_int4(w, dtype) if mode == "int4" else quantize_int8(w, dtype)
 
 

@@ -159,6 +159,35 @@ def test_quantization_fp8_rounds_through_fp8_per_channel(tiny, tmp_path):
     assert _max_diff(ours, _logits(tiny)) > 10 * TOL
 
 
+def _fp8_activations(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear with x rounded per token through FP8 first (scale max |x| / 448): what the
+    FP8 products compute, in fp32 arithmetic."""
+    x32 = x.float()
+    s = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448
+    return torch.nn.functional.linear(((x32 / s).to(E4M3).float() * s).to(x.dtype), w, bias)
+
+
+def test_fp8_products_equal_fp8_rounded_activations(tiny, tmp_path, monkeypatch):
+    """`torch._scaled_mm` with per-token activation scales (the path GPUs with FP8 units take;
+    torch runs the same operator on CPU) against the dequantized weights with each linear
+    layer's input rounded per token through FP8: the same numbers; a planted scale 5% off
+    fails; and the activations really were rounded."""
+    write_fp8(tiny, tmp_path / "fp8", "compressed-tensors-channel", tmp_path / "ref")
+    monkeypatch.setattr(fp8, "SCALED_MM", True)
+    engine = Engine(tmp_path / "fp8", device="cpu", dtype="fp32", num_device_blocks=24)
+    assert isinstance(engine.runner.layers[0].qkv, fp8.Fp8Weight)
+    ours = teacher_forced_logits(engine, PROMPTS, [7, None])
+    monkeypatch.setattr(fp8, "SCALED_MM", False)
+    emulated = Engine(tmp_path / "fp8", device="cpu", dtype="fp32", num_device_blocks=24)
+    emulated.runner.linear = _fp8_activations
+    reference = teacher_forced_logits(emulated, PROMPTS, [7, None])
+    assert _max_diff(ours, reference) < TOL
+    assert _max_diff(ours, _logits(tmp_path / "fp8")) > 10 * TOL
+    engine.runner.layers[1].gate_up.scales *= 1.05
+    planted = teacher_forced_logits(engine, PROMPTS, [7, None])
+    assert _max_diff(planted, reference) > 10 * TOL
+
+
 def test_moe_experts_in_fp8_and_int8_kv_together(tmp_path):
     from transformers import AutoTokenizer
 
