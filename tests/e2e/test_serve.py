@@ -103,6 +103,40 @@ def test_streaming_chat_answers_sensibly_and_shows_in_metrics(stack):
     assert served, "no request metric recorded"
 
 
+def _service_pids(launcher: int) -> dict[str, int]:
+    """The launcher's services by their `alise` subcommand (gateway, executor, ...)."""
+    found = {}
+    for pid in _children(launcher):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "services.cli" in argv and argv.index("services.cli") + 1 < len(argv):
+            found.setdefault(argv[argv.index("services.cli") + 1], pid)
+    return found
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_the_cpu_plan_is_printed_and_applied(stack):
+    """`alise serve` says how it shares the cores, and the services run that way: the
+    executor with every core and passive OpenMP waiting, the control plane at nice 10."""
+    out = (stack["run_dir"] / "launcher.out").read_text()
+    cores = len(os.sched_getaffinity(0))
+    assert f"cpu: each executor {cores} thread(s)" in out, out[:2000]
+    pids = _service_pids(stack["proc"].pid)
+    executor = Path(f"/proc/{pids['executor']}/environ").read_bytes().split(b"\0")
+    assert f"ALISE_NUM_THREADS={cores}".encode() in executor
+    wait = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # a policy set outside stays
+    assert f"OMP_WAIT_POLICY={wait}".encode() in executor
+    base = _nice(stack["proc"].pid)
+    assert _nice(pids["executor"]) == base
+    for name in ("gateway", "scheduler", "predictor"):
+        assert _nice(pids[name]) == min(19, base + 10), name
+
+
 def test_killed_executor_is_restarted_and_inflight_requests_complete(stack):
     launcher = stack["proc"]
     executor_pid = None
