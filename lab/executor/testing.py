@@ -50,3 +50,24 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     target = torch.tensor(ids[1:], device=logits.device)
     nll = torch.nn.functional.cross_entropy(logits[:-1].float(), target)
     return float(torch.exp(nll))
+
+
+def interpreted_check(args: list[str], timeout: float = 300) -> dict:
+    """`python ARGS` (a lab check module) under Triton's interpreter from the repository
+    root; the JSON object its last output line holds. Fails with its stderr's tail."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run(
+        [sys.executable, *args],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

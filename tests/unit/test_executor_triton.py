@@ -7,15 +7,12 @@ G 1/4/7/8, blocks 16/32, fp32 / bf16 / fp16 / INT8 KV, split-KV off and on, cont
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from lab.executor.testing import interpreted_check
 from lab.executor.tiny import make_tiny_model
 from lab.executor.triton_check import CASES, Case
 
@@ -48,16 +45,7 @@ def tiny_gemma2(tmp_path_factory) -> Path:
 def interpreted(tiny_llama, tiny_gemma2) -> dict:
     """Every case, the padding write and the engine comparisons in one interpreter process."""
     check = ["-m", "lab.executor.triton_check", "--engine", str(tiny_llama)]
-    proc = subprocess.run(
-        [sys.executable, *check, "--windowed", str(tiny_gemma2)],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_check([*check, "--windowed", str(tiny_gemma2)], timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

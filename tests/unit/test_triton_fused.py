@@ -5,14 +5,11 @@ subprocess: the interpreter must be chosen before Triton is first imported)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from lab.executor.testing import interpreted_check
 from lab.executor.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,16 +19,7 @@ BF16_ULP = 2.0**-7  # relative: one rounding flip of a bf16 value
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=1)
-    proc = subprocess.run(
-        [sys.executable, "-m", "lab.executor.fused_check", "--engine", str(model)],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_check(["-m", "lab.executor.fused_check", "--engine", str(model)])
 
 
 @pytest.mark.parametrize("kernel", ["add_rms_norm", "silu_and_mul", "rope_qkv"])

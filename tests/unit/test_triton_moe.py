@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import ast
 import inspect
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lab.executor.moe_check import CASES
+from lab.executor.testing import interpreted_check
 from lab.executor.tiny import make_tiny_model
 from services.common.arith import ceil_div
 from services.executor import moe, moe_layout
@@ -37,16 +34,7 @@ def interpreted(tmp_path_factory) -> dict:
     """Every case, and a tiny Qwen3-MoE engine (8 experts, top 3, not renormalised)."""
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_moe", "qwen3_moe", seed=1)
     check = ["-m", "lab.executor.moe_check", "--engine", str(model), "--engine-dtypes", "fp32"]
-    proc = subprocess.run(
-        [sys.executable, *check],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_check(check)
 
 
 @pytest.fixture(scope="module")
