@@ -1,5 +1,5 @@
 """Compiled CPU kernels (csrc/): paged decode attention read straight from the KV pool, full
-precision and INT8 (paged_decode.cpp), and the MLP's SiLU-and-multiply (activation.cpp).
+precision and INT8 (paged_decode.cpp), the MLP's SiLU-and-multiply and RMSNorm (activation.cpp).
 
 Built at run time with torch's extension builder (a C++ compiler and ninja, both in the
 executor image and `make setup`), once per machine and ISA level: the build is cached under
@@ -240,6 +240,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return _active.ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """transformers' LlamaRMSNorm in one op once the kernels are loaded (x [..., H] and the
+    weight of one dtype, contiguous, on CPU); None where the caller's torch path must run."""
+    if (
+        _active
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.is_contiguous()
+    ):
+        return _active.ops.rms_norm(x, weight, eps)
+    return None
 
 
 def paged_decode(

@@ -262,12 +262,12 @@ class Engine:
 
     def profile_json(self) -> str:
         """The cost-model profile Describe reports: `profile_path` when it exists, else a
-        bundled profile of the same device type, model and dtype, else none ("")."""
+        bundled profile of the same device type, model, dtype and weight format, else none
+        ("")."""
         if self.profile_path and self.profile_path.exists():
             return self.profile_path.read_text()
-        return bundled_profile(
-            self.device.type, self.model_name, str(self.dtype).removeprefix("torch.")
-        )
+        dtype = str(self.dtype).removeprefix("torch.")
+        return bundled_profile(self.device.type, self.model_name, dtype, self.weight_format)
 
     @property
     def weight_format(self) -> str:
@@ -589,12 +589,15 @@ BUNDLED_PROFILES = Path(__file__).parent / "profiles"
 
 
 @functools.lru_cache(maxsize=8)
-def bundled_profile(device: str, model: str, dtype: str) -> str:
+def bundled_profile(device: str, model: str, dtype: str, weights: str | None = None) -> str:
     """JSON text of a profile shipped in services/executor/profiles/ measured on `device`
-    (cpu | cuda) for `model` in `dtype`, or "" when none matches."""
+    (cpu | cuda) for `model` in `dtype` with its weights served as `weights` (int4, int8,
+    fp8; default: in the dtype), or "" when none matches."""
+    want = (device, model, dtype, weights or dtype)
     for path in sorted(BUNDLED_PROFILES.glob("*.json")):
         text = path.read_text()
         meta = json.loads(text)
-        if (meta.get("device"), meta.get("model"), meta.get("dtype")) == (device, model, dtype):
+        got = (meta.get("device"), meta.get("model"), meta.get("dtype"))
+        if (*got, meta.get("weights", meta.get("dtype"))) == want:
             return text
     return ""

@@ -32,8 +32,11 @@ if TYPE_CHECKING:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers' LlamaRMSNorm: normalize in fp32, scale in the model dtype (torch's
-    fused kernel, one op instead of six)."""
+    """As transformers' LlamaRMSNorm: normalize in fp32, scale in the model dtype (the
+    compiled CPU kernel where loaded, else torch's fused kernel: one op instead of six)."""
+    fused = cpu_kernels.rms_norm(x, weight, eps)
+    if fused is not None:
+        return fused
     shape = (x.shape[-1],)
     if x.dtype == torch.float32:
         return F.rms_norm(x, shape, weight, eps)

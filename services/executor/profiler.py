@@ -207,6 +207,7 @@ def profile_engine(
         "model": info["model"],
         "architecture": info["architecture"],
         "weights": info["weights"],
+        "threads": torch.get_num_threads(),
         "params": parameter_counts(engine),
         **fit(samples, experts_of(engine.spec)),
         "samples": samples,

@@ -165,6 +165,29 @@ def test_silu_and_mul_matches_torch(rows):
     assert torch.allclose(cpu_kernels.silu_and_mul(wide), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 32, 300])  # one row alone, a decode batch, threaded
+def test_rms_norm_matches_transformers_rounding(rows):
+    """fp32 within float rounding of torch's; bf16 normalized in fp32, rounded, scaled and
+    rounded again as transformers' LlamaRMSNorm: the same bits but for the rare value whose
+    sum of squares rounds the other way (then a step off, two after the weight); a 3-D view (QK-norm heads)."""
+    assert cpu_kernels.load()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen) * 3
+    w = torch.randn(576, generator=gen)
+    want = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    assert torch.allclose(cpu_kernels.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    want_b = wb * torch.nn.functional.rms_norm(xb.float(), (576,), eps=1e-5).bfloat16()
+    heads = xb.view(rows, 9, 64)
+    want_h = wb[:64] * torch.nn.functional.rms_norm(heads.float(), (64,), eps=1e-5).bfloat16()
+    got_h = cpu_kernels.rms_norm(heads, wb[:64].contiguous(), 1e-5)
+    for got, want_ in ((cpu_kernels.rms_norm(xb, wb, 1e-5), want_b), (got_h, want_h)):
+        assert got.shape == want_.shape and got.dtype == torch.bfloat16
+        assert float((got != want_).float().mean()) < 1e-3
+        assert torch.allclose(got.float(), want_.float(), rtol=2**-6, atol=0)  # 2 steps
+    assert cpu_kernels.rms_norm(xb, w, 1e-5) is None  # mixed dtypes: the caller's torch path
+
+
 def test_decode_step_benchmark_runs_both_backends_side_by_side():
     """`alise bench decode-step` on the bundled model, a tiny step: one row per backend, each
     with a step and a linear-only time (the figures in docs/executor.md come from it)."""
@@ -229,6 +252,8 @@ def test_every_isa_level_computes_the_same_numbers():
             b.ops.paged_decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens, 0.125),
             b.ops.silu_and_mul(x),
             b.ops.silu_and_mul(x.bfloat16()),
+            b.ops.rms_norm(x, x[0].contiguous(), 1e-5),
+            b.ops.rms_norm(x.bfloat16(), x[0].bfloat16().contiguous(), 1e-5),
             b.ops.paged_decode_int8(*int8_args, slots, ilens, 0.125),
         ]
         for lvl, b in builds.items()

@@ -1,5 +1,6 @@
 """Describe reports a cost-model profile: the configured file, else a bundled one that matches
-the device, model and dtype, else none (the scheduler then uses its defaults)."""
+the device, model, dtype and weight format, else none (the scheduler then uses its
+defaults)."""
 
 import json
 
@@ -19,6 +20,9 @@ def test_bundled_cpu_profile_matches_only_its_device_model_and_dtype():
     assert bf16["dtype"] == "bfloat16" and bf16["coefficients"] != profile["coefficients"]
     assert bundled_profile("cpu", "smollm2-135m-instruct", "float16") == ""
     assert bundled_profile("cpu", "some-other-model", "float32") == ""
+    int4 = json.loads(bundled_profile("cpu", "smollm2-135m-instruct", "bfloat16", "int4"))
+    assert int4["weights"] == "int4" and int4["coefficients"] != bf16["coefficients"]
+    assert bundled_profile("cpu", "smollm2-135m-instruct", "bfloat16", "int8") == ""
     assert any(BUNDLED_PROFILES.glob("*.json"))
 
 
