@@ -128,7 +128,11 @@ def warmup_steps(
     return steps
 
 
-TRITON_MODULES = ("services.executor.triton_kernels", "services.executor.triton_fused")
+TRITON_MODULES = (
+    "services.executor.triton_kernels",
+    "services.executor.triton_fused",
+    "services.executor.triton_moe",
+)
 
 
 def triton_variants() -> int:
