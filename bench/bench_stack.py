@@ -27,10 +27,8 @@ from bench.bench_serve import LiveStack, run_point, trace_for
 CONFIGS: dict[str, dict[str, str]] = {
     "plan": {},  # the launcher's CPU plan (services/launcher/cpu_plan.py)
     "one_thread": {"ALISE_NUM_THREADS": "1", "ALISE_CONTROL_NICE": "0"},  # before the plan
-    "all_cores_spinning": {  # every core, OpenMP's default waiting, no priorities
-        "ALISE_CONTROL_NICE": "0",
-        "OMP_WAIT_POLICY": "ACTIVE",
-    },
+    "all_cores_spinning": {"ALISE_CONTROL_NICE": "0", "OMP_WAIT_POLICY": "ACTIVE"},
+    "all_cores_passive": {"ALISE_CONTROL_NICE": "0", "OMP_WAIT_POLICY": "PASSIVE"},
 }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.executor.wquant import Int8Weight, quantize_int8
+from services.executor.wquant import PACKED_MAX_ROWS, Int8Weight, quantize_int8
 
 SMALL_ROWS = 3
 
@@ -34,13 +34,14 @@ class LmHead:
         self.packed: Int8Weight | None = None  # INT8 weights (wquant.py: int4/int8 modes)
 
     def pack(self, dtype: torch.dtype) -> None:
-        """Serve the head from INT8 weights (per-channel scales); the full-precision weight
-        stays only where the embedding shares it."""
+        """Serve few-row products from INT8 weights (per-channel scales); more rows than
+        wquant.PACKED_MAX_ROWS still read the full-precision weight (the embedding's, where
+        tied)."""
         self.packed, self.transposed = quantize_int8(self.weight, dtype), None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> fp32 logits [S, V]."""
-        if self.packed is not None:
+        if self.packed is not None and hidden.shape[0] <= PACKED_MAX_ROWS:
             return self.packed.matmul(hidden.contiguous()).float()
         if self.product is not None:
             return self.product(hidden, self.weight).float()

@@ -54,7 +54,8 @@ def load_runner(
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
     runner = _runner(spec, state, device, dtype)
     if quantization in wquant.MODES:
-        wquant.quantize_layers(runner.layers, quantization, dtype)
+        dense = wquant.keeps_dense(runner.layers)
+        wquant.quantize_layers(runner.layers, quantization, dtype, keep_dense=dense)
         runner.head.pack(dtype)
     elif (quantization == "fp8" or spec.quant_method) and fp8.uses_scaled_mm(device):
         wquant.quantize_layers(runner.layers, "fp8", dtype)  # FP8 products (fp8.py)

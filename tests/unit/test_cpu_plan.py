@@ -1,5 +1,6 @@
-"""`alise serve`'s CPU plan (services/launcher/cpu_plan.py): executors split the cores and wait
-passively, the control plane runs at a lower priority, and the services apply their nice."""
+"""`alise serve`'s CPU plan (services/launcher/cpu_plan.py): executors split the cores and spin
+briefly at barriers, the control plane runs at a lower priority, and the services apply
+their nice."""
 
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ def test_every_service_gets_its_side_of_the_plan():
     planned = {s.name: s.env for s in cpu_plan.apply(specs, cpu, {})}
     for name, env in planned.items():
         if name.startswith("executor"):
-            assert env["ALISE_NUM_THREADS"] == "4" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+            assert env["ALISE_NUM_THREADS"] == "4" and env["GOMP_SPINCOUNT"] == "20000"
             assert "ALISE_NICE" not in env
         else:
             assert env["ALISE_NICE"] == "7" and "ALISE_NUM_THREADS" not in env
     # a wait policy the user chose stays theirs; nice 0 leaves the control plane alone
     again = cpu_plan.apply(specs, cpu_plan.plan(2, 0, 0, cores=8), {"OMP_WAIT_POLICY": "ACTIVE"})
-    assert all("OMP_WAIT_POLICY" not in s.env and "ALISE_NICE" not in s.env for s in again)
+    assert all("GOMP_SPINCOUNT" not in s.env and "ALISE_NICE" not in s.env for s in again)
     text = cpu.describe({})
-    assert "4 thread(s)" in text and "nice 7" in text and "passive" in text
+    assert "4 thread(s)" in text and "nice 7" in text and "spinning 20000 rounds" in text
+    assert "OMP_WAIT_POLICY=ACTIVE" in cpu.describe({"OMP_WAIT_POLICY": "ACTIVE"})
 
 
 def test_a_service_lowers_its_own_priority_at_start():
