@@ -32,6 +32,9 @@ CONFIGS: dict[str, dict[str, str]] = {
 }
 
 
+ENGINE_ARGS = ("temperature", "max_tokens", "token_budget", "max_batch")
+
+
 def engine_alone(args: argparse.Namespace, items, threads: int) -> dict:
     """The trace's requests all at once through the engine: output tokens per second."""
     import torch
@@ -136,7 +139,8 @@ def engine_in_child(args: argparse.Namespace, items, env: dict[str, str]) -> dic
     os.environ.update(child_env)
     try:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            return pool.submit(engine_alone, args, items, plan.executor_threads).result()
+            picklable = argparse.Namespace(**{k: getattr(args, k) for k in ENGINE_ARGS})
+            return pool.submit(engine_alone, picklable, items, plan.executor_threads).result()
     finally:
         for k, v in saved.items():
             if v is None:

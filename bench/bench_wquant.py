@@ -3,8 +3,9 @@ against the checkpoint as stored and decode/prefill step times.
 
 Formats: `none` (the weights as stored, in the model dtype: for the bundled GGUF, dequantized),
 `int8` and `auto` (what `alise serve` runs: the bundled GGUF's own 4-bit weights as INT4; see
-services/executor/wquant.py). Accuracy: perplexity of a fixed 512-token ShareGPT passage and
-greedy agreement with `none` over 8 chat prompts x 64 tokens (lab/executor/quality.py). Speed:
+services/executor/wquant.py). Accuracy: perplexity of a fixed 512-token ShareGPT passage fed
+16 tokens a step (so the packed products compute it: wider steps use the dense copy) and greedy
+agreement with `none` over 8 chat prompts x 64 tokens (lab/executor/quality.py). Speed:
 each step's median time (profiler.StepTimer), the formats interleaved round by round so the
 machine's drift hits all alike, at each thread count; decodes at 128 tokens of context.
 """
@@ -40,7 +41,8 @@ def accuracy(engines: dict) -> dict:
     tok = load_tokenizer(settings.model, settings.data_dir)
     out = {}
     for q in FORMATS[1:]:
-        base, ppl, agree = ppl_and_agreement(engines["none"], engines[q], tok)
+        # 16 tokens a step: the packed weights' products (wquant.PACKED_MAX_ROWS)
+        base, ppl, agree = ppl_and_agreement(engines["none"], engines[q], tok, chunk=16)
         out[q] = {"ppl_none": round(base, 4), "ppl": round(ppl, 4),
                   "ppl_rel_diff": round(ppl / base - 1, 4), "greedy_agreement": round(agree, 3)}  # fmt: skip
     return out

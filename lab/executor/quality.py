@@ -73,14 +73,16 @@ def ppl_and_agreement(
     tok: PreTrainedTokenizerBase,
     n_prompts: int = 8,
     n_tokens: int = 64,
+    chunk: int = 64,
 ) -> tuple[float, float, float]:
-    """(perplexity of the fixed 512-token passage under `base`, under `other`, the share of
-    greedy tokens `other` agrees with `base` on over n_prompts chat prompts x n_tokens)."""
+    """(perplexity of the fixed 512-token passage fed `chunk` tokens a step under `base`,
+    under `other`, the share of greedy tokens `other` agrees with `base` on over n_prompts
+    chat prompts x n_tokens)."""
     from lab.executor.driver import Driver
     from lab.executor.testing import perplexity, teacher_forced_logits
 
     ids = passage(tok)
-    ppl = [perplexity(teacher_forced_logits(e, [ids], [64])[0], ids) for e in (base, other)]
+    ppl = [perplexity(teacher_forced_logits(e, [ids], [chunk])[0], ids) for e in (base, other)]
     prompts = chat_prompts(tok, n_prompts)
     outs = [
         [s.output for s in Driver(e, token_budget=64).generate(prompts, n_tokens)]

@@ -15,6 +15,7 @@ from services.common.settings import ExecutorSettings
 from services.executor.engine import Engine
 
 BOUND = 0.02
+CHUNK = 32  # tokens a step: the packed products (wquant.PACKED_MAX_ROWS); wider use dense
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def _ppl(model_dir, ids, quantization: str) -> tuple[float, str]:
         quantization=quantization,
     )  # fmt: skip
     with torch.inference_mode():
-        logits = teacher_forced_logits(engine, [ids], [128])[0]
+        logits = teacher_forced_logits(engine, [ids], [CHUNK])[0]
     return perplexity(logits, ids), engine.describe()["weights"]
 
 

@@ -96,3 +96,15 @@ def test_auto_serves_a_gguf_model_at_its_files_bit_width(tmp_path):
         resolve_quantization("int4", tmp_path, cpu, deterministic=True)
     with pytest.raises(ValueError, match="CPU only"):
         wquant.check_supported("int4", torch.device("cuda"))
+
+
+def test_wide_products_read_the_dense_copy_narrow_ones_the_packed_weights():
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    packed = wquant.quantize(w, "int4", torch.bfloat16, keep_dense=True)
+    for rows in (1, wquant.PACKED_MAX_ROWS, wquant.PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 128).bfloat16()
+        dense = torch.nn.functional.linear(x, w)
+        narrow = packed.matmul(x)
+        want = dense if rows > wquant.PACKED_MAX_ROWS else narrow
+        assert torch.equal(wquant.linear(x, packed), want), rows
+    assert wquant.quantize(w, "int8", torch.bfloat16).dense is None  # not kept unless asked
