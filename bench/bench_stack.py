@@ -87,8 +87,10 @@ def service_cpu(root_pid: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of each service under the launcher `root_pid`."""
     import psutil
 
+    from bench.bench_peer import descendants
+
     totals: dict[str, float] = {}
-    for proc in psutil.Process(root_pid).children(recursive=True):
+    for proc in descendants(root_pid):
         try:
             name = _service_of(proc.cmdline())
             if name is None or name == "serve":
