@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -312,6 +313,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self._profiling.locked():
             raise ValueError("a profile is already running")
         async with self._profiling:
-            profile = await asyncio.to_thread(engine.profile, request.quick)
+            profile = await self.lane.submit(partial(engine.profile, request.quick))
         engine.save_profile(profile)
         return executor_pb2.ProfileResult(profile_json=json.dumps(profile))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -155,6 +156,35 @@ async def test_health_is_not_serving_until_the_engine_is_warm(tiny_dir, tmp_path
             assert info.num_device_blocks == handle.engine.num_device_blocks > 0
     finally:
         await handle.stop()
+
+
+async def test_loading_warm_up_and_steps_share_the_engine_thread(tiny_dir, tmp_path, monkeypatch):
+    """One thread does all of the engine's torch work: each thread that starts parallel work
+    on a CPU gets its own OpenMP team, and a second team slows every step's ops."""
+    threads: dict[str, int] = {}
+
+    def recorded(name, fn):
+        def run(*args, **kwargs):
+            threads[name] = threading.get_ident()
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(Engine, "from_settings", recorded("load", Engine.from_settings))
+    monkeypatch.setattr(Engine, "warm_up", recorded("warm_up", Engine.warm_up))
+    monkeypatch.setattr(Engine, "step", recorded("step", Engine.step))
+    settings = _settings(tiny_dir, tmp_path)
+    handle = await open_executor(settings)
+    try:
+        await bring_up(handle, settings)
+        threads.pop("step", None)  # the warm-up's steps, if any
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            await executor_pb2_grpc.ExecutorStub(channel).Step(executor_pb2.StepRequest(step_id=1))
+        lane = await handle.servicer.lane.submit(threading.get_ident)
+    finally:
+        await handle.stop()
+    assert set(threads) == {"load", "warm_up", "step"}
+    assert set(threads.values()) == {lane} != {threading.get_ident()}
 
 
 async def test_a_failed_start_up_raises_and_stops_the_server(tmp_path, caplog):
