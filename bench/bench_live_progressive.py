@@ -114,7 +114,7 @@ def run_one(args: argparse.Namespace, run: dict, out: Path) -> tuple[dict, list[
     from bench.bench_serve import LiveStack, trace_for
     from services.common.settings import CommonSettings
 
-    name = "{policy}-t{temperature:g}-r{rate:g}-{repeat}".format(**run)
+    name = "{0}-t{temperature:g}-r{rate:g}-{repeat}".format(run.get("arm", run["policy"]), **run)
     env = {"ALISE_STEP_TRACE": str(out / f"steps-{name}.jsonl")}
     if args.fresh_store:
         shared = Path(CommonSettings().data_dir)

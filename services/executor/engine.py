@@ -588,16 +588,23 @@ def runtime_options(settings: ExecutorSettings) -> RuntimeOptions:
 BUNDLED_PROFILES = Path(__file__).parent / "profiles"
 
 
-@functools.lru_cache(maxsize=8)
-def bundled_profile(device: str, model: str, dtype: str, weights: str | None = None) -> str:
-    """JSON text of a profile shipped in services/executor/profiles/ measured on `device`
-    (cpu | cuda) for `model` in `dtype` with its weights served as `weights` (int4, int8,
-    fp8; default: in the dtype), or "" when none matches."""
+def bundled_profile_path(
+    device: str, model: str, dtype: str, weights: str | None = None
+) -> Path | None:
+    """The profile shipped in services/executor/profiles/ measured on `device` (cpu | cuda)
+    for `model` in `dtype` with its weights served as `weights` (int4, int8, fp8; default: in
+    the dtype), or None when none matches."""
     want = (device, model, dtype, weights or dtype)
     for path in sorted(BUNDLED_PROFILES.glob("*.json")):
-        text = path.read_text()
-        meta = json.loads(text)
+        meta = json.loads(path.read_text())
         got = (meta.get("device"), meta.get("model"), meta.get("dtype"))
         if (*got, meta.get("weights", meta.get("dtype"))) == want:
-            return text
-    return ""
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def bundled_profile(device: str, model: str, dtype: str, weights: str | None = None) -> str:
+    """JSON text of `bundled_profile_path`'s profile, or "" when none matches."""
+    path = bundled_profile_path(device, model, dtype, weights)
+    return path.read_text() if path is not None else ""

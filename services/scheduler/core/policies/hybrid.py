@@ -46,12 +46,14 @@ from typing import TYPE_CHECKING
 from services.scheduler.core.policies.alise import Rank, SrtfKnobs, SrtfPolicy
 from services.scheduler.core.policies.base import KnobError, register_policy
 from services.scheduler.core.policies.multires import Veto, select_nearest
-from services.scheduler.core.policies.sarathi import sarathi_budget
+from services.scheduler.core.policies.sarathi import DEFAULT_TOKEN_BUDGET, sarathi_budget
 from services.scheduler.core.policies.steptime import (
     AttentionFit,
     chunk_time,
     chunk_tokens,
     decode_slack,
+    efficient_batch,
+    efficient_chunk,
 )
 from services.scheduler.core.request import RequestStatus
 
@@ -65,6 +67,7 @@ RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, Reques
 # T_max (AccelGen): the longest of the last 32 steps (once a knob, `t_max_window`: 4 and 256
 # gave the same figures as 32, bench/results/hybrid_knob_effects.json)
 T_MAX_WINDOW = 32
+TYPICAL_CONTEXT = 256  # tokens of context per decode row where the default job limit is sized
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,13 @@ class HybridKnobs(SrtfKnobs):
 
     rank: Rank = "normalized"
     num_queues: int = 16  # normalized keys span a wider range than times
-    token_budget: int | None = None  # Sarathi tau; None: from tbt_slo_s, else 512
+    # Sarathi tau; None: from tbt_slo_s, else the smallest chunk keeping `efficiency` of the
+    # prefill throughput (steptime.efficient_chunk; at most 512, Sarathi's default)
+    token_budget: int | None = None
+    # the share of an unbounded step's throughput the default token budget and job limit keep
+    # (gpu_job_limit None: the smallest decode batch reaching it, steptime.efficient_batch,
+    # when it is below max_num_seqs); None: tau 512 and no job limit (memory decides)
+    efficiency: float | None = 0.9
     # the TBT objective of every request (the operator's P99 TBT target): each step is sized
     # in time to meet it; with slo_aware_budget=False only tau is derived from it, statically
     tbt_slo_s: float | None = None
@@ -96,6 +105,8 @@ class HybridKnobs(SrtfKnobs):
             raise KnobError("preempt_level_gap must be >= 1 or None")
         if self.lane_max_misses is not None and self.lane_max_misses < 0:
             raise KnobError("lane_max_misses must be >= 0 or None")
+        if self.efficiency is not None and not 0 < self.efficiency < 1:
+            raise KnobError("efficiency must be in (0, 1) or None")
 
 
 @register_policy("hybrid")
@@ -120,8 +131,16 @@ class HybridPolicy(SrtfPolicy):
     _paused: set[str]  # running requests ranked past gpu_job_limit this step
 
     def step_budget(self, sched: SchedulerView) -> int:
+        k, cost = self.knobs, sched.cost_model
+        if k.token_budget or k.tbt_slo_s or k.efficiency is None:
+            return sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, cost)
+        return efficient_chunk(cost, k.efficiency, k.tile_size, DEFAULT_TOKEN_BUDGET)
+
+    def default_job_limit(self, sched: SchedulerView) -> int | None:
         k = self.knobs
-        return sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, sched.cost_model)
+        if k.efficiency is None:
+            return None
+        return efficient_batch(sched.cost_model, k.efficiency, TYPICAL_CONTEXT, k.max_num_seqs - 1)
 
     def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
@@ -188,6 +207,8 @@ class HybridPolicy(SrtfPolicy):
         (SRPT with M jobs at a time, ALISE Algorithm 2, with hysteresis against thrash),
         except the protected ones (limited preemption). They sit the step out and
         `_rebalance` offloads them; their places go to the better-ranked."""
+        # only a limit set by hand pauses running requests by rank: on weak predictions a
+        # running request overtaken by a forecast loses more than the one it lets in gains
         limit, gap = self.knobs.gpu_job_limit, self.knobs.preempt_level_gap
         if not limit or gap is None or len(self.sched.running) < limit:
             return set()

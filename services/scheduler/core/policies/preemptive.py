@@ -73,6 +73,7 @@ class PreemptivePolicy(Policy):
     knobs: PreemptiveKnobs
     # set by `bind`
     budget: int  # tokens per step
+    job_limit: int | None  # M: jobs on the device (gpu_job_limit, else the policy's default)
     seqs: int  # requests per step
     q: LevelQueues  # every unfinished request, by priority level
     aging: AgingClock  # how long each request has been waiting
@@ -91,6 +92,7 @@ class PreemptivePolicy(Policy):
         super().bind(sched)
         k = self.knobs
         self.budget = self.step_budget(sched)
+        self.job_limit = k.gpu_job_limit or self.default_job_limit(sched)
         self.seqs = self._batch_cap()
         self.q = LevelQueues(k.num_queues)
         self.aging = AgingClock(k.aging_threshold_s)
@@ -106,6 +108,10 @@ class PreemptivePolicy(Policy):
     def step_budget(self, sched: SchedulerView) -> int:
         """Token budget of every step."""
         raise NotImplementedError
+
+    def default_job_limit(self, sched: SchedulerView) -> int | None:
+        """M when `gpu_job_limit` is unset (None: memory decides)."""
+        return None
 
     def entry_level(self, req: Request, now: float) -> int:
         raise NotImplementedError
@@ -300,22 +306,22 @@ class PreemptivePolicy(Policy):
         batch as well (otherwise every chosen job is made resident and only unchosen
         residents past rank M are offloaded, and M is never enforced)."""
         cap = min(self.knobs.max_num_seqs, self.budget)
-        limit = self.knobs.gpu_job_limit
+        limit = self.job_limit
         return min(cap, limit) if limit else cap
 
     def _rebalance(self, b: Batch) -> None:
         """ALISE Algorithm 2 (swap mode): offload jobs past the GPU job limit M, upload
         swapped jobs inside it while free blocks stay above the watermark."""
-        s, k = self.sched, self.knobs
-        if k.memory_mode != "swap" or not (s.swapped or k.gpu_job_limit):
+        s, k, m = self.sched, self.knobs, self.job_limit
+        if k.memory_mode != "swap" or not (s.swapped or m):
             return
-        if b.preempted and not k.gpu_job_limit:
+        if b.preempted and not m:
             return  # memory is short right now: no prefetch
-        bm, limit = s.block_manager, k.gpu_job_limit or self.seqs
+        bm, limit = s.block_manager, m or self.seqs
         uploads = k.prefetch_per_step
         for rank, req in enumerate(self.q.in_order()):
             if rank >= limit:
-                if k.gpu_job_limit is None:
+                if m is None:
                     break
                 if req.status is RUNNING and req.request_id not in b.scheduled:
                     b.offload(req)

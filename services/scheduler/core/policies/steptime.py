@@ -7,6 +7,10 @@
   (short prompts, a roofline clock without the attention term).
 * `chunk_tokens`: the largest chunk of one prompt whose time (per-token cost, the reads of its
   own context, the fitted attention) fits what is left of a step's time.
+* `efficient_batch` / `efficient_chunk`: the smallest decode batch / prefill chunk whose
+  tokens per second on the cost model reach a share of what an unbounded one reaches: past
+  them a step grows in time almost as fast as in tokens, so running more at once mostly
+  shares the same throughput among more requests (processor sharing, which delays them all).
 * `decode_slack`: how long a decode's next token may still take before it misses its TBT
   objective (the objective counts from its previous token, so a decode that sat out a step has
   less left).
@@ -17,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from services.scheduler.core.cost_model import CostModel
     from services.scheduler.core.request import Request
@@ -66,6 +70,38 @@ def chunk_tokens(cost: CostModel, coef: float, time_left: float, context: int, n
 def chunk_time(cost: CostModel, coef: float, context: int, m: int) -> float:
     """What `chunk_tokens` charges for a chunk of m tokens beyond m (c_prefill + c_context)."""
     return cost.c_context * context + coef * m * (context + m / 2)
+
+
+LARGE = 1 << 16  # a batch or chunk standing in for "unbounded"
+
+
+def _smallest(rate: Callable[[int], float], share: float, hi: int) -> int | None:
+    """Smallest n in [1, hi] with rate(n) >= share * rate(LARGE) (rate increasing in n)."""
+    target = share * rate(LARGE)
+    if rate(hi) < target:
+        return None
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if rate(mid) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def efficient_batch(cost: CostModel, share: float, context: int, most: int) -> int | None:
+    """Smallest decode batch (rows of `context` tokens each) reaching `share` of the decode
+    throughput of an unbounded batch, or None when it takes more than `most` rows."""
+    return _smallest(lambda n: n / cost.iteration_time(0, n, n * context), share, most)
+
+
+def efficient_chunk(cost: CostModel, share: float, tile: int, most: int) -> int:
+    """Smallest multiple of `tile` whose prefill throughput reaches `share` of an unbounded
+    chunk's, at most `most`."""
+    n = _smallest(lambda m: m / cost.iteration_time(m, 0, m), share, most)
+    n = most if n is None else n
+    return min(most, max(tile, -(-n // tile) * tile))
 
 
 def decode_slack(req: Request, tbt_s: float, now: float) -> float:
