@@ -276,11 +276,12 @@ def verdicts(points: list[dict], floor: float = 0.05) -> list[dict]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from bench.live_ceiling import PROFILE, best_hybrid
+    from bench.live_ceiling import best_hybrid, served_profile
 
     args.configs = _configs(args.policy_config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    profile = Path(args.profile) if args.profile else served_profile()
     runs = plan(args)
     print(f"{len(runs)} runs: {[r['policy'] for r in runs]}", file=sys.stderr, flush=True)
     points = []
@@ -291,10 +292,10 @@ def _run(args: argparse.Namespace) -> int:
         trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
         point["trace"] = str(trace)
         if args.ceiling and rows:
-            point.update(best_hybrid(rows, Path(args.profile or PROFILE)))
+            point.update(best_hybrid(rows, profile))
         if args.sim_replay and rows and run["policy"] != "fcfs":
             knobs = {**DEFAULT_POLICY_CONFIG, **args.configs}.get(run["policy"], {})
-            point.update(sim_replay(point, rows, knobs, Path(args.profile or PROFILE)))
+            point.update(sim_replay(point, rows, knobs, profile))
         points.append(point)
         print(json.dumps({k: point.get(k) for k in SHOWN}), file=sys.stderr, flush=True)
     over_repeats(points)

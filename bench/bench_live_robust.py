@@ -188,28 +188,6 @@ def fill_state_ceilings(points: list[dict], profile: Path, out: Path) -> None:
         point["state_forecast_seeds"] = len({p["seed"] for p in points} - {point["seed"]})
 
 
-def served_profile() -> Path:
-    """The profile a CPU executor with this machine's settings serves with: its
-    `profile_path`, else the bundled one of its model, dtype and weight format."""
-    import torch
-
-    from services.common.models import weights_dir
-    from services.common.settings import ExecutorSettings
-    from services.executor.config import resolve_dtype
-    from services.executor.engine import bundled_profile_path
-    from services.executor.runner import resolve_quantization
-
-    s, cpu = ExecutorSettings(), torch.device("cpu")
-    if s.profile_path:
-        return Path(s.profile_path)
-    dtype = str(resolve_dtype(s.dtype, cpu)).removeprefix("torch.")
-    weights = resolve_quantization(s.quantization, weights_dir(s.model, s.data_dir), cpu)
-    path = bundled_profile_path("cpu", s.model, dtype, None if weights == "none" else weights)
-    if path is None:
-        raise SystemExit(f"no bundled CPU profile for {s.model} ({dtype}, {weights})")
-    return path
-
-
 # -- the summary --------------------------------------------------------------------------------
 def t95(n: int) -> float:
     """Two-sided 95% Student t quantile for n - 1 degrees of freedom (n >= 2)."""
@@ -296,10 +274,12 @@ def _capture(seeds: list[dict]) -> dict:
 
 # -- command ------------------------------------------------------------------------------------
 def _run(args: argparse.Namespace) -> int:
+    from bench import live_ceiling
+
     args.configs = {"hybrid": {}, "sarathi": {}}  # `alise serve`'s defaults, not the lab's
     out, path = Path(args.out), Path(args.json)
     out.mkdir(parents=True, exist_ok=True)
-    profile = Path(args.profile) if args.profile else served_profile()
+    profile = Path(args.profile) if args.profile else live_ceiling.served_profile()
     points = load_points(path)
     runs = plan(args, {key_of(p) for p in points})[: args.max_runs or None]
     print(f"{len(points)} runs kept, {len(runs)} to run", file=sys.stderr, flush=True)

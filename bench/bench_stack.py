@@ -3,7 +3,9 @@
 For each CPU configuration (the launcher's plan by default, and the ones it replaced):
 - engine alone: the executor's Engine with the configuration's threads runs every request of
   the trace at once through the minimal continuous-batching driver (lab/executor/driver.py),
-  with the same chat template, `max_tokens` cap, EOS and temperature the stack gets;
+  with the same chat template, `max_tokens` cap, EOS and temperature the stack gets; and again
+  at the token budget and batch the policy's defaults serve with (hybrid's job limit from the
+  step-time curve: the stack's overhead at its own concurrency);
 - stack: `alise serve` with the configuration's variables, the same trace sent by the
   project's streaming client at a rate above capacity (Poisson arrivals);
 reporting output tokens/s of both and their ratio, the stack's P99 TBT, mean normalized
@@ -74,6 +76,19 @@ def engine_alone(args: argparse.Namespace, items, threads: int) -> dict:
         "output_tokens": tokens,
         "throughput_tok_s": round(tokens / wall, 1),
     }
+
+
+def policy_shape(policy: str) -> tuple[int, int] | None:
+    """(token budget, batch) the policy's defaults serve with on the served CPU profile, for
+    an engine-alone run at the stack's own concurrency (None: no such limit to mirror)."""
+    if policy != "hybrid":
+        return None
+    from bench.live_ceiling import served_profile
+    from services.scheduler.core.cost_model import CostModel
+    from services.scheduler.core.policies.hybrid import HybridKnobs, curve_defaults
+
+    budget, limit = curve_defaults(HybridKnobs(), CostModel.from_profile(served_profile()))
+    return (budget, limit) if limit else None
 
 
 def _service_of(cmdline: list[str]) -> str | None:
@@ -154,16 +169,32 @@ def engine_in_child(args: argparse.Namespace, items, env: dict[str, str]) -> dic
 def _run(args: argparse.Namespace) -> int:
     items = trace_for(args, args.request_rate)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    shape = policy_shape(args.policy)
     rows = []
     for name in names:
         env = {**CONFIGS[name]}
         print(f"{name}: engine alone", flush=True)
         engine = engine_in_child(args, items, env)
+        row = {"config": name, "env": env, "engine": engine}
+        if shape is not None:  # the engine at the concurrency the policy serves with
+            print(f"{name}: engine alone, budget {shape[0]}, batch {shape[1]}", flush=True)
+            shaped = argparse.Namespace(
+                **vars(args) | dict(zip(("token_budget", "max_batch"), shape))
+            )
+            row["engine_at_policy_concurrency"] = engine_in_child(shaped, items, env) | {
+                "token_budget": shape[0],
+                "max_batch": shape[1],
+            }
         print(f"{name}: stack at {args.request_rate} req/s", flush=True)
         stack = stack_point(args, items, name, env)
-        ratio = stack["throughput_tok_s"] / engine["throughput_tok_s"]
-        rows.append({"config": name, "env": env, "engine": engine, "stack": stack,
-                     "stack_over_engine": round(ratio, 3)})  # fmt: skip
+        row["stack"] = stack
+        row["stack_over_engine"] = round(stack["throughput_tok_s"] / engine["throughput_tok_s"], 3)
+        if shape is not None:
+            alike = row["engine_at_policy_concurrency"]["throughput_tok_s"]
+            row["stack_over_engine_at_policy_concurrency"] = round(
+                stack["throughput_tok_s"] / alike, 3
+            )
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     result = {
         "command": "alise bench stack " + " ".join(sys.argv[sys.argv.index("stack") + 1 :]),

@@ -16,9 +16,30 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-PROFILE = Path("services/executor/profiles/cpu-smollm2-135m-bf16.json")
 TOKEN_BUDGETS = (128, 256, 512)
 JOB_LIMITS = (None, 4, 8, 16, 32)  # M: jobs on the device at once; None: memory decides
+
+
+def served_profile() -> Path:
+    """The profile a CPU executor with this machine's settings serves with: its
+    `profile_path`, else the bundled one of its model, dtype and weight format."""
+    import torch
+
+    from services.common.models import weights_dir
+    from services.common.settings import ExecutorSettings
+    from services.executor.config import resolve_dtype
+    from services.executor.engine import bundled_profile_path
+    from services.executor.runner import resolve_quantization
+
+    s, cpu = ExecutorSettings(), torch.device("cpu")
+    if s.profile_path:
+        return Path(s.profile_path)
+    dtype = str(resolve_dtype(s.dtype, cpu)).removeprefix("torch.")
+    weights = resolve_quantization(s.quantization, weights_dir(s.model, s.data_dir), cpu)
+    path = bundled_profile_path("cpu", s.model, dtype, None if weights == "none" else weights)
+    if path is None:
+        raise SystemExit(f"no bundled CPU profile for {s.model} ({dtype}, {weights})")
+    return path
 
 
 def trace_items(rows: list[dict]):
@@ -42,7 +63,7 @@ def simulate_mnl(
     return float(simulate(trace_items(rows), config).summary["mean_normalized_latency"])
 
 
-def best_hybrid(rows: list[dict], profile: Path = PROFILE) -> dict:
+def best_hybrid(rows: list[dict], profile: Path) -> dict:
     """{ceiling_mean_normalized_latency, ceiling_config, sim_fcfs_mean_normalized_latency,
     ceiling_gain (1 - ceiling / sim fcfs), ceiling_grid, ceiling_search, ceiling_s} for one
     run's trace."""
@@ -68,7 +89,7 @@ def best_hybrid(rows: list[dict], profile: Path = PROFILE) -> dict:
     }  # fmt: skip
 
 
-def local_grid(rows: list[dict], profile: Path = PROFILE) -> dict:
+def local_grid(rows: list[dict], profile: Path) -> dict:
     """`best_hybrid` over this module's grid (token budget x job limit, rank `normalized`)."""
     started = time.monotonic()
     grid = {}

@@ -108,7 +108,7 @@ def test_a_runs_predictions_are_kept_under_the_traces_ids(tmp_path):
 
 
 def test_a_run_is_simulated_with_its_own_predictions_and_forecasts(tmp_path):
-    from bench.live_ceiling import PROFILE
+    from bench.live_ceiling import served_profile
     from services.scheduler.sim.forecasts import SyntheticForecasts, write_forecasts
 
     rows = [{"request_id": f"r{i}", "arrival_s": 0.3 * i, "prompt_len": 40 + 7 * i,
@@ -124,7 +124,7 @@ def test_a_run_is_simulated_with_its_own_predictions_and_forecasts(tmp_path):
     write_forecasts(str(forecasts), [(k, fc) for k, fc in made if fc is not None])
     point = {"policy": "hybrid", "predictions_file": str(predictions),
              "forecasts_file": str(forecasts)}  # fmt: skip
-    got = sim_replay(point, rows, {"token_budget": 128, "gpu_job_limit": 4}, PROFILE)
+    got = sim_replay(point, rows, {"token_budget": 128, "gpu_job_limit": 4}, served_profile())
     assert str(forecasts) in got["sim_replay_prediction"]
     assert got["sim_replay_mean_normalized_latency"] > 0
     assert got["sim_arrival_only_mean_normalized_latency"] > 0
@@ -132,17 +132,17 @@ def test_a_run_is_simulated_with_its_own_predictions_and_forecasts(tmp_path):
     assert (
         got["sim_replay_mean_normalized_latency"] != got["sim_arrival_only_mean_normalized_latency"]
     )
-    assert sim_replay({"policy": "hybrid"}, rows, {}, PROFILE) == {
+    assert sim_replay({"policy": "hybrid"}, rows, {}, served_profile()) == {
         "sim_replay_mean_normalized_latency": None
     }
 
 
 def test_ceiling_is_the_best_oracle_hybrid_on_the_runs_trace():
-    from bench.live_ceiling import best_hybrid
+    from bench.live_ceiling import best_hybrid, served_profile
 
     rows = [{"request_id": f"r{i}", "arrival_s": 0.05 * i, "prompt_len": 40 + 7 * i,
              "output_len": 200 if i % 3 == 0 else 12} for i in range(24)]  # fmt: skip
-    got = best_hybrid(rows)
+    got = best_hybrid(rows, served_profile())
     best = min(got["ceiling_grid"].values())  # rounded to 5 digits
     assert got["ceiling_mean_normalized_latency"] == pytest.approx(best, abs=1e-5)
     assert got["ceiling_config"]["prediction"] == "oracle"

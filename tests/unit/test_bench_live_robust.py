@@ -15,10 +15,10 @@ from bench.bench_live_robust import (
     plan,
     profile_check,
     ratio_interval,
-    served_profile,
     state_forecasts,
     summarize,
 )
+from bench.live_ceiling import served_profile
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -60,6 +60,7 @@ from services.scheduler.core.request import RequestStatus
 if TYPE_CHECKING:
     from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
+    from services.scheduler.core.cost_model import CostModel
     from services.scheduler.core.request import Request
     from services.scheduler.core.view import AppliedStep, SchedulerView
 
@@ -109,6 +110,20 @@ class HybridKnobs(SrtfKnobs):
             raise KnobError("efficiency must be in (0, 1) or None")
 
 
+def curve_defaults(k: HybridKnobs, cost: CostModel) -> tuple[int, int | None]:
+    """(token budget, job limit M) of `k` on `cost`: the knobs where set; otherwise the
+    budget from `tbt_slo_s`, else the smallest chunk and batch keeping `efficiency` of an
+    unbounded step's throughput (no limit when that batch reaches max_num_seqs)."""
+    if k.token_budget or k.tbt_slo_s or k.efficiency is None:
+        budget = sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, cost)
+    else:
+        budget = efficient_chunk(cost, k.efficiency, k.tile_size, DEFAULT_TOKEN_BUDGET)
+    limit = k.gpu_job_limit
+    if limit is None and k.efficiency is not None:
+        limit = efficient_batch(cost, k.efficiency, TYPICAL_CONTEXT, k.max_num_seqs - 1)
+    return budget, limit
+
+
 @register_policy("hybrid")
 class HybridPolicy(SrtfPolicy):
     """From SrtfPolicy (alise.py): the level queues `q` by predicted remaining time x length
@@ -131,16 +146,10 @@ class HybridPolicy(SrtfPolicy):
     _paused: set[str]  # running requests ranked past gpu_job_limit this step
 
     def step_budget(self, sched: SchedulerView) -> int:
-        k, cost = self.knobs, sched.cost_model
-        if k.token_budget or k.tbt_slo_s or k.efficiency is None:
-            return sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, cost)
-        return efficient_chunk(cost, k.efficiency, k.tile_size, DEFAULT_TOKEN_BUDGET)
+        return curve_defaults(self.knobs, sched.cost_model)[0]
 
     def default_job_limit(self, sched: SchedulerView) -> int | None:
-        k = self.knobs
-        if k.efficiency is None:
-            return None
-        return efficient_batch(sched.cost_model, k.efficiency, TYPICAL_CONTEXT, k.max_num_seqs - 1)
+        return curve_defaults(self.knobs, sched.cost_model)[1]
 
     def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
