@@ -37,6 +37,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -530,6 +531,12 @@ def config(args: argparse.Namespace) -> dict:
     }
 
 
+VLLM_ABSENT = (
+    "not in this run (--servers without vllm): a full vLLM CPU run takes ~40 min here (a fresh "
+    "server per point); `make peer-setup-vllm` then `--servers vllm` adds it"
+)
+
+
 def _run(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.servers) - set(SERVERS))
     if unknown:
@@ -539,10 +546,14 @@ def _run(args: argparse.Namespace) -> int:
     by_rate = traces(args)
     servers = {name: bench_server(name, args, by_rate) for name in args.servers}
     result = {
+        "command": "alise bench peer " + " ".join(sys.argv[sys.argv.index("peer") + 1 :]),
+        "date": time.strftime("%Y-%m-%d"),
         "servers": servers,
         "low_load": low_load(servers, args.low_load_requests),
         "config": config(args),
     }
+    if "vllm" not in servers:
+        result["vllm"] = VLLM_ABSENT
     emit_json(result, args.json)
     return 0 if any(s["points"] and "skipped" not in s for s in servers.values()) else 1
 
