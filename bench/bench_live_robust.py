@@ -94,10 +94,23 @@ def run_point(args: argparse.Namespace, run: dict, out: Path, profile: Path) -> 
     return point
 
 
+def best_with(rows: list[dict], profile: Path, prediction: str) -> dict:
+    """The lowest mean normalized latency hybrid reaches on `rows` with `prediction`, over
+    its defaults and the oracle ceiling's grid (`sim.ceiling.ceiling_grid`), and its knobs."""
+    from bench.live_ceiling import simulate_mnl
+    from services.scheduler.sim.ceiling import ceiling_grid
+
+    tried = [
+        (simulate_mnl(rows, "hybrid", k, profile, prediction), k) for k in [{}, *ceiling_grid()]
+    ]
+    mnl, knobs = min(tried, key=lambda t: t[0])
+    return {"mean_normalized_latency": mnl, "knobs": knobs}
+
+
 def ceilings(point: dict, rows: list[dict], profile: Path) -> dict:
-    """The oracle ceiling (best hybrid of the grid), fcfs in the simulator, and that best
-    configuration with the predictions the live run was served."""
-    from bench.live_ceiling import best_hybrid, simulate_mnl
+    """The oracle ceiling (best hybrid of the grid), fcfs in the simulator, and the best hybrid
+    of the same grid with the predictions the live run was served."""
+    from bench.live_ceiling import best_hybrid
 
     best = best_hybrid(rows, profile)
     knobs = {k: v for k, v in best["ceiling_config"].items()
@@ -105,12 +118,13 @@ def ceilings(point: dict, rows: list[dict], profile: Path) -> dict:
     served = None
     if point.get("predictions_file") and point.get("forecasts_file"):
         spec = f"file:{point['predictions_file']}+replay:{point['forecasts_file']}"
-        served = simulate_mnl(rows, "hybrid", knobs, profile, prediction=spec)
+        served = best_with(rows, profile, spec)
     return {
         "ceiling_oracle": best["ceiling_mean_normalized_latency"],
         "ceiling_knobs": knobs,
         "sim_fcfs": best["sim_fcfs_mean_normalized_latency"],
-        "ceiling_served_predictor": served,
+        "ceiling_served_predictor": None if served is None else served["mean_normalized_latency"],
+        "ceiling_served_predictor_knobs": None if served is None else served["knobs"],
     }
 
 
@@ -170,22 +184,26 @@ def state_forecasts(point: dict, points: list[dict]) -> dict[str, int] | None:
 
 
 def fill_state_ceilings(points: list[dict], profile: Path, out: Path) -> None:
-    """`ceiling_state_forecast` of every hybrid point that can have one (recomputed: more
-    seeds, more draws)."""
-    from bench.live_ceiling import simulate_mnl
-
+    """`ceiling_state_forecast` of every hybrid point that can have one: the best hybrid of
+    the grid with those predictions (recomputed when more seeds give more draws)."""
+    seeds_of = {p["temperature"]: set() for p in points}
+    for p in points:
+        seeds_of[p["temperature"]].add(p["seed"])
     for point in points:
         if point["arm"] != "hybrid" or "ceiling_knobs" not in point:
+            continue
+        others = len(seeds_of[point["temperature"]] - {point["seed"]})
+        if point.get("state_forecast_seeds") == others:
             continue
         table = state_forecasts(point, points)
         if table is None:
             continue
         path = out / "state-forecast-t{temperature:g}-r{rate:g}-{seed}.json".format(**point)
         path.write_text(json.dumps(table))
-        point["ceiling_state_forecast"] = simulate_mnl(
-            rows_of(point), "hybrid", point["ceiling_knobs"], profile, prediction=f"file:{path}"
-        )
-        point["state_forecast_seeds"] = len({p["seed"] for p in points} - {point["seed"]})
+        best = best_with(rows_of(point), profile, f"file:{path}")
+        point["ceiling_state_forecast"] = best["mean_normalized_latency"]
+        point["ceiling_state_forecast_knobs"] = best["knobs"]
+        point["state_forecast_seeds"] = others
 
 
 # -- the summary --------------------------------------------------------------------------------
