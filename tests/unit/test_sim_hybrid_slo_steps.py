@@ -46,13 +46,22 @@ def test_tbt_target_sizes_each_step_in_time_with_the_decodes_it_carries():
     target = 0.05
     budgets = {}
     for n in (2, 40):
-        s = make_sched("hybrid", cost=READS, device_blocks=4096, tbt_slo_s=target, tile_size=16)
+        s = make_sched(
+            "hybrid",
+            cost=READS,
+            efficiency=None,
+            device_blocks=4096,
+            tbt_slo_s=target,
+            tile_size=16,
+        )
         now = _decoding(s, n, 300)
         s.admit(req("big", 4000, 2, t=now))
         out = s.schedule(now)
         assert READS.output_time(out) <= target
         budgets[n] = out.token_budget
-        static = make_sched("hybrid", cost=READS, tbt_slo_s=target, slo_aware_budget=False)
+        static = make_sched(
+            "hybrid", cost=READS, efficiency=None, tbt_slo_s=target, slo_aware_budget=False
+        )
         assert static.policy.budget == READS.token_budget(target, 128)  # the old, static tau
     assert budgets[40] < budgets[2]
 
@@ -109,12 +118,12 @@ def test_hybrid_learns_the_attention_term_from_step_times():
 
 
 def test_late_decodes_do_not_bound_the_step():
-    s = make_sched("hybrid", cost=READS, device_blocks=4096, tile_size=16)
+    s = make_sched("hybrid", cost=READS, efficiency=None, device_blocks=4096, tile_size=16)
     now = _decoding(s, 3, 100, slo=Slo(tbt_s=0.02))
     assert decode_slack(s.requests["d0"], 0.02, now) == pytest.approx(0.02)
     s.admit(req("big", 4000, 2, t=now))
     tight = s.schedule(now).token_budget
-    s2 = make_sched("hybrid", cost=READS, device_blocks=4096, tile_size=16)
+    s2 = make_sched("hybrid", cost=READS, efficiency=None, device_blocks=4096, tile_size=16)
     later = _decoding(s2, 3, 100, slo=Slo(tbt_s=0.02)) + 0.05  # every next token already late
     s2.admit(req("big", 4000, 2, t=later))
     assert s2.schedule(later).token_budget > tight
@@ -123,7 +132,7 @@ def test_late_decodes_do_not_bound_the_step():
 def test_prefill_lane_runs_a_prompt_alone_when_that_meets_its_ttft():
     """Loose decodes sit out a short step so that a prompt whose TTFT objective is its lone
     prefill time meets it; a tight decode and a decode without objective stay in."""
-    s = make_sched("hybrid", cost=READS, device_blocks=4096, tile_size=16)
+    s = make_sched("hybrid", cost=READS, efficiency=None, device_blocks=4096, tile_size=16)
     loose = [req(f"l{i}", 50, 500, t=0.0, slo=Slo(tbt_s=1.0)) for i in range(6)]
     tight = req("tight", 50, 500, t=0.0, slo=Slo(tbt_s=0.004))
     plain = req("plain", 50, 500, t=0.0)
@@ -138,7 +147,9 @@ def test_prefill_lane_runs_a_prompt_alone_when_that_meets_its_ttft():
     assert out.num_scheduled_tokens.get("chat") == 200
     assert set(out.num_scheduled_tokens) == {"chat", "tight", "plain"}
     assert READS.output_time(out) <= lone * 1.05
-    off = make_sched("hybrid", cost=READS, device_blocks=4096, tile_size=16, prefill_lane=False)
+    off = make_sched(
+        "hybrid", cost=READS, efficiency=None, device_blocks=4096, tile_size=16, prefill_lane=False
+    )
     for r in [req(f"l{i}", 50, 500, t=0.0, slo=Slo(tbt_s=1.0)) for i in range(6)]:
         off.admit(r)
     t = 0.0
@@ -160,14 +171,17 @@ def test_missed_ttft_objectives_no_longer_jump_the_queue():
     assert list(out.num_scheduled_tokens) == ["fresh"]
 
 
-def test_without_objectives_hybrid_keeps_sarathi_tau():
-    """No TBT or TTFT objective anywhere: every step packs against the static tau, so traces
-    without SLOs (ShareGPT, Azure) see the hybrid they saw before."""
-    s = make_sched("hybrid", device_blocks=1024)
-    decoders = [req(f"d{i}", 16, 50, t=0.0) for i in range(4)]
-    trace = drive(s, decoders + [req("big", 3000, 2, t=0.001)])
-    assert {out.token_budget for _, _, out in trace} == {512}
-    assert SIMPLE.output_time(trace[-1][2]) > 0
+def test_without_objectives_hybrid_keeps_a_static_tau():
+    """No TBT or TTFT objective anywhere: every step packs against the static tau (the
+    step-time curve's, or Sarathi's 512 with `efficiency=None`)."""
+    from services.scheduler.core.policies.steptime import efficient_chunk
+
+    for knobs, tau in (({}, efficient_chunk(SIMPLE, 0.9, 128, 512)), ({"efficiency": None}, 512)):
+        s = make_sched("hybrid", device_blocks=1024, **knobs)
+        decoders = [req(f"d{i}", 16, 50, t=0.0) for i in range(4)]
+        trace = drive(s, decoders + [req("big", 3000, 2, t=0.001)])
+        assert {out.token_budget for _, _, out in trace} == {tau}
+        assert SIMPLE.output_time(trace[-1][2]) > 0
 
 
 def test_lane_miss_limit_keeps_a_long_prompt_from_stalling_many_decodes():

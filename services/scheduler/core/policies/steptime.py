@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.common.arith import ceil_div
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
@@ -78,6 +80,8 @@ LARGE = 1 << 16  # a batch or chunk standing in for "unbounded"
 def _smallest(rate: Callable[[int], float], share: float, hi: int) -> int | None:
     """Smallest n in [1, hi] with rate(n) >= share * rate(LARGE) (rate increasing in n)."""
     target = share * rate(LARGE)
+    if target <= 0:
+        return None
     if rate(hi) < target:
         return None
     lo = 1
@@ -90,18 +94,23 @@ def _smallest(rate: Callable[[int], float], share: float, hi: int) -> int | None
     return lo
 
 
+def _per_second(tokens: int, seconds: float) -> float:
+    """Tokens per second; 0 where the cost model gives no time (no curve to read)."""
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 def efficient_batch(cost: CostModel, share: float, context: int, most: int) -> int | None:
     """Smallest decode batch (rows of `context` tokens each) reaching `share` of the decode
     throughput of an unbounded batch, or None when it takes more than `most` rows."""
-    return _smallest(lambda n: n / cost.iteration_time(0, n, n * context), share, most)
+    return _smallest(lambda n: _per_second(n, cost.iteration_time(0, n, n * context)), share, most)
 
 
 def efficient_chunk(cost: CostModel, share: float, tile: int, most: int) -> int:
     """Smallest multiple of `tile` whose prefill throughput reaches `share` of an unbounded
     chunk's, at most `most`."""
-    n = _smallest(lambda m: m / cost.iteration_time(m, 0, m), share, most)
+    n = _smallest(lambda m: _per_second(m, cost.iteration_time(m, 0, m)), share, most)
     n = most if n is None else n
-    return min(most, max(tile, -(-n // tile) * tile))
+    return min(most, max(tile, ceil_div(n, tile) * tile))
 
 
 def decode_slack(req: Request, tbt_s: float, now: float) -> float:
