@@ -68,16 +68,16 @@ def tokenizer(model_dir):
 
 
 def _int8_cases() -> list[tuple[str, str]]:
-    """(kernel build or "torch", dtype) pairs for the INT8 check: bf16 on every build this CPU
-    runs and on the torch attention; fp32 on the default build, or the torch attention where
-    none runs (the builds return the same bits: tests/unit/test_cpu_kernels.py). In the AVX2
-    child: bf16 on the requested build."""
+    """(kernel build or "torch", dtype) pairs for the INT8 check: bf16 on the default build and
+    on the torch attention, fp32 on the default build (or the torch attention where no build
+    runs). The other builds return the same bits as the default one
+    (tests/unit/test_cpu_kernels.py), and the AVX2 build runs this check in the AVX2 child
+    (`test_this_file_passes_with_torch_held_to_avx2`: bf16 on the requested build)."""
     if os.environ.get(CHILD):
         return [(cpu_kernels.requested_level() or "torch", "bf16")]
     builds = [] if cpu_kernels.disabled() else cpu_kernels.runnable_levels()
-    default = cpu_kernels.requested_level()
-    fp32 = [b for b in builds if b == default] or ["torch"]
-    return [(b, "bf16") for b in [*builds, "torch"]] + [(b, "fp32") for b in fp32]
+    default = [b for b in builds if b == cpu_kernels.requested_level()]
+    return [(b, "bf16") for b in [*default, "torch"]] + [(b, "fp32") for b in default or ["torch"]]
 
 
 @pytest.fixture
