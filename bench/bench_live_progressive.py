@@ -279,7 +279,7 @@ def _run(args: argparse.Namespace) -> int:
     from bench.live_ceiling import best_hybrid, served_profile
 
     args.configs = _configs(args.policy_config)
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # absolute: Redis runs in its own folder
     out.mkdir(parents=True, exist_ok=True)
     profile = Path(args.profile) if args.profile else served_profile()
     runs = plan(args)

@@ -295,7 +295,7 @@ def _run(args: argparse.Namespace) -> int:
     from bench import live_ceiling
 
     args.configs = {"hybrid": {}, "sarathi": {}}  # `alise serve`'s defaults, not the lab's
-    out, path = Path(args.out), Path(args.json)
+    out, path = Path(args.out).resolve(), Path(args.json)  # absolute: Redis runs elsewhere
     out.mkdir(parents=True, exist_ok=True)
     profile = Path(args.profile) if args.profile else live_ceiling.served_profile()
     points = load_points(path)
