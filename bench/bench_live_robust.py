@@ -307,16 +307,22 @@ def _run(args: argparse.Namespace) -> int:
         errors += point["num_errors"] > 0
         points.append(point)
         save_points(path, points)
+        write_summary(path, points, profile)  # after every run: a stopped grid still has one
         print(json.dumps({k: point.get(k) for k in SHOWN}), file=sys.stderr, flush=True)
     fill_state_ceilings(points, profile, out)
     save_points(path, points)
+    print(json.dumps(write_summary(path, points, profile), indent=1, default=str))
+    return 1 if errors else 0
+
+
+def write_summary(path: Path, points: list[dict], profile: Path) -> list[dict]:
+    groups = summarize(points)
     summary = {"command": "alise " + " ".join(sys.argv[1:]), "profile": str(profile),
-               "groups": summarize(points)}  # fmt: skip
+               "runs": len(points), "groups": groups}  # fmt: skip
     path.with_name(path.stem + "_summary.json").write_text(
         json.dumps(summary, indent=1, default=str) + "\n"
     )
-    print(json.dumps(summary["groups"], indent=1, default=str))
-    return 1 if errors else 0
+    return groups
 
 
 SHOWN = ("arm", "rate", "temperature", "seed", "mean_normalized_latency", "p99_tbt_s",
