@@ -75,11 +75,9 @@ def _run(args: argparse.Namespace) -> int:
     result = {"command": "alise bench robust-sim " + " ".join(sys.argv[sys.argv.index("robust-sim") + 1 :]),
               "profile": str(profile), "kind": "simulator (live traces and predictions replayed)",
               "points": points}  # fmt: skip
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
+    from bench.bench_engine import _emit
+
+    return _emit(result, args.json)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
