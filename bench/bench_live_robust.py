@@ -79,6 +79,9 @@ def run_point(args: argparse.Namespace, run: dict, out: Path, profile: Path) -> 
     live = {**run, "policy": policy_of(run["arm"]), "repeat": run["seed"]}
     point, rows = run_one(args, live, out)
     point.pop("repeat", None)
+    point["code"] = code_version()
+    if run["arm"] == "hybrid":  # what hybrid's defaults came to on the served profile
+        point["hybrid_shape"] = dict(zip(("token_budget", "job_limit"), hybrid_shape(profile)))
     point["requests"] = {  # the run's own trace, compact: what the ceilings re-simulate
         "id": [r["request_id"] for r in rows],
         "arrival_s": [r["arrival_s"] for r in rows],
@@ -105,6 +108,24 @@ def best_with(rows: list[dict], profile: Path, prediction: str) -> dict:
     ]
     mnl, knobs = min(tried, key=lambda t: t[0])
     return {"mean_normalized_latency": mnl, "knobs": knobs}
+
+
+def code_version() -> str:
+    """The commit the run served (with `+` when the tree had changes)."""
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "services"], capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+def hybrid_shape(profile: Path) -> tuple[int, int | None]:
+    from services.scheduler.core.cost_model import CostModel
+    from services.scheduler.core.policies.hybrid import HybridKnobs, curve_defaults
+
+    return curve_defaults(HybridKnobs(), CostModel.from_profile(profile))
 
 
 def ceilings(point: dict, rows: list[dict], profile: Path) -> dict:

@@ -22,11 +22,11 @@ TRACES = ("hybrid-t1-r3-0", "hybrid-t0-r3-0", "hybrid-t1-r1-0", "hybrid-t0-r1-0"
 # (label, knobs): today's defaults, the defaults before the step-time curve, and variations
 CONFIGS = (
     ("defaults", {}),
-    ("before: tau 512, no limit", {"efficiency": None}),
-    ("tau 128, no limit", {"efficiency": None, "token_budget": 128}),
+    ("before: tau 512", {"efficiency": None}),
+    ("curve limit (0.9)", {"job_limit_efficiency": 0.9}),
     ("limit 31 that pauses by rank", {"gpu_job_limit": 31}),
-    ("efficiency 0.8", {"efficiency": 0.8}),
-    ("efficiency 0.95", {"efficiency": 0.95}),
+    ("curve limit (0.8)", {"job_limit_efficiency": 0.8}),
+    ("curve limit (0.95)", {"job_limit_efficiency": 0.95}),
 )
 SOURCES = ("served", "prior", "oracle")
 

@@ -1,6 +1,7 @@
-"""`hybrid`'s default token budget and job limit come from the step-time curve
-(`steptime.efficient_chunk` / `efficient_batch`, `hybrid.curve_defaults`), and the default
-limit holds new work back without ever pausing a running request."""
+"""`hybrid`'s default token budget comes from the step-time curve (`steptime.efficient_chunk`,
+`hybrid.curve_defaults`); the opt-in job limit from it too (`efficient_batch`,
+`job_limit_efficiency`), and that limit holds new work back without ever pausing a running
+request."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_cpu_defaults_are_the_smallest_shapes_keeping_the_share_of_throughput():
     from bench.live_ceiling import served_profile
 
     cost = CostModel.from_profile(served_profile())
-    budget, limit = curve_defaults(HybridKnobs(), cost)
+    assert curve_defaults(HybridKnobs(), cost)[1] is None  # no job limit unless asked
+    budget, limit = curve_defaults(HybridKnobs(job_limit_efficiency=0.9), cost)
     assert limit is not None and 1 < limit < HybridKnobs().max_num_seqs
     full = _decode_rate(cost, LARGE)
     assert _decode_rate(cost, limit) >= 0.9 * full > _decode_rate(cost, limit - 1)
@@ -37,6 +39,7 @@ def test_cpu_defaults_are_the_smallest_shapes_keeping_the_share_of_throughput():
 def test_gpu_defaults_stay_sarathis_and_unlimited():
     cost = CostModel.from_profile(roofline_profile("a100-80g/llama-2-7b"))
     assert curve_defaults(HybridKnobs(), cost) == (512, None)
+    assert curve_defaults(HybridKnobs(job_limit_efficiency=0.9), cost) == (512, None)  # M 650
 
 
 def test_knobs_set_by_hand_win():
@@ -45,15 +48,17 @@ def test_knobs_set_by_hand_win():
     assert curve_defaults(HybridKnobs(efficiency=None), cost) == (512, None)
     with pytest.raises(ValueError):
         HybridKnobs(efficiency=1.0)
+    with pytest.raises(ValueError):
+        HybridKnobs(job_limit_efficiency=0.0)
 
 
-# c0 large against c_decode: the curve flattens at 2 rows, so the default limit is 2
+# c0 against c_decode: the curve flattens at 2 rows, so the curve's limit is 2
 TWO = CostModel(c0=1e-3, c_prefill=1e-5, c_decode=5e-3, c_context=0.0)
 
 
-def test_the_default_limit_holds_new_work_back_and_never_pauses_a_running_request():
-    assert curve_defaults(HybridKnobs(), TWO)[1] == 2
-    s = make_sched("hybrid", cost=TWO, device_blocks=1024)
+def test_the_curves_limit_holds_new_work_back_and_never_pauses_a_running_request():
+    assert curve_defaults(HybridKnobs(job_limit_efficiency=0.9), TWO)[1] == 2
+    s = make_sched("hybrid", cost=TWO, device_blocks=1024, job_limit_efficiency=0.9)
     long_ones = [req(f"long{i}", 16, 40, t=0.0, predicted_len=400) for i in range(2)]
     short = req("short", 16, 3, t=0.01, predicted_len=3)  # ranked first once it arrives
     trace = drive(s, long_ones + [short])

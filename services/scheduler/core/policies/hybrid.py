@@ -81,10 +81,13 @@ class HybridKnobs(SrtfKnobs):
     # Sarathi tau; None: from tbt_slo_s, else the smallest chunk keeping `efficiency` of the
     # prefill throughput (steptime.efficient_chunk; at most 512, Sarathi's default)
     token_budget: int | None = None
-    # the share of an unbounded step's throughput the default token budget and job limit keep
-    # (gpu_job_limit None: the smallest decode batch reaching it, steptime.efficient_batch,
-    # when it is below max_num_seqs); None: tau 512 and no job limit (memory decides)
+    # the share of an unbounded chunk's prefill throughput the default token budget keeps;
+    # None: Sarathi's 512
     efficiency: float | None = 0.9
+    # opt-in default job limit (gpu_job_limit None): the smallest decode batch keeping this
+    # share of an unbounded batch's decode throughput (steptime.efficient_batch). Off: live on
+    # 2 cores it queued short answers behind the limit (docs/scheduling.md)
+    job_limit_efficiency: float | None = None
     # the TBT objective of every request (the operator's P99 TBT target): each step is sized
     # in time to meet it; with slo_aware_budget=False only tau is derived from it, statically
     tbt_slo_s: float | None = None
@@ -106,21 +109,24 @@ class HybridKnobs(SrtfKnobs):
             raise KnobError("preempt_level_gap must be >= 1 or None")
         if self.lane_max_misses is not None and self.lane_max_misses < 0:
             raise KnobError("lane_max_misses must be >= 0 or None")
-        if self.efficiency is not None and not 0 < self.efficiency < 1:
-            raise KnobError("efficiency must be in (0, 1) or None")
+        for name in ("efficiency", "job_limit_efficiency"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                raise KnobError(f"{name} must be in (0, 1) or None")
 
 
 def curve_defaults(k: HybridKnobs, cost: CostModel) -> tuple[int, int | None]:
     """(token budget, job limit M) of `k` on `cost`: the knobs where set; otherwise the
-    budget from `tbt_slo_s`, else the smallest chunk and batch keeping `efficiency` of an
-    unbounded step's throughput (no limit when that batch reaches max_num_seqs)."""
+    budget from `tbt_slo_s`, else the smallest chunk keeping `efficiency` of an unbounded
+    chunk's throughput, and (opt-in) the smallest batch keeping `job_limit_efficiency` of an
+    unbounded batch's (no limit when that batch reaches max_num_seqs)."""
     if k.token_budget or k.tbt_slo_s or k.efficiency is None:
         budget = sarathi_budget(k.token_budget, k.tbt_slo_s, k.tile_size, cost)
     else:
         budget = efficient_chunk(cost, k.efficiency, k.tile_size, DEFAULT_TOKEN_BUDGET)
     limit = k.gpu_job_limit
-    if limit is None and k.efficiency is not None:
-        limit = efficient_batch(cost, k.efficiency, TYPICAL_CONTEXT, k.max_num_seqs - 1)
+    if limit is None and k.job_limit_efficiency is not None:
+        limit = efficient_batch(cost, k.job_limit_efficiency, TYPICAL_CONTEXT, k.max_num_seqs - 1)
     return budget, limit
 
 
