@@ -37,13 +37,13 @@ import platform
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.cli import command_line
 from services.workload.report import emit_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -546,7 +546,7 @@ def _run(args: argparse.Namespace) -> int:
     by_rate = traces(args)
     servers = {name: bench_server(name, args, by_rate) for name in args.servers}
     result = {
-        "command": "alise bench peer " + " ".join(sys.argv[sys.argv.index("peer") + 1 :]),
+        "command": command_line("peer"),
         "date": time.strftime("%Y-%m-%d"),
         "servers": servers,
         "low_load": low_load(servers, args.low_load_requests),

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from bench.cli import command_line
 
 REPLAY = Path("bench/results/live_progressive_replay")
 TRACES = ("hybrid-t1-r3-0", "hybrid-t0-r3-0", "hybrid-t1-r1-0", "hybrid-t0-r1-0")
@@ -72,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     profile = Path(args.profile) if args.profile else served_profile()
     rates = [float(r) for r in args.rates.split(",")]
     points = [point(name, rate, profile) for name in TRACES for rate in rates]
-    result = {"command": "alise bench robust-sim " + " ".join(sys.argv[sys.argv.index("robust-sim") + 1 :]),
+    result = {"command": command_line("robust-sim"),
               "profile": str(profile), "kind": "simulator (live traces and predictions replayed)",
               "points": points}  # fmt: skip
     from bench.bench_engine import _emit

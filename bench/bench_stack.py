@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.bench_serve import LiveStack, run_point, trace_for
+from bench.cli import command_line
 
 # the configurations compared: environment of `alise serve` (and the engine's threads)
 CONFIGS: dict[str, dict[str, str]] = {
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     result = {
-        "command": "alise bench stack " + " ".join(sys.argv[sys.argv.index("stack") + 1 :]),
+        "command": command_line("stack"),
         "cores": len(os.sched_getaffinity(0)),
         "rate": args.request_rate,
         "num_prompts": args.num_prompts,

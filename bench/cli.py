@@ -12,6 +12,15 @@ import pkgutil
 import bench
 
 
+def command_line(name: str) -> str:
+    """`alise bench NAME ...` as this process was called (just the name when called in-process,
+    e.g. from a test)."""
+    import sys
+
+    args = sys.argv[sys.argv.index(name) + 1 :] if name in sys.argv else []
+    return " ".join(["alise bench", name, *args])
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser("bench", help="benchmarks that print JSON figures")
     group.set_defaults(_parser=group)
