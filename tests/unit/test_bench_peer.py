@@ -159,7 +159,8 @@ def test_the_run_writes_points_per_server_and_low_load(tmp_path, monkeypatch):
     )
     assert args.func(args) == 0
     data = json.loads(path.read_text())
-    assert set(data) == {"servers", "low_load", "config"}
+    assert set(data) == {"command", "date", "servers", "low_load", "config"}
+    assert data["command"].startswith("alise bench peer")
     assert len(data["servers"]["alise"]["points"]) == 2
     assert data["servers"]["vllm"]["skipped"]
     assert data["low_load"]["alise_itl_ms"] == 10.0 and data["low_load"]["llamacpp_itl_ms"] == 10.0
