@@ -36,6 +36,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.bench_live_progressive import _floats
+
 ARMS = ("fcfs", "fcfs_aa", "hybrid")
 KEY = ("temperature", "rate", "seed", "arm")
 MIN_OTHER_SEEDS = 2  # other seeds' draws a state-forecast prediction needs
@@ -348,10 +350,6 @@ def write_summary(path: Path, points: list[dict], profile: Path) -> list[dict]:
 
 SHOWN = ("arm", "rate", "temperature", "seed", "mean_normalized_latency", "p99_tbt_s",
          "ceiling_oracle", "ceiling_served_predictor", "num_errors", "replay_s")  # fmt: skip
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def _names(text: str) -> list[str]:
