@@ -198,8 +198,11 @@ def variants() -> list[Variant]:
     return out
 
 
-def compile_all(arch: int = 90) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
-    """Compile every variant for sm_<arch>: ({name: {"shared": bytes}}, {name: error})."""
+def compile_all(
+    arch: int = 90, shard: int = 0, shards: int = 1
+) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+    """Compile every variant (every `shards`-th from `shard`: processes can split the list)
+    for sm_<arch>: ({name: {"shared": bytes}}, {name: error})."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -208,7 +211,7 @@ def compile_all(arch: int = 90) -> tuple[dict[str, dict[str, int]], dict[str, st
 
     target = GPUTarget("cuda", arch, 32)
     done, failed = {}, {}
-    for v in variants():
+    for v in variants()[shard::shards]:
         module = next(m for m in (triton_fused, triton_moe, triton_kernels) if hasattr(m, v.kernel))
         fn = getattr(module, v.kernel)
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in v.aligned}
@@ -225,8 +228,10 @@ def compile_all(arch: int = 90) -> tuple[dict[str, dict[str, int]], dict[str, st
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10")
+    parser.add_argument("--shard", default="0/1", help="I/N: every N-th variant from the I-th")
     args = parser.parse_args(argv)
-    done, failed = compile_all(args.arch)
+    shard, shards = map(int, args.shard.split("/"))
+    done, failed = compile_all(args.arch, shard, shards)
     print(json.dumps({"compiled": done, "failed": failed}))
     if failed:
         sys.exit(1)
