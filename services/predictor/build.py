@@ -30,7 +30,7 @@ import numpy as np
 from services.common.settings import PredictorSettings
 from services.predictor.by_regime import RegimePredictors
 from services.predictor.core import LengthPredictor, VectorCache
-from services.predictor.embedder import Embedder, EmbeddingCache
+from services.predictor.embedder import EMBED_CHUNK, SAVE_EVERY, Embedder, EmbeddingCache
 from services.predictor.mlp import MlpRegressor, length_feature, train
 from services.predictor.regimes import REGIMES, file_tag, regime_file
 from services.predictor.store import open_store
@@ -220,6 +220,11 @@ class SeedCancelled(Exception):
     """Seeding stopped on request (what was embedded so far stays cached)."""
 
 
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise SeedCancelled()
+
+
 def embed_samples(
     settings: PredictorSettings,
     embedder: Embedder,
@@ -231,9 +236,9 @@ def embed_samples(
     t0 = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
-        log.info("embedded %d/%d new prompts (%.0f s)", done, total, time.perf_counter() - t0)
-        if stop is not None and stop.is_set():
-            raise SeedCancelled()
+        if done == total or done % SAVE_EVERY < EMBED_CHUNK:
+            log.info("embedded %d/%d new prompts (%.0f s)", done, total, time.perf_counter() - t0)
+        _check(stop)
 
     return cache.embed([s.prompt for s in samples], progress=progress)
 
@@ -260,6 +265,7 @@ def seed(
     cut = np.zeros(len(got.samples)) if got.capped is None else got.capped
     spread = np.nan_to_num(got.spread)
     vectors = embed_samples(settings, predictor.embedder, got.samples, stop)  # [N, D]
+    _check(stop)
     t_embed = time.perf_counter() - t0
     now, key = time.time(), predictor.key(model)
     records = [
@@ -291,20 +297,24 @@ def train_mlp(
     censored: np.ndarray | None = None,
     regime: str = REGIMES[0],
     seed_set: SeedSet | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[MlpRegressor, Path]:
     """Fit the MLP of `regime` on `seed_set`, or `samples` (default its `regime_seed`: median
-    lengths, cut shares and spreads); save it where the service looks."""
+    lengths, cut shares and spreads); save it where the service looks. `stop` set: raises
+    SeedCancelled (between embedding chunks or epochs; nothing is saved)."""
     got = seed_set or (
         regime_seed(settings, regime, limit)
         if samples is None
         else SeedSet.of(samples, censored, "given")
     )
-    vectors = embed_samples(settings, embedder, got.samples)
+    vectors = embed_samples(settings, embedder, got.samples, stop)
     feats = length_feature(embedder.prepare([s.prompt for s in got.samples]))
     lengths = got.lengths.astype(np.float32)
     mlp = train(
-        vectors, feats, lengths, epochs=epochs, log=log.info, censored=got.capped, spread=got.spread
-    )
+        vectors, feats, lengths, epochs=epochs, log=log.info, censored=got.capped,
+        spread=got.spread, stop=stop.is_set if stop is not None else None,
+    )  # fmt: skip
+    _check(stop)
     path = regime_mlp_path(settings, model, regime, seed_space(settings, embedder))
     mlp.save(path)
     return mlp, path
@@ -329,7 +339,10 @@ def seed_if_empty(
             reports[regime] = seed(settings, predictor, model, stop=stop)
             log.info("seeded the %s store of regime %s", model, regime, extra=reports[regime])
         if predictor.mlp is None:
-            predictor.mlp, path = train_mlp(settings, predictor.embedder, model, regime=regime)
+            _check(stop)
+            predictor.mlp, path = train_mlp(
+                settings, predictor.embedder, model, regime=regime, stop=stop
+            )
             predictor.prior = predictor.mlp.cfg.prior
             log.info("trained the MLP of regime %s", regime, extra={"path": str(path)})
     return reports or None

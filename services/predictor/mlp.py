@@ -154,6 +154,7 @@ def train(
     log: Callable[[str], None] | None = print,
     censored: np.ndarray | None = None,
     spread: np.ndarray | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> MlpRegressor:
     """Fit on (embeddings [N, D], length feature [N], lengths [N], censored [N] or None, spread
     [N] or None); keep the best val epoch. `censored`: each prompt's flag, or the share of its
@@ -179,6 +180,8 @@ def train(
     opt = torch.optim.AdamW(model.net.parameters(), lr=lr, weight_decay=weight_decay)
     best, best_state, patience = math.inf, None, 0
     for epoch in range(epochs):
+        if stop is not None and stop():
+            break  # the caller, which asked, discards the model
         model.net.train()
         for idx in tr[torch.randperm(len(tr))].split(batch):
             loss = _loss(model.net(x[idx]), t[idx], _at(cut, idx), _at(sd, idx))
@@ -197,6 +200,7 @@ def train(
             log(f"epoch {epoch} val_loss {val_loss:.4f} best {best:.4f}")
         if patience >= 8:
             break
-    model.net.load_state_dict(best_state)
+    if best_state is not None:  # None: stopped before the first epoch
+        model.net.load_state_dict(best_state)
     model.net.eval()
     return model

@@ -89,3 +89,40 @@ def test_censored_seed_and_observations_give_p_capped(tmp_path):
         assert (again.length, again.p_capped) == (9, 0.5)
     finally:
         predictor.store.close()
+
+
+def test_a_stop_request_ends_seeding_within_one_chunk(tmp_path):
+    """Shutdown during the seed (`alise serve` stopped while the predictor seeds) waits for at
+    most one embedding chunk: what was embedded stays cached, nothing reaches the store, and
+    no MLP is trained or saved."""
+    import threading
+
+    from services.predictor.build import SeedCancelled
+    from services.predictor.embedder import EMBED_CHUNK, Embedder
+
+    settings = PredictorSettings(data_dir=tmp_path, predictor_seed=False)
+    embedder = Embedder()
+    predictor = build_predictor(settings, embedder)
+    samples = [Sample(f"s{i}", f"Question number {i}: what is {i} squared?", "", 9, 20 + i)
+               for i in range(3 * EMBED_CHUNK)]  # fmt: skip
+    stop, calls = threading.Event(), []
+    real = embedder.embed_prepared
+
+    def embed_then_stop(texts):
+        calls.append(len(texts))
+        stop.set()  # asked while the first chunk embeds
+        return real(texts)
+
+    embedder.embed_prepared = embed_then_stop
+    try:
+        with pytest.raises(SeedCancelled):
+            seed(settings, predictor, MODEL, samples=samples, stop=stop)
+        assert calls == [EMBED_CHUNK]
+        assert len(embedding_cache(settings, embedder)) == EMBED_CHUNK
+        assert predictor.store.count(predictor.key(MODEL)) == 0
+        with pytest.raises(SeedCancelled):
+            train_mlp(settings, embedder, MODEL, epochs=5, samples=samples, stop=stop)
+        assert calls == [EMBED_CHUNK, EMBED_CHUNK]  # one more chunk, then it stops again
+        assert not list(tmp_path.rglob("mlp-*.pt"))
+    finally:
+        predictor.store.close()
