@@ -10,6 +10,9 @@
 - fidelity: a small random Qwen3-MoE (small_moe) profiled with `alise executor profile`'s
   full grid, then its live decode steps at three batch sizes and a context the grid does not
   hold, against what the simulator's clock (CostModel.measured_time of that profile) says.
+  Every profiled and timed request has its own pseudo-random tokens (profiler.StepTimer), so
+  a batch's rows route to different experts as live rows do; the live time is the mean over
+  DRAWS token draws (which experts a small batch reads varies with them).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 
 from bench.bench_engine import _emit
 
+DRAWS = 5  # token draws per live batch size (each routes to its own experts)
 SHAPES = {  # name: (experts, top_k, hidden, expert width)
     "qwen3-30b-a3b-layer": (128, 8, 2048, 768),
     "mixtral-routing": (8, 2, 1024, 1792),
@@ -111,11 +115,15 @@ def fidelity(reps: int, batches: tuple[int, ...] = (2, 5, 12)) -> dict:
         model = CostModel.from_profile(profile)
         rows = {}
         for b in batches:
-            with engine.exclusive():
-                live = StepTimer(engine).time(0, b, 96, reps)["time_s"]
+            with engine.exclusive():  # the mean over token draws: routing varies with them
+                draws = [StepTimer(engine, seed).time(0, b, 96, reps)["time_s"]
+                         for seed in range(1, DRAWS + 1)]  # fmt: skip
+            live = statistics.mean(draws)
             predicted = model.measured_time(0, b, b * 96)  # the simulator's clock
             rows[str(b)] = {"live_ms": round(1e3 * live, 3),
+                            "live_draws_ms": [round(1e3 * t, 3) for t in draws],
                             "simulated_ms": round(1e3 * predicted, 3),
+                            "fitted_ms": round(1e3 * model.iteration_time(0, b, b * 96), 3),
                             "error": round(predicted / live - 1, 4)}  # fmt: skip
         engine.close()
     return {"profile_moe": profile["moe"], "c_expert": profile["coefficients"]["c_expert"],

@@ -78,9 +78,10 @@ def engine_alone(args: argparse.Namespace, items, threads: int) -> dict:
     }
 
 
-def policy_shape(policy: str) -> tuple[int, int] | None:
-    """(token budget, batch) the policy's defaults serve with on the served CPU profile, for
-    an engine-alone run at the stack's own concurrency (None: no such limit to mirror)."""
+def policy_shape(policy: str, max_batch: int) -> tuple[int, int] | None:
+    """(token budget, batch) the policy's defaults serve with on the served CPU profile (its
+    step-time-curve budget; its job limit, else `max_batch`), for an engine-alone run in the
+    stack's own step shape (None: a policy whose defaults set neither)."""
     if policy != "hybrid":
         return None
     from bench.live_ceiling import served_profile
@@ -88,7 +89,7 @@ def policy_shape(policy: str) -> tuple[int, int] | None:
     from services.scheduler.core.policies.hybrid import HybridKnobs, curve_defaults
 
     budget, limit = curve_defaults(HybridKnobs(), CostModel.from_profile(served_profile()))
-    return (budget, limit) if limit else None
+    return budget, limit or max_batch
 
 
 def _service_of(cmdline: list[str]) -> str | None:
@@ -169,7 +170,7 @@ def engine_in_child(args: argparse.Namespace, items, env: dict[str, str]) -> dic
 def _run(args: argparse.Namespace) -> int:
     items = trace_for(args, args.request_rate)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    shape = policy_shape(args.policy)
+    shape = policy_shape(args.policy, args.max_batch)
     rows = []
     for name in names:
         env = {**CONFIGS[name]}

@@ -16,6 +16,7 @@ arbitrary (finite) KV, which costs the same to attend over. It must run on an id
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -58,8 +59,8 @@ class StepTimer:
     """Builds and times batches on an idle engine, reusing blocks from a private free list
     (the profiler's grid, and the engine benchmark's single steps)."""
 
-    def __init__(self, engine: SteppingEngine) -> None:
-        self.engine, self.bs = engine, engine.block_size
+    def __init__(self, engine: SteppingEngine, seed: int = 0) -> None:
+        self.engine, self.bs, self.seed = engine, engine.block_size, seed
         # popped in ascending order and returned reversed, as the scheduler's BlockManager
         # hands blocks out: a request's blocks are consecutive, as in a fresh live pool
         self.free = list(range(engine.num_device_blocks - 1, -1, -1))
@@ -70,10 +71,20 @@ class StepTimer:
         rid = f"profile-{self.n}"
         self.n += 1
         blocks = [self.free.pop() for _ in range(ceil_div(length + 8, self.bs))]
-        step.new_requests.append(NewRequestData(rid, [1] * length))
+        step.new_requests.append(NewRequestData(rid, self._tokens(length)))
         step.block_tables[rid] = (blocks, False)
         self._computed[rid] = (computed, blocks)
         return rid
+
+    def _tokens(self, length: int) -> list[int]:
+        """Seeded pseudo-random prompt tokens (`seed`: another draw), different for every
+        request: identical rows
+        would route every token of a mixture of experts to the same experts (a step reading
+        top_k experts per layer whatever its batch), which no live batch does."""
+        spec = getattr(self.engine, "spec", None)
+        vocab = int(getattr(spec, "vocab_size", 0) or 2)
+        rng = random.Random(f"{self.seed}:{self.n}")
+        return [rng.randrange(1, vocab) for _ in range(length)]
 
     def fits(self, prefill: int, decodes: int, context: int) -> bool:
         need = ceil_div(prefill + 8, self.bs) + decodes * ceil_div(context + 8, self.bs)
