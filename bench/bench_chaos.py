@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 KINDS = (
     "scheduler_kill",

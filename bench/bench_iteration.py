@@ -112,7 +112,7 @@ def measure(requests: int, iterations: int, warmup: int = 50) -> dict:
 def _run(args: argparse.Namespace) -> int:
     import os
 
-    from services.workload.report import emit_json
+    from lab.workload.report import emit_json
 
     runs = [measure(args.requests, args.iterations) for _ in range(args.repeats)]
     totals = sorted(r["total_median_us"] for r in runs)

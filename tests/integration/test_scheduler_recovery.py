@@ -44,7 +44,7 @@ async def spawn_scheduler(redis_url: str, executor: str, port: int, log_path) ->
         ALISE_LOG_LEVEL="INFO",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "scheduler", "serve"],
+        [sys.executable, "-m", "services", "scheduler", "serve"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=open(log_path, "ab"),

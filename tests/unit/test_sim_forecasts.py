@@ -6,20 +6,20 @@ import math
 
 import pytest
 
-from services.common.pb import executor_pb2
-from services.common.step import SchedulerOutput
-from services.scheduler.sim.ceiling import oracle_ceiling
-from services.scheduler.sim.config import SimConfig, load_profile
-from services.scheduler.sim.engine import Simulation
-from services.scheduler.sim.forecasts import (
+from lab.sim.ceiling import oracle_ceiling
+from lab.sim.config import SimConfig, load_profile
+from lab.sim.engine import Simulation
+from lab.sim.forecasts import (
     SyntheticForecasts,
     forecasts_from_step_trace,
     make_forecasts,
     split_spec,
     write_forecasts,
 )
-from services.workload.traces.arrivals import poisson_arrivals
-from services.workload.traces.trace import Shape, build_trace
+from lab.workload.traces.arrivals import poisson_arrivals
+from lab.workload.traces.trace import Shape, build_trace
+from services.common.pb import executor_pb2
+from services.common.step import SchedulerOutput
 
 PROFILE = load_profile("a100-80g/llama-2-7b")
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from lab.sim.config import SimConfig
+from lab.workload.metrics import RequestRecord, summarize
+from lab.workload.traces.trace import TraceItem
 from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
-from services.scheduler.sim.config import SimConfig
-from services.workload.metrics import RequestRecord, summarize
-from services.workload.traces.trace import TraceItem
 
 COMPARED = ("mean_e2e", "p99_tbt", "mean_ttft", "median_tbt")
 
@@ -90,7 +90,7 @@ def check(engine, items: list[TraceItem], policy: str, profile_path: str, tokeni
     import json
     from pathlib import Path
 
-    from services.scheduler.sim.run import simulate
+    from lab.sim.run import simulate
 
     profile = json.loads(Path(profile_path).read_text())
     real = summarize(live_run(engine, items, policy, profile, tokenizer))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from services.workload.traces.trace import Shape
+from lab.workload.traces.trace import Shape
 
 FORMATS = {
     "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from services.workload.traces.trace import Shape
+from lab.workload.traces.trace import Shape
 
 
 def sample_shapes(
@@ -44,7 +44,7 @@ def sharegpt_pool(
 
 @lru_cache(maxsize=4)
 def _sharegpt_pool(split: str, model: str, data_dir) -> tuple[Shape, ...]:
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     return tuple(
         Shape(s.prompt_len, s.output_len, s.prompt, s.id)

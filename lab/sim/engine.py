@@ -27,22 +27,17 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
+from lab.sim.config import SimConfig, kv_bytes_per_token, load_profile, prefill_attention_coeff
+from lab.sim.forecasts import ForecastSource, make_forecasts, split_spec
+from lab.sim.predictions import predict_lengths
+from lab.workload.metrics import IterationRecord
+from lab.workload.traces.trace import TraceItem
 from services.common.step import SchedulerOutput, StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, Slo
 from services.scheduler.core.scheduler import Scheduler
-from services.scheduler.sim.config import (
-    SimConfig,
-    kv_bytes_per_token,
-    load_profile,
-    prefill_attention_coeff,
-)
-from services.scheduler.sim.forecasts import ForecastSource, make_forecasts, split_spec
-from services.scheduler.sim.predictions import predict_lengths
-from services.workload.metrics import IterationRecord
-from services.workload.traces.trace import TraceItem
 
 STEP_END, SWAP_DONE, ARRIVAL = 0, 1, 2
 DUMMY_TOKEN = 0

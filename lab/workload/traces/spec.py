@@ -19,15 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from services.workload.traces.arrivals import make_arrivals, scale_timestamps
-from services.workload.traces.csv_replay import load_csv
-from services.workload.traces.slo import assign_slos
-from services.workload.traces.trace import TraceItem, build_trace, load_jsonl
-from services.workload.traces.workloads import (
-    mixed_long_prompt_shapes,
-    sample_shapes,
-    sharegpt_pool,
-)
+from lab.workload.traces.arrivals import make_arrivals, scale_timestamps
+from lab.workload.traces.csv_replay import load_csv
+from lab.workload.traces.slo import assign_slos
+from lab.workload.traces.trace import TraceItem, build_trace, load_jsonl
+from lab.workload.traces.workloads import mixed_long_prompt_shapes, sample_shapes, sharegpt_pool
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -92,7 +88,7 @@ def _shapes(name: str, opts: dict, n: int | None, seed: int, model: str):
 
 def _repeating(name: str, opts: dict, n: int | None, rate: float, seed: int, model: str):
     """Multi-turn conversations (n = conversations) or a shared system prompt (n = requests)."""
-    from services.workload.traces.multiturn import (
+    from lab.workload.traces.multiturn import (
         multiturn_trace,
         shared_prompt_trace,
         sharegpt_conversations,

@@ -32,8 +32,8 @@ from typing import Protocol
 
 import numpy as np
 
+from lab.workload.traces.spec import parse_spec
 from services.common.step import RemainingForecast
-from services.workload.traces.spec import parse_spec
 
 FORECAST_KINDS = ("synthetic", "replay")
 DEFAULT_EVERY = 16

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 
 def _rates(text: str) -> list[float]:
@@ -128,7 +128,7 @@ def _attention(text: str) -> float | None:
 
 
 def _base_config(args, policy: str = "fcfs"):
-    from services.scheduler.sim.config import SimConfig
+    from lab.sim.config import SimConfig
 
     max_len = args.max_model_len or (34816 if args.trace.startswith("mixed") else 4096)
     return SimConfig(
@@ -152,7 +152,7 @@ def _base_config(args, policy: str = "fcfs"):
 
 
 def _trace_spec(args):
-    from services.scheduler.sim.sweep import TraceSpec
+    from lab.sim.sweep import TraceSpec
 
     return TraceSpec(
         args.trace, args.num_requests, args.arrival, args.burstiness, args.slo, args.seed
@@ -162,9 +162,9 @@ def _trace_spec(args):
 def _run(args) -> int:
     from dataclasses import asdict
 
-    from services.scheduler.sim.config import prefill_attention_coeff
-    from services.scheduler.sim.run import simulate
-    from services.scheduler.sim.sweep import build_trace, cached_profile, policy_config
+    from lab.sim.config import prefill_attention_coeff
+    from lab.sim.run import simulate
+    from lab.sim.sweep import build_trace, cached_profile, policy_config
 
     config = policy_config(args.policy, _base_config(args))
     profile = cached_profile(config.profile)
@@ -186,8 +186,8 @@ def _run(args) -> int:
 
 
 def _criteria(args, profile: dict):
+    from lab.workload.capacity import Criterion, sarathi_tbt_slo
     from services.scheduler.core.cost_model import CostModel
-    from services.workload.capacity import Criterion, sarathi_tbt_slo
 
     tbt = args.tbt_slo or sarathi_tbt_slo(
         CostModel.from_profile(profile).iteration_time, args.tbt_slo_factor
@@ -196,8 +196,8 @@ def _criteria(args, profile: dict):
 
 
 def _sweep(args) -> int:
-    from services.scheduler.sim.sweep import cached_profile, sweep
-    from services.workload.plots import plot_results
+    from lab.sim.sweep import cached_profile, sweep
+    from lab.workload.plots import plot_results
 
     base = _base_config(args)
     criteria = _criteria(args, cached_profile(base.profile))
@@ -234,13 +234,13 @@ def _sweep(args) -> int:
 def _fidelity(args) -> int:
     from dataclasses import replace
 
+    from lab.sim.fidelity import check
+    from lab.workload.traces.arrivals import poisson_arrivals
+    from lab.workload.traces.trace import build_trace
+    from lab.workload.traces.workloads import sample_shapes, sharegpt_pool
     from services.common.models import load_tokenizer
     from services.common.settings import ExecutorSettings
     from services.executor.engine import Engine
-    from services.scheduler.sim.fidelity import check
-    from services.workload.traces.arrivals import poisson_arrivals
-    from services.workload.traces.trace import build_trace
-    from services.workload.traces.workloads import sample_shapes, sharegpt_pool
 
     settings = ExecutorSettings()
     pool = [
@@ -273,9 +273,9 @@ def _fidelity(args) -> int:
 
 
 def _ceiling(args) -> int:
-    from services.scheduler.sim.ceiling import oracle_ceiling
-    from services.scheduler.sim.config import prefill_attention_coeff
-    from services.scheduler.sim.sweep import build_trace, cached_profile
+    from lab.sim.ceiling import oracle_ceiling
+    from lab.sim.config import prefill_attention_coeff
+    from lab.sim.sweep import build_trace, cached_profile
 
     base = _base_config(args, "hybrid")
     profile = cached_profile(base.profile)
@@ -291,7 +291,7 @@ def _ceiling(args) -> int:
 
 
 def _report(args) -> int:
-    from services.scheduler.sim.report import report
+    from lab.sim.report import report
 
     results = json.loads(Path(args.results).read_text())
     print(report(results, args.metrics, args.baseline))
@@ -422,6 +422,6 @@ def _register_report(inner: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":
-    from services.cli import main
+    from services.main import build_parser, run
 
-    sys.exit(main(["sim", *sys.argv[1:]]))
+    sys.exit(run(build_parser([register]), ["sim", *sys.argv[1:]]))

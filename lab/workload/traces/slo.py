@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from services.workload.traces.trace import SloSpec, TraceItem
+from lab.workload.traces.trace import SloSpec, TraceItem
 
 READING_TBT_S = 0.1875  # AccelGen's normal reading speed, seconds per token
 SCHEMES = ("none", "uniform", "heterogeneous")

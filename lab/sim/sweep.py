@@ -12,17 +12,12 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from services.scheduler.sim.config import (
-    SimConfig,
-    load_profile,
-    parse_policy,
-    prefill_attention_coeff,
-)
-from services.scheduler.sim.engine import SimulationError
-from services.workload.capacity import Criterion, Search, bisect_many
-from services.workload.metrics import e2e, normalized_latency, ttft
-from services.workload.traces.spec import make_trace
-from services.workload.traces.trace import TraceItem
+from lab.sim.config import SimConfig, load_profile, parse_policy, prefill_attention_coeff
+from lab.sim.engine import SimulationError
+from lab.workload.capacity import Criterion, Search, bisect_many
+from lab.workload.metrics import e2e, normalized_latency, ttft
+from lab.workload.traces.spec import make_trace
+from lab.workload.traces.trace import TraceItem
 
 POINT_KEYS = (
     "mean_normalized_latency",
@@ -87,7 +82,7 @@ def build_trace(
 
 def run_point(task: tuple) -> dict:
     """Worker: (policy entry, rate, base config, trace spec, keep_cdf) -> point dict."""
-    from services.scheduler.sim.run import simulate
+    from lab.sim.run import simulate
 
     entry, rate, base, spec, keep_cdf = task
     config = policy_config(entry, base)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from itertools import product
 
-from services.scheduler.sim.config import SimConfig
-from services.scheduler.sim.run import simulate
-from services.workload.traces.trace import TraceItem
+from lab.sim.config import SimConfig
+from lab.sim.run import simulate
+from lab.workload.traces.trace import TraceItem
 
 # gpu_job_limit (M: at most M jobs at a time, SRPT by rank past it) x rank x token budget
 JOB_LIMITS: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16, 32, 64)

@@ -1,6 +1,6 @@
 """Capacity: the highest request rate at which a latency criterion still holds.
 
-Criteria read a metrics summary (services.workload.metrics.summarize):
+Criteria read a metrics summary (lab.workload.metrics.summarize):
 - `normalized_latency`: mean normalized latency <= bound (ALISE; default 0.2 s/token);
 - `p99_tbt`: P99 TBT <= the TBT SLO and median scheduling delay <= 2 s (Sarathi-Serve).
 The search is a bisection on rate between a passing and a failing rate; evaluations are

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from services.scheduler.sim.config import SimConfig
-from services.scheduler.sim.engine import Simulation
-from services.workload.metrics import IterationRecord, RequestRecord, summarize
-from services.workload.traces.trace import TraceItem
+from lab.sim.config import SimConfig
+from lab.sim.engine import Simulation
+from lab.workload.metrics import IterationRecord, RequestRecord, summarize
+from lab.workload.traces.trace import TraceItem
 
 
 @dataclass

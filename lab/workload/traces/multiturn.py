@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.workload.traces.trace import Shape, TraceItem
+from lab.workload.traces.trace import Shape, TraceItem
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _conversations(
 ) -> tuple[Conversation, ...]:
     from services.common.models import load_tokenizer
     from services.common.settings import CommonSettings
-    from services.workload.traces.sharegpt import is_test, iter_conversations
+    from services.predictor.sharegpt import is_test, iter_conversations
 
     tokenizer = load_tokenizer(model, Path(data_dir or CommonSettings().data_dir))
     out: list[Conversation] = []

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.workload.traces.spec import parse_spec
-from services.workload.traces.trace import TraceItem
+from lab.workload.traces.spec import parse_spec
+from lab.workload.traces.trace import TraceItem
 
 KINDS = ("oracle", "mean", "prior", "noisy", "file")
 PRIOR_LEN = 256  # SrtfKnobs.default_predicted_len: what alise/hybrid assume without a prediction
