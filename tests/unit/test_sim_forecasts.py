@@ -91,7 +91,7 @@ def test_replayed_forecasts_reach_the_requests(tmp_path):
 def test_a_live_step_trace_replays_its_forecasts_under_the_traces_ids(tmp_path):
     """What a live scheduler writes (`ALISE_STEP_TRACE`, StepTrace from real StepResults) is
     read back under the trace's ids and replayed by the simulator."""
-    from services.scheduler.step_trace import StepTrace
+    from services.scheduler.loop.step_trace import StepTrace
 
     items = _trace(n=12)
     served = {item.request_id: f"srv-{i:03d}" for i, item in enumerate(items)}

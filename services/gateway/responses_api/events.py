@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from services.gateway.responses import message_item
+from services.gateway.responses_api.chat import message_item
 
 if TYPE_CHECKING:
     from services.gateway.errors import APIError
     from services.gateway.generation import Generation
-    from services.gateway.responses import Turn
+    from services.gateway.responses_api.chat import Turn
 
 
 class ResponseEvents:

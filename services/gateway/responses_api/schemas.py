@@ -1,9 +1,9 @@
 """The OpenAI Responses API request (`POST /v1/responses`), with ALISE's chat extensions.
 
-Declared here: the fields that are honoured (`responses.py` turns them into a chat request).
+Declared here: the fields that are honoured (`chat.py` turns them into a chat request).
 Input items are typed (text messages, `function_call`, `function_call_output`); any other item
 or content part arrives as a plain object and is refused by name. Fields OpenAI defines that
-are not served are listed in `responses.py` REFUSED (a 400 naming the field unless sent with
+are not served are listed in `chat.py` REFUSED (a 400 naming the field unless sent with
 the value that changes nothing); unknown fields are a 400 too.
 """
 

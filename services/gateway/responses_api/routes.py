@@ -1,6 +1,6 @@
 """`/v1/responses`: create (JSON or typed SSE events), retrieve and delete stored responses.
 
-A request is turned into the chat request it stands for (`responses.py`) and planned by the
+A request is turned into the chat request it stands for (`chat.py`) and planned by the
 chat path, so validation, the chat template, tools, structured outputs and the SLO/priority
 extensions (body or `X-*` headers) are the chat endpoint's; the generation runs and ends as in
 `routes.py` (client gone, timeout, shutdown: aborted upstream). A finished response with
@@ -21,9 +21,16 @@ from services.gateway.errors import APIError
 from services.gateway.generation import Generation
 from services.gateway.params import refuse_unsupported
 from services.gateway.render import prediction_header
-from services.gateway.response_events import ResponseEvents
-from services.gateway.response_schemas import ResponsesRequest
-from services.gateway.responses import NO_EFFECT, REFUSED, Turn, conversation, renamed, to_chat
+from services.gateway.responses_api.chat import (
+    NO_EFFECT,
+    REFUSED,
+    Turn,
+    conversation,
+    renamed,
+    to_chat,
+)
+from services.gateway.responses_api.events import ResponseEvents
+from services.gateway.responses_api.schemas import ResponsesRequest
 from services.gateway.routes import (
     ERRORS,
     EXTENSION_HEADERS,

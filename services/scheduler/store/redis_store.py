@@ -30,8 +30,8 @@ from redis.exceptions import RedisError
 
 from services.common.redis_runner import async_client
 from services.common.tasks import cancel_and_wait
-from services.scheduler.iteration_write import QUEUES, TOKEN, FieldValue, IterationWrite
-from services.scheduler.store_script import CREATE, LUA, script_args
+from services.scheduler.store.iteration_write import QUEUES, TOKEN, FieldValue, IterationWrite
+from services.scheduler.store.script import CREATE, LUA, script_args
 
 log = logging.getLogger(__name__)
 

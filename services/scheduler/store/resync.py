@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from services.scheduler.iteration_write import IterationWrite
-from services.scheduler.recorder import executor_fields
-from services.scheduler.records import new_record, queue_of
+from services.scheduler.loop.recorder import executor_fields
+from services.scheduler.store.iteration_write import IterationWrite
+from services.scheduler.store.records import new_record, queue_of
 
 if TYPE_CHECKING:
     from services.scheduler.entry import Entries
-    from services.scheduler.loop import ExecutorLoop
+    from services.scheduler.loop.executor_loop import ExecutorLoop
 
 
 def full_state(entries: Entries, loops: Iterable[ExecutorLoop], model: str) -> IterationWrite:

@@ -26,7 +26,7 @@ import grpc
 from services.common.pb import executor_pb2
 from services.common.tasks import cancel_and_wait
 from services.scheduler.convert import step_outcome, step_request
-from services.scheduler.executor_client import ExecutorClient
+from services.scheduler.loop.executor_client import ExecutorClient
 
 if TYPE_CHECKING:
     from services.common.pb.executor_pb2 import StepResult

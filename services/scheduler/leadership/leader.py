@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from services.common.redis_runner import async_client
 from services.common.settings import SchedulerSettings
 from services.common.tasks import cancel_and_wait
-from services.scheduler.lease import Lease, LeaseTiming
+from services.scheduler.leadership.lease import Lease, LeaseTiming
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.service import SchedulerService
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import orjson
 
-from services.scheduler.iteration_write import QUEUES, TOKEN, IterationWrite
+from services.scheduler.store.iteration_write import QUEUES, TOKEN, IterationWrite
 
 LUA = """
 local head = cjson.decode(ARGV[1])

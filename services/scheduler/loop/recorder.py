@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from services.common.metrics import observe_many
 from services.scheduler.convert import usage_pb
 from services.scheduler.core.request import FINISH_REASON_STATUS
-from services.scheduler.iteration_write import IterationWrite
-from services.scheduler.records import queue_of
-from services.scheduler.streams import final_event
+from services.scheduler.store.iteration_write import IterationWrite
+from services.scheduler.store.records import queue_of
+from services.scheduler.store.streams import final_event
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +27,11 @@ if TYPE_CHECKING:
     from services.common.step import RequestUpdate, SchedulerOutput
     from services.scheduler.admission import Admission
     from services.scheduler.entry import Entries, Entry
-    from services.scheduler.loop import CompletedStep, ExecutorLoop
+    from services.scheduler.loop.executor_loop import CompletedStep, ExecutorLoop
+    from services.scheduler.loop.step_trace import StepTrace
     from services.scheduler.metrics import SchedulerMetrics
-    from services.scheduler.step_trace import StepTrace
-    from services.scheduler.store import StoreWriter
-    from services.scheduler.streams import RequestStream
+    from services.scheduler.store.redis_store import StoreWriter
+    from services.scheduler.store.streams import RequestStream
 
 
 def executor_fields(loop: ExecutorLoop) -> dict[str, str | int | float]:

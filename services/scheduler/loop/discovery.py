@@ -8,7 +8,7 @@ recomputed on the others, as when an executor fails. While Redis cannot be read,
 removed.
 
 With several scheduler shards (`num_shards` > 1), each shard keeps loops only for the
-registered executors the shard assignment in Redis gives it (services/scheduler/shards.py);
+registered executors the shard assignment in Redis gives it (services/scheduler/leadership/shards.py);
 each loop is told the assignment's generation, which fences its Steps.
 """
 
@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.common.executor_registry import live_executors
-from services.scheduler.shards import assign
+from services.scheduler.leadership.shards import assign
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from services.gateway import tools as tool_calls
 from services.gateway.errors import APIError, bad_request
 from services.gateway.params import ANY
 from services.gateway.render import final_extension
-from services.gateway.response_schemas import InputItem, InputText, ResponsesRequest
+from services.gateway.responses_api.schemas import InputItem, InputText, ResponsesRequest
 from services.gateway.schemas import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from services.gateway.generation import Generation
-    from services.gateway.response_store import ResponseStore
+    from services.gateway.responses_api.store import ResponseStore
 
 # OpenAI fields not served: the value that changes nothing (or ANY: refused unless null)
 REFUSED: dict[str, tuple[Any, str]] = {
