@@ -35,14 +35,14 @@ from services.gateway.routes import (
     ERRORS,
     EXTENSION_HEADERS,
     SSEResponse,
-    _close,
-    _collect,
-    _generation_id,
-    _loop_deadline,
-    _record,
-    _until_disconnect,
-    _until_shutdown,
+    close_generation,
+    collect,
+    generation_id,
+    loop_deadline,
+    record_generation,
     require_api_key,
+    until_disconnect,
+    until_shutdown,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     gw.prompts.check_model(body.model)
     items = await conversation(gw.responses, body)
     try:
-        plan = await gw.prompts.chat(to_chat(body, items), request.headers, _generation_id(request))
+        plan = await gw.prompts.chat(to_chat(body, items), request.headers, generation_id(request))
     except APIError as exc:
         raise renamed(exc) from None
     turn = Turn(body, items, gw.model_id, id="resp_" + plan.request_id)
@@ -103,7 +103,7 @@ async def _respond(request: Request, turn: Turn, plan: Plan) -> Response:
     gw.metrics.active_streams.inc()
     try:
         wait = gw.settings.admission_wait_ms / 1000.0 if stream else None
-        await _until_disconnect(request, gen.start(wait), gw.settings.request_timeout_s)
+        await until_disconnect(request, gen.start(wait), gw.settings.request_timeout_s)
         gw.metrics.predictions.labels(gen.prediction.source if gen.prediction else "none").inc()
         headers = {"X-ALISE-Prediction": prediction_header(gen.prediction)}
         if stream:
@@ -111,20 +111,20 @@ async def _respond(request: Request, turn: Turn, plan: Plan) -> Response:
             return SSEResponse(
                 _error_events(_stream(events, gw, arrival), events),
                 headers,
-                on_close=lambda: _close(gw, gen),
+                on_close=lambda: close_generation(gw, gen),
             )
         left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
-        await _until_disconnect(request, _collect(gen), max(left, 0.0))
-        _record(gw, gen, arrival)
+        await until_disconnect(request, collect(gen), max(left, 0.0))
+        record_generation(gw, gen, arrival)
         response = turn.response(gen)
         await _keep(gw, turn, response)
         return JSONResponse(response, headers=headers)
     except BaseException:
-        _close(gw, gen)
+        close_generation(gw, gen)
         raise
     finally:
         if not stream:
-            _close(gw, gen)
+            close_generation(gw, gen)
 
 
 async def _stream(
@@ -136,20 +136,20 @@ async def _stream(
     try:
         for chunk in events.head():
             yield chunk
-        async with asyncio.timeout_at(_loop_deadline(deadline)):
-            async for piece in _until_shutdown(gen.pieces(), gw.shutting_down):
+        async with asyncio.timeout_at(loop_deadline(deadline)):
+            async for piece in until_shutdown(gen.pieces(), gw.shutting_down):
                 if not first_sent:
                     gw.metrics.ttft.observe(time.perf_counter() - arrival)
                     first_sent = True
                 if chunk := events.piece(piece.text):
                     yield chunk
-        _record(gw, gen, arrival)
+        record_generation(gw, gen, arrival)
         final = events.turn.response(gen)
         await _keep(gw, events.turn, final)
         for chunk in events.tail(final):
             yield chunk
     finally:
-        _close(gw, gen)
+        close_generation(gw, gen)
 
 
 async def _error_events(
