@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 KINDS = (
     "scheduler_kill",
@@ -146,7 +146,7 @@ def check_tokens(
 def committed_outputs(redis_url: str, request_ids: list[str]) -> dict[str, list[int]]:
     """Each request's output token ids as the scheduler committed them to Redis."""
     from services.common.settings import SchedulerSettings
-    from services.scheduler.store import Store
+    from services.scheduler.store.redis_store import Store
 
     async def load() -> dict[str, list[int]]:
         store = Store(redis_url, SchedulerSettings().state_namespace, 3600)

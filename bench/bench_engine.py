@@ -26,7 +26,7 @@ import time
 def _workload(n: int, max_prompt: int, max_output: int):
     from services.common.models import load_tokenizer
     from services.common.settings import CommonSettings
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     settings = CommonSettings()
     tok = load_tokenizer(settings.model, settings.data_dir)

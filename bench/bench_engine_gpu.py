@@ -36,7 +36,7 @@ DIFF_PROMPTS, DIFF_LEN, DIFF_TOKENS = 32, 512, 65
 def gpu_workload(model_dir: Path, n: int, max_prompt: int, max_output: int) -> tuple[list, list]:
     from transformers import AutoTokenizer
 
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     samples = [s for s in load_split("test") if s.prompt_len <= max_prompt][:n]

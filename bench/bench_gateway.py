@@ -29,7 +29,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -1,7 +1,7 @@
 """`alise bench hybrid-knobs`: what each knob of the `hybrid` policy that no paper names does.
 
 Every knob in `ALTERNATIVES` is set to each of its alternative values, one knob at a time, and
-simulated (`alise sim run`'s code path: `services.scheduler.sim.sweep.run_point`, the same
+simulated (`alise sim run`'s code path: `lab.sim.sweep.run_point`, the same
 scheduling core serving runs) at `POINTS`: the mixed long/short workload with heterogeneous
 SLOs and ShareGPT, each near and past hybrid's capacity, noisy predictions (sigma 1.0). The
 noise band of a metric at a point is how far the default moves when only the seed (arrivals,
@@ -20,7 +20,7 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 METRICS = (
     "mean_normalized_latency",
@@ -89,8 +89,8 @@ def _task(policy: str, point: dict, num_requests: int, seed: int) -> tuple:
     """A `run_point` task: `alise sim run --policy POLICY --rate R --trace T --slo S
     --prediction noisy:sigma=1.0 --num-requests N --seed SEED` (mixed: --prefill-attention
     auto)."""
-    from services.scheduler.sim.config import SimConfig
-    from services.scheduler.sim.sweep import TraceSpec
+    from lab.sim.config import SimConfig
+    from lab.sim.sweep import TraceSpec
 
     mixed = point["trace"].startswith("mixed")
     base = SimConfig(
@@ -104,7 +104,7 @@ def _task(policy: str, point: dict, num_requests: int, seed: int) -> tuple:
 
 
 def _simulate(tasks: list[tuple], jobs: int) -> list[dict]:
-    from services.scheduler.sim.sweep import run_point
+    from lab.sim.sweep import run_point
 
     if jobs <= 1:
         return [run_point(t) for t in tasks]

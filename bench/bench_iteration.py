@@ -41,10 +41,10 @@ def _setup(requests: int):
     from services.scheduler.admission import Admission
     from services.scheduler.core.request import Request
     from services.scheduler.entry import Entry
-    from services.scheduler.executors import make_scheduler
+    from services.scheduler.loop.executors import make_scheduler
+    from services.scheduler.loop.recorder import StepRecorder
     from services.scheduler.metrics import SchedulerMetrics
-    from services.scheduler.recorder import StepRecorder
-    from services.scheduler.streams import RequestStream
+    from services.scheduler.store.streams import RequestStream
     from services.scheduler.subscriptions import Subscription
 
     engine = StubEngine(0.0)
@@ -67,7 +67,7 @@ def _iteration(engine, sched, recorder, subscription) -> list[float]:
     """One iteration; the seconds of each part of PARTS."""
     from services.executor.servicer import result_to_pb, step_from_pb
     from services.scheduler.convert import step_outcome, step_request
-    from services.scheduler.store_script import script_args
+    from services.scheduler.store.script import script_args
 
     t0 = time.perf_counter()
     out = sched.schedule(time.time())
@@ -112,7 +112,7 @@ def measure(requests: int, iterations: int, warmup: int = 50) -> dict:
 def _run(args: argparse.Namespace) -> int:
     import os
 
-    from services.workload.report import emit_json
+    from lab.workload.report import emit_json
 
     runs = [measure(args.requests, args.iterations) for _ in range(args.repeats)]
     totals = sorted(r["total_median_us"] for r in runs)

@@ -146,7 +146,7 @@ def record_predictions(results, steps: Path, out: Path, name: str) -> dict:
     executor's remaining-length forecasts (`forecasts-NAME.jsonl`, from the step trace).
     Returns their paths and counts (a path is None when a request has no arrival prediction
     or the probe made no forecast)."""
-    from services.scheduler.sim.forecasts import forecasts_from_step_trace, write_forecasts
+    from lab.sim.forecasts import forecasts_from_step_trace, write_forecasts
 
     done = [r for r in results if r.error is None]
     predictions = out / f"predictions-{name}.jsonl"
@@ -213,7 +213,7 @@ def replay(url: str, items, temperature: float, sample_seed: int | None):
 
 
 def point_of(run: dict, results, max_tokens: int) -> dict:
-    from services.workload.metrics import summarize
+    from lab.workload.metrics import summarize
 
     s = summarize([r.record for r in results])
     return {

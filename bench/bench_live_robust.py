@@ -103,7 +103,7 @@ def best_with(rows: list[dict], profile: Path, prediction: str) -> dict:
     """The lowest mean normalized latency hybrid reaches on `rows` with `prediction`, over
     its defaults and the oracle ceiling's grid (`sim.ceiling.ceiling_grid`), and its knobs."""
     from bench.live_ceiling import simulate_mnl
-    from services.scheduler.sim.ceiling import ceiling_grid
+    from lab.sim.ceiling import ceiling_grid
 
     tried = [
         (simulate_mnl(rows, "hybrid", k, profile, prediction), k) for k in [{}, *ceiling_grid()]

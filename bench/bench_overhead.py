@@ -22,7 +22,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -137,7 +137,7 @@ async def _rpc_floor_ms(address: str, n: int = 200) -> float:
     """p50 round trip of an empty Step on the step stream (as the loop sends them) minus the
     executor's own time: the transport floor."""
     from services.common.pb import executor_pb2
-    from services.scheduler.executor_client import ExecutorClient
+    from services.scheduler.loop.executor_client import ExecutorClient
 
     client, times = ExecutorClient(address), []
     for _ in range(n):

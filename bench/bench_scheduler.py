@@ -25,7 +25,7 @@ import random
 import time
 from pathlib import Path
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 BENCH_KNOBS = {"orca": {"max_batch_size": 256}, "request": {"max_batch_size": 256}}
 

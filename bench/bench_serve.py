@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.workload.metrics import summarize
-from services.workload.report import emit_json
+from lab.workload.metrics import summarize
+from lab.workload.report import emit_json
 
 LIVE_POLICIES = ("fcfs", "sarathi", "alise", "accelgen", "hybrid")
 
@@ -39,7 +39,7 @@ def live_trace(
     replay, sent with ignore_eos)."""
     from dataclasses import replace
 
-    from services.workload.traces.spec import make_trace
+    from lab.workload.traces.spec import make_trace
 
     items = make_trace(workload, None, rate, arrival, burstiness, slo, seed)
     items = [i for i in items if i.prompt and i.prompt_len <= max_prompt][:n]
@@ -47,7 +47,7 @@ def live_trace(
         raise ValueError(f"only {len(items)} requests with text and prompt <= {max_prompt}")
     first = items[0].arrival_s
     # Re-draw arrivals for exactly these n requests so the rate is the one asked for.
-    from services.workload.traces.arrivals import make_arrivals
+    from lab.workload.traces.arrivals import make_arrivals
 
     times = (
         make_arrivals(n, arrival, rate, burstiness, seed)
@@ -67,7 +67,7 @@ def live_trace(
 def request_details(results) -> list[dict]:
     """Per-request figures (`--save-detailed`, as vllm bench serve): what the client saw, by
     the shared metric definitions."""
-    from services.workload import metrics
+    from lab.workload import metrics
 
     def rounded(value):
         return None if value is None else round(value, 4)
@@ -201,7 +201,7 @@ class LiveStack:
         if step_trace:
             env["ALISE_STEP_TRACE"] = str(log_dir / f"run-{name}" / "steps.jsonl")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--policy", policy],
+            [sys.executable, "-m", "services", "serve", "--policy", policy],
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -251,7 +251,7 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
     if not args.live:
         print("the simulated sweep is `alise sim sweep`; pass --live to sweep the real stack")
         return 2
-    from services.workload.plots import plot_results
+    from lab.workload.plots import plot_results
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

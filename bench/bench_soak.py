@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from services.workload.report import emit_json
+from lab.workload.report import emit_json
 
 TOPICS = ("rivers", "prime numbers", "bread", "volcanoes", "chess", "bees", "tides", "maps")
 

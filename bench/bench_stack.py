@@ -93,8 +93,8 @@ def policy_shape(policy: str, max_batch: int) -> tuple[int, int] | None:
 
 
 def _service_of(cmdline: list[str]) -> str | None:
-    if "services.cli" in cmdline:
-        rest = cmdline[cmdline.index("services.cli") + 1 :]
+    if "services" in cmdline:
+        rest = cmdline[cmdline.index("services") + 1 :]
         return rest[0] if rest else None
     return "redis" if any("redis-server" in part for part in cmdline) else None
 

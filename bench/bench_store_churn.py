@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.workload.report import emit_json
 from services.common import heap
-from services.workload.report import emit_json
 
 MODEL = "churn"
 

@@ -111,7 +111,7 @@ def _client_main(shards: list[str], n: int, conn) -> None:
 def spawn_cli(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """`alise ARGV...` as a child process with `env` added to ours, stderr to `log`."""
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *argv],
+        [sys.executable, "-m", "cli", *argv],
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
         stderr=open(log, "wb"),

@@ -166,7 +166,7 @@ def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> di
     step_json, engine_json = work / "gpu_step.json", work / "engine.json"
     cmd = [py, "-m", "bench.gpu_step", model, "--load-format", "dummy", "--json", str(step_json)]
     out["gpu_step_run"] = run(cmd, env, clock.left(110), work / "gpu_step.log")
-    cmd = [py, "-m", "services.cli", "bench", "engine", "--device", "cuda", "--model", model]
+    cmd = [py, "-m", "cli", "bench", "engine", "--device", "cuda", "--model", model]
     cmd += ["--load-format", "dummy", "--max-batch", "256", "--json", str(engine_json)]
     out["engine_run"] = run(cmd, env, clock.left(120), work / "engine.log")
     for name, path in (("step", step_json), ("engine", engine_json)):
@@ -184,7 +184,7 @@ def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> di
         if fam_json.exists():
             out.setdefault("family_steps", {})[name] = json.loads(fam_json.read_text())
     if args.fleet and clock.left(80) >= 50:
-        cmd = [py, "-m", "services.cli", "bench", "overhead", "--fake-executors", args.fleet]
+        cmd = [py, "-m", "cli", "bench", "overhead", "--fake-executors", args.fleet]
         cmd += ["--shards", "1,2", "--json", str(work / "fleet.json")]
         out["fleet_run"] = run(cmd, env, clock.left(80), work / "fleet.log")
         if (work / "fleet.json").exists():

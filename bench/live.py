@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from services.workload.metrics import RequestRecord
-from services.workload.traces.trace import TraceItem
+from lab.workload.metrics import RequestRecord
+from lab.workload.traces.trace import TraceItem
 
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default, what a client that sets none gets
 

@@ -5,9 +5,9 @@ the same trace. What ordering alone could win on that trace; the live hybrid's s
 issue 30's acceptance figure.
 
 `best_hybrid` calls the simulator's own search for the best oracle configuration
-(`services.scheduler.sim.ceiling.oracle_ceiling`, its grid: concurrency limit x rank x token
+(`lab.sim.ceiling.oracle_ceiling`, its grid: concurrency limit x rank x token
 budget) where the simulator has it; otherwise it searches the small grid here with today's
-simulator API (`services.scheduler.sim.run.simulate`). Either way the keys are the same and
+simulator API (`lab.sim.run.simulate`). Either way the keys are the same and
 `ceiling_search` says which ran.
 """
 
@@ -44,7 +44,7 @@ def served_profile() -> Path:
 
 def trace_items(rows: list[dict]):
     """TraceItems from a run's trace rows (`bench_live_progressive.trace_rows`)."""
-    from services.workload.traces.trace import TraceItem
+    from lab.workload.traces.trace import TraceItem
 
     return [
         TraceItem(r["request_id"], r["arrival_s"], r["prompt_len"], r["output_len"]) for r in rows
@@ -56,8 +56,8 @@ def simulate_mnl(
 ) -> float:
     """Mean normalized latency of `policy` with `knobs` on the rows (oracle lengths, or the
     simulator's `prediction` spec)."""
-    from services.scheduler.sim.config import SimConfig
-    from services.scheduler.sim.run import simulate
+    from lab.sim.config import SimConfig
+    from lab.sim.run import simulate
 
     config = SimConfig(policy=policy, knobs=knobs, profile=str(profile), prediction=prediction)
     return float(simulate(trace_items(rows), config).summary["mean_normalized_latency"])
@@ -68,10 +68,10 @@ def best_hybrid(rows: list[dict], profile: Path) -> dict:
     ceiling_gain (1 - ceiling / sim fcfs), ceiling_grid, ceiling_search, ceiling_s} for one
     run's trace."""
     try:
-        from services.scheduler.sim.ceiling import oracle_ceiling  # type: ignore[import-not-found]
+        from lab.sim.ceiling import oracle_ceiling  # type: ignore[import-not-found]
     except ImportError:
         return local_grid(rows, profile)
-    from services.scheduler.sim.config import SimConfig
+    from lab.sim.config import SimConfig
 
     started = time.monotonic()
     got = oracle_ceiling(trace_items(rows), SimConfig(profile=str(profile)))
@@ -84,7 +84,7 @@ def best_hybrid(rows: list[dict], profile: Path) -> dict:
         "ceiling_gain": 1.0 - ceiling / fcfs if fcfs else None,
         "ceiling_grid": {",".join(f"{k}={v}" for k, v in t["knobs"].items()):
                          round(t["mean_normalized_latency"], 5) for t in got["tried"]},
-        "ceiling_search": "services.scheduler.sim.ceiling.oracle_ceiling",
+        "ceiling_search": "lab.sim.ceiling.oracle_ceiling",
         "ceiling_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
 

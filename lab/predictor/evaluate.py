@@ -36,7 +36,7 @@ METHODS = ("prior", "mlp", "retrieval", "ours", "proxy")
 
 
 def _load(settings, args):
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     train = load_split("train", settings.model, settings.data_dir)[: args.limit_train]
     test = load_split("test", settings.model, settings.data_dir)[: args.limit_test]

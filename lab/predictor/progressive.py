@@ -122,7 +122,7 @@ def arrival_predictions(ids: list[str], cap: int, reg: str) -> dict[str, tuple[f
     from services.common.settings import PredictorSettings
     from services.predictor.build import make_embedder, served_models
     from services.predictor.calibration_files import calibrated_samples, read_calibration
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     settings = PredictorSettings()
     path = calibration_file(settings.model, Path(settings.data_dir), cap, regime=reg)
@@ -231,9 +231,9 @@ def run(
 
 
 def main(args: argparse.Namespace) -> int:
+    from lab.workload.report import emit_json
     from services.common.models import served_model_id
     from services.common.settings import PredictorSettings
-    from services.workload.report import emit_json
 
     settings = PredictorSettings()
     model = served_model_id(settings.model)

@@ -184,7 +184,7 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     from lab.predictor.eval_common import chat_formatter
     from services.predictor.build import make_embedder
     from services.predictor.calibration_files import read_draws
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     regime = args.regime
     path, by_id = test_draws(settings, args, regime)

@@ -34,7 +34,7 @@ from services.common.censoring import expected_length
 
 if TYPE_CHECKING:
     from services.common.settings import PredictorSettings
-    from services.workload.traces.sharegpt import Sample
+    from services.predictor.sharegpt import Sample
 
 SETUPS = ("reference", "served", "served_censored")
 
@@ -104,7 +104,7 @@ def held_out(settings: PredictorSettings, args: argparse.Namespace) -> dict:
     fifth train-split calibrated prompt."""
     from services.predictor.calibration_files import calibrated_samples, calibration_file
     from services.predictor.calibration_files import read_calibration as read
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     path = Path(args.file) if args.file else calibration_file(settings.model, settings.data_dir)
     if path is None:
@@ -170,8 +170,8 @@ def run(settings: PredictorSettings, args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from lab.workload.report import emit_json
     from services.common.settings import PredictorSettings
-    from services.workload.report import emit_json
 
     emit_json(run(PredictorSettings(), args), getattr(args, "json", None))
     return 0

@@ -85,7 +85,7 @@ def run(settings, n: int, generated: int, k: int, cap: int, temperature: float, 
     from lab.predictor.calibrate import _chat_ids
     from services.common.models import load_tokenizer, served_model_id, weights_dir
     from services.executor.engine import Engine
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     t0 = time.perf_counter()
     samples = load_split("test", settings.model, settings.data_dir)[:n]
@@ -119,8 +119,8 @@ def run(settings, n: int, generated: int, k: int, cap: int, temperature: float, 
 
 
 def main(args: argparse.Namespace) -> int:
+    from lab.workload.report import emit_json
     from services.common.settings import PredictorSettings
-    from services.workload.report import emit_json
 
     logging.basicConfig(level=logging.INFO)
     if args.threads:

@@ -102,7 +102,7 @@ def reference_run(
     """Drive an in-process Engine with the core Scheduler directly (no service, no gRPC):
     the output tokens each request gets."""
     from services.common.pb import executor_pb2
-    from services.scheduler.executors import cost_model_for
+    from services.scheduler.loop.executors import cost_model_for
 
     info = executor_pb2.ExecutorInfo(
         block_size=engine.block_size, num_device_blocks=engine.num_device_blocks

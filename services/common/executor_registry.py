@@ -6,7 +6,7 @@
 An executor started with `ALISE_REGISTRY_URL` adds itself and renews its entry every
 `interval_s` (`Registration`); a clean stop removes it, a crashed or hung executor's entry
 lapses after `ttl_s`. Schedulers read the live members (`live_executors`) and add or drop
-executor loops to match (services/scheduler/discovery.py), so scaling executors needs no
+executor loops to match (services/scheduler/loop/discovery.py), so scaling executors needs no
 scheduler restart. A static `ALISE_EXECUTORS` list works beside it.
 """
 

@@ -30,8 +30,8 @@ from services.gateway.middleware import (
     UnexpectedErrorMiddleware,
 )
 from services.gateway.prompts import PromptBuilder
-from services.gateway.response_routes import router as responses_router
-from services.gateway.response_store import ResponseStore
+from services.gateway.responses_api.routes import router as responses_router
+from services.gateway.responses_api.store import ResponseStore
 from services.gateway.routes import require_api_key, router
 from services.gateway.state import GatewayState
 from services.gateway.upstream import Upstream

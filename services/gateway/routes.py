@@ -104,18 +104,18 @@ EXTENSION_HEADERS = {
 @router.post("/completions", openapi_extra=EXTENSION_HEADERS)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     gw: GatewayState = request.app.state.gateway
-    plans = await gw.prompts.completion(body, request.headers, _generation_id(request))
+    plans = await gw.prompts.completion(body, request.headers, generation_id(request))
     return await _respond(request, plans, body, chat=False)
 
 
 @router.post("/chat/completions", openapi_extra=EXTENSION_HEADERS)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     gw: GatewayState = request.app.state.gateway
-    plan = await gw.prompts.chat(body, request.headers, _generation_id(request))
+    plan = await gw.prompts.chat(body, request.headers, generation_id(request))
     return await _respond(request, [plan], body, chat=True)
 
 
-def _generation_id(request: Request) -> str:
+def generation_id(request: Request) -> str:
     """The scheduler's key for a generation: always fresh. The client's X-Request-Id is only
     echoed (and logged beside this one): two clients sending the same id never collide."""
     rid = new_request_id()
@@ -138,7 +138,7 @@ async def _respond(
     gw.metrics.active_streams.inc()
     try:
         wait = gw.settings.admission_wait_ms / 1000.0 if body.stream else None
-        await _until_disconnect(request, gen.start(wait), gw.settings.request_timeout_s)
+        await until_disconnect(request, gen.start(wait), gw.settings.request_timeout_s)
         gw.metrics.predictions.labels(gen.prediction.source if gen.prediction else "none").inc()
         headers = {"X-ALISE-Prediction": prediction_header(gen.prediction)}
         if body.stream:
@@ -151,18 +151,18 @@ async def _respond(
             return SSEResponse(
                 _error_events(_stream(gen, maker, gw, arrival)),
                 headers,
-                on_close=lambda: _close(gw, gen),
+                on_close=lambda: close_generation(gw, gen),
             )
         left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
-        await _until_disconnect(request, _collect(gen), max(left, 0.0))
-        _record(gw, gen, arrival)
+        await until_disconnect(request, collect(gen), max(left, 0.0))
+        record_generation(gw, gen, arrival)
         return JSONResponse(full_response(gen, chat), headers=headers)
     except BaseException:
-        _close(gw, gen)
+        close_generation(gw, gen)
         raise
     finally:
         if not body.stream:
-            _close(gw, gen)
+            close_generation(gw, gen)
 
 
 async def _respond_many(
@@ -175,15 +175,15 @@ async def _respond_many(
     for gen in gens[1:]:
         gen.group = gens[0].group  # one shard: the siblings find the prompt in its cache
     gw.metrics.prompt_tokens.observe(len(plans[0].prompt_ids))
-    gw.metrics.active_streams.inc(len(gens))  # each generation's _close takes one off
+    gw.metrics.active_streams.inc(len(gens))  # each generation's close_generation takes one off
 
     def close_all() -> None:
         for gen in gens:
-            _close(gw, gen)
+            close_generation(gw, gen)
 
     try:
         wait = gw.settings.admission_wait_ms / 1000.0 if body.stream else None
-        await _until_disconnect(request, gens[0].start(wait), gw.settings.request_timeout_s)
+        await until_disconnect(request, gens[0].start(wait), gw.settings.request_timeout_s)
         headers = {"X-ALISE-Prediction": prediction_header(gens[0].prediction)}
         if body.stream:
             return SSEResponse(
@@ -192,9 +192,9 @@ async def _respond_many(
                 on_close=close_all,
             )
         left = gw.settings.request_timeout_s - (time.perf_counter() - arrival)
-        await _until_disconnect(request, _collect_many(gens), max(left, 0.0))
+        await until_disconnect(request, _collect_many(gens), max(left, 0.0))
         for gen in gens:
-            _record(gw, gen, arrival)
+            record_generation(gw, gen, arrival)
         n = body.n or 1
         chosen = best(gens, n) if len(gens) > n * len({g.plan.prompt_index for g in gens}) else gens
         return JSONResponse(full_response(chosen[0], chat, *chosen[1:]), headers=headers)
@@ -228,10 +228,10 @@ async def _stream_many(
     for maker in makers:
         if (head := maker.first()) is not None:
             yield head
-    async with asyncio.timeout_at(_loop_deadline(deadline)):
-        async for i, piece in _until_shutdown(merged(gens), gw.shutting_down):
+    async with asyncio.timeout_at(loop_deadline(deadline)):
+        async for i, piece in until_shutdown(merged(gens), gw.shutting_down):
             if piece is None:
-                _record(gw, gens[i], arrival)
+                record_generation(gw, gens[i], arrival)
                 yield makers[i].finish()
             elif chunk := makers[i].piece(piece.text, piece.time, piece.logprobs, piece.token_ids):
                 yield chunk
@@ -255,7 +255,7 @@ async def _error_events(chunks: AsyncGenerator[bytes, None]) -> AsyncIterator[by
         await chunks.aclose()
 
 
-async def _collect(gen: Generation) -> None:
+async def collect(gen: Generation) -> None:
     async for _ in gen.pieces():
         pass
 
@@ -268,21 +268,21 @@ async def _stream(
     try:
         if (head := maker.first()) is not None:
             yield head
-        async with asyncio.timeout_at(_loop_deadline(deadline)):
-            async for piece in _until_shutdown(gen.pieces(), gw.shutting_down):
+        async with asyncio.timeout_at(loop_deadline(deadline)):
+            async for piece in until_shutdown(gen.pieces(), gw.shutting_down):
                 if not first_sent:
                     gw.metrics.ttft.observe(time.perf_counter() - arrival)
                     first_sent = True
                 if chunk := maker.piece(piece.text, piece.time, piece.logprobs, piece.token_ids):
                     yield chunk
-        _record(gw, gen, arrival)
+        record_generation(gw, gen, arrival)
         for chunk in maker.last():
             yield chunk
     finally:
-        _close(gw, gen)
+        close_generation(gw, gen)
 
 
-async def _until_shutdown(pieces: AsyncIterator[_T], stop: asyncio.Event) -> AsyncIterator[_T]:
+async def until_shutdown(pieces: AsyncIterator[_T], stop: asyncio.Event) -> AsyncIterator[_T]:
     """The pieces, until the server's drain period ends: then a 503 error event."""
     stopping = asyncio.ensure_future(stop.wait())
     nxt = None
@@ -306,7 +306,7 @@ async def _until_shutdown(pieces: AsyncIterator[_T], stop: asyncio.Event) -> Asy
             nxt.cancel()
 
 
-def _close(gw: GatewayState, gen: Generation) -> None:
+def close_generation(gw: GatewayState, gen: Generation) -> None:
     if gen.closed:
         return
     gen.closed = True
@@ -317,18 +317,18 @@ def _close(gw: GatewayState, gen: Generation) -> None:
     gw.metrics.active_streams.dec()
 
 
-def _record(gw: GatewayState, gen: Generation, arrival: float) -> None:
+def record_generation(gw: GatewayState, gen: Generation, arrival: float) -> None:
     gw.metrics.e2e.observe(time.perf_counter() - arrival)
     gw.metrics.generation_tokens.observe(gen.completion_tokens)
     gw.metrics.finished.labels(gen.finish_reason or "abort").inc()
 
 
-def _loop_deadline(perf_deadline: float) -> float:
+def loop_deadline(perf_deadline: float) -> float:
     loop = asyncio.get_running_loop()
     return loop.time() + max(0.0, perf_deadline - time.perf_counter())
 
 
-async def _until_disconnect(request: Request, coro: Awaitable[_T], timeout_s: float) -> _T:
+async def until_disconnect(request: Request, coro: Awaitable[_T], timeout_s: float) -> _T:
     """Run `coro` unless the client disconnects first (499) or it takes too long (504)."""
     work = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request))

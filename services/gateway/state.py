@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from services.common.settings import GatewaySettings
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.prompts import PromptBuilder
-    from services.gateway.response_store import ResponseStore
+    from services.gateway.responses_api.store import ResponseStore
     from services.gateway.upstream import Upstream
 
 

@@ -15,7 +15,7 @@ ops wake a sleeping thread (measured: a one-row decode step 2x slower). The plan
 - the control plane runs at a lower priority (nice ALISE_CONTROL_NICE, 10 by default: a
   burst still runs at once on an idle core, and otherwise takes a short slice from the
   executor's threads instead of a full one).
-The services apply it themselves at start (services/cli.py: ALISE_NICE), so Redis started by
+The services apply it themselves at start (services/main.py: ALISE_NICE), so Redis started by
 its runner inherits it.
 """
 

@@ -1,9 +1,9 @@
 """Child-process supervision for `alise serve`: start in order, wait for health, restart
 crashed services with exponential backoff, stop everything in reverse order.
 
-Each child runs `python -m services.cli <command>` in its own session (a terminal Ctrl-C
+Each child runs `python -m services <command>` in its own session (a terminal Ctrl-C
 reaches only the launcher, which then stops the children in order) and asks the kernel for a
-parent-death signal as its first act (services/cli.py, `ALISE_DIE_WITH_PARENT`), so no child
+parent-death signal as its first act (services/main.py, `ALISE_DIE_WITH_PARENT`), so no child
 outlives a launcher that was killed outright. (Not a `preexec_fn`: forking a process whose
 gRPC threads are running crashes gRPC's fork handlers; without one, Python spawns with vfork.)
 Logs go to `<run_dir>/<service>.log`.
@@ -57,7 +57,7 @@ class Child:
         env = {**base_env, **self.spec.env, "ALISE_DIE_WITH_PARENT": str(os.getpid())}
         log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *self.spec.command],
+            [sys.executable, "-m", "services", *self.spec.command],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,

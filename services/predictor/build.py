@@ -1,6 +1,6 @@
 """Assemble a predictor from settings; seed its store and train its MLP.
 
-Seeding bulk-loads prompts of the train split of `services.workload.traces.sharegpt` (the
+Seeding bulk-loads prompts of the train split of `services.predictor.sharegpt` (the
 fixed split the simulator uses too) with output lengths. When the served model has a
 calibration file (`alise predictor calibrate`: its own answers' lengths at one cap, with
 censored flags; one is bundled for SmolLM2) those prompts and lengths are the seed, and the
@@ -37,7 +37,7 @@ from services.predictor.store import open_store
 from services.predictor.store_base import LengthStore, Record, point_id
 
 if TYPE_CHECKING:
-    from services.workload.traces.sharegpt import Sample
+    from services.predictor.sharegpt import Sample
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def build_predictor(
 
 
 def train_samples(settings: PredictorSettings, limit: int | None = None) -> list[Sample]:
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     samples = load_split("train", settings.model, settings.data_dir)
     return samples[:limit] if limit else samples

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from services.workload.traces.sharegpt import Sample
+    from services.predictor.sharegpt import Sample
 
 BUNDLED = Path(__file__).parent / "calibration"
 # several-draws files with the probe's features (issue 30), bundled apart: a regime seeds

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common.grpc_server import ServiceError
-from services.scheduler.placer import Placer
+from services.scheduler.loop.placer import Placer
 
 if TYPE_CHECKING:
     from services.common.pb.executor_pb2 import ExecutorInfo

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.core.request import Request, RequestStatus
-from services.scheduler.streams import RequestStream
+from services.scheduler.store.streams import RequestStream
 
 
 @dataclass(eq=False)

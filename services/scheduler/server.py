@@ -9,7 +9,7 @@
 Several schedulers may run against one Redis: the first to take the leader lease serves,
 the others stand by (`handle.leading` is False; Generate answers UNAVAILABLE, and the health
 status of `alise.v1.Scheduler` is NOT_SERVING while the overall status stays SERVING) and take
-over when the leader's lease lapses (leadership.py).
+over when the leader's lease lapses (leadership/leader.py).
 
 Without `redis_url` an embedded redis-server is started under `data_dir/redis` (and stopped
 with the handle). `metrics_port` > 0 serves Prometheus text on that port.
@@ -29,7 +29,7 @@ from services.common.redis_runner import EmbeddedRedis
 from services.common.settings import SchedulerSettings
 from services.common.tasks import cancel_and_wait
 from services.scheduler.core.policies import make_policy
-from services.scheduler.leadership import Leadership, holder_address
+from services.scheduler.leadership.leader import Leadership, holder_address
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.service import SchedulerService, parse_policy_config
 from services.scheduler.servicer import SchedulerServicer

@@ -27,20 +27,20 @@ from services.scheduler.admission import Admission
 from services.scheduler.convert import prediction_pb
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, RequestStatus
-from services.scheduler.discovery import Discovery
 from services.scheduler.entry import Entries, Entry
-from services.scheduler.executors import make_scheduler
-from services.scheduler.iteration_write import IterationWrite
-from services.scheduler.lease import NOT_LEADER
-from services.scheduler.loop import CompletedStep, ExecutorLoop, LoopTiming
+from services.scheduler.leadership.lease import NOT_LEADER
+from services.scheduler.leadership.shards import fenced_epoch
+from services.scheduler.loop.discovery import Discovery
+from services.scheduler.loop.executor_loop import CompletedStep, ExecutorLoop, LoopTiming
+from services.scheduler.loop.executors import make_scheduler
+from services.scheduler.loop.recorder import StepRecorder, executor_fields, write_status
+from services.scheduler.loop.step_trace import StepTrace
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.recorder import StepRecorder, executor_fields, write_status
-from services.scheduler.records import new_record, recompute_copy, request_from_record
-from services.scheduler.resync import full_state
-from services.scheduler.shards import fenced_epoch
-from services.scheduler.step_trace import StepTrace
-from services.scheduler.store import Fenced, Store, StoreWriter
-from services.scheduler.streams import RequestStream
+from services.scheduler.store.iteration_write import IterationWrite
+from services.scheduler.store.records import new_record, recompute_copy, request_from_record
+from services.scheduler.store.redis_store import Fenced, Store, StoreWriter
+from services.scheduler.store.resync import full_state
+from services.scheduler.store.streams import RequestStream
 from services.scheduler.validation import ModelLimits
 
 if TYPE_CHECKING:

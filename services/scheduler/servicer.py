@@ -17,16 +17,16 @@ from services.common.grpc_client import ACCEPTED_KEY, SUBSCRIBED_KEY
 from services.common.grpc_server import ServiceError, invalid
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.convert import usage_pb
-from services.scheduler.lease import NOT_LEADER
-from services.scheduler.streams import RequestStream, final_event
+from services.scheduler.leadership.lease import NOT_LEADER
+from services.scheduler.store.streams import RequestStream, final_event
 from services.scheduler.subscriptions import Subscription, Subscriptions
 from services.scheduler.validation import request_from_pb, request_id_of
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from services.scheduler.leadership import Leadership
-    from services.scheduler.loop import ExecutorLoop
+    from services.scheduler.leadership.leader import Leadership
+    from services.scheduler.loop.executor_loop import ExecutorLoop
     from services.scheduler.service import SchedulerService
 
 

@@ -8,7 +8,7 @@ the subscription's sender wakes once after the store writer has run a commit's c
 (every token of that commit published) and sends one `EventBatch` with the new events of
 every dirty request. So a step costs one message per gateway, not one per running request.
 
-The guarantees are those of the per-request streams (streams.py): events come from the
+The guarantees are those of the per-request streams (store/streams.py): events come from the
 request's log of committed tokens, each attachment keeps its own cursor (from the Generate's
 `resume_from`), and a request's final event is its last. An attachment ends after its final
 event, when its Generate call is cancelled (the client went away), or when the request's
@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from services.common.pb import scheduler_pb2
-from services.scheduler.streams import RequestStream
+from services.scheduler.store.streams import RequestStream
 
 
 class Attachment:

@@ -51,7 +51,7 @@ def stack(tmp_path_factory):
     }
     log = open(run_dir / "launcher.out", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve"],
+        [sys.executable, "-m", "services", "serve"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -111,8 +111,8 @@ def _service_pids(launcher: int) -> dict[str, int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "services.cli" in argv and argv.index("services.cli") + 1 < len(argv):
-            found.setdefault(argv[argv.index("services.cli") + 1], pid)
+        if "services" in argv and argv.index("services") + 1 < len(argv):
+            found.setdefault(argv[argv.index("services") + 1], pid)
     return found
 
 

@@ -36,7 +36,7 @@ def _launch(run_dir: Path, model: Path) -> tuple[subprocess.Popen, Path, str]:
     }
     out = run_dir / "launcher.out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(model)],
+        [sys.executable, "-m", "services", "serve", "--model", str(model)],
         env=env,
         stdout=open(out, "w"),
         stderr=subprocess.STDOUT,

@@ -35,7 +35,7 @@ def test_alise_serve_answers_on_cuda(tmp_path):
     out = tmp_path / "launcher.out"
     with open(out, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve"],
+            [sys.executable, "-m", "services", "serve"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

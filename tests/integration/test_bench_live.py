@@ -12,8 +12,8 @@ import pytest
 from bench.bench_serve import run_point
 from bench.live import run_trace, served_model
 from lab.gateway.testing import inprocess_stack
-from services.workload.metrics import summarize
-from services.workload.traces.trace import SloSpec, TraceItem
+from lab.workload.metrics import summarize
+from lab.workload.traces.trace import SloSpec, TraceItem
 
 
 @pytest.fixture(scope="module")

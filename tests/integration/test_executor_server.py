@@ -145,7 +145,7 @@ async def test_steps_sent_ahead_run_in_order_and_none_runs_after_a_refused_one(e
 
 
 async def test_client_drops_a_failed_step_stream_and_opens_a_new_one(executor):
-    from services.scheduler.executor_client import ExecutorClient
+    from services.scheduler.loop.executor_client import ExecutorClient
 
     handle, _, _ = executor
     client = ExecutorClient(f"127.0.0.1:{handle.port}")

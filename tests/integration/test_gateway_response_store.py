@@ -9,7 +9,7 @@ import pytest
 
 from services.common.redis_runner import EmbeddedRedis, free_port
 from services.gateway.errors import APIError
-from services.gateway.response_store import KEY_PREFIX, ResponseStore
+from services.gateway.responses_api.store import KEY_PREFIX, ResponseStore
 
 RECORD = {"response": {"id": "resp_1", "output": [{"type": "message"}]}, "items": ["é"]}
 

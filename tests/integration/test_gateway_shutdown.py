@@ -30,7 +30,7 @@ def test_sigterm_ends_open_streams_with_an_error_and_aborts_them(tmp_path, redis
             "ALISE_DRAIN_S": str(DRAIN_S),
         }
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "gateway", "serve"],
+            [sys.executable, "-m", "services", "gateway", "serve"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,

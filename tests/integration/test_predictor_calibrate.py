@@ -18,7 +18,7 @@ from services.predictor.calibration_files import (
     read_draws,
     read_features,
 )
-from services.workload.traces.sharegpt import load_split
+from services.predictor.sharegpt import load_split
 
 
 def test_calibrate_appends_and_resumes(tmp_path):
@@ -101,7 +101,7 @@ def test_calibration_file_lookup(tmp_path):
 
 def test_served_eval_holds_out_every_fifth_prompt():
     from lab.predictor.served_eval import split_calibrated
-    from services.workload.traces.sharegpt import Sample
+    from services.predictor.sharegpt import Sample
 
     train = [Sample(f"s{i}", f"p{i}", "o", 5, 100 + i) for i in range(20)]
     rows = {

@@ -30,7 +30,7 @@ def embedder():
 @pytest.fixture(scope="module")
 def prompts():
     """Four train-split samples (ids and prompts)."""
-    from services.workload.traces.sharegpt import load_split
+    from services.predictor.sharegpt import load_split
 
     return load_split("train", MODEL)[:4]
 

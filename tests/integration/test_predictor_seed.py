@@ -7,7 +7,7 @@ import pytest
 
 from services.common.settings import PredictorSettings
 from services.predictor.build import build_predictor, embedding_cache, seed, train_mlp
-from services.workload.traces.sharegpt import Sample
+from services.predictor.sharegpt import Sample
 
 MODEL = "smollm2-135m-instruct"
 SAMPLES = [

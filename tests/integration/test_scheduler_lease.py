@@ -6,9 +6,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from services.scheduler.iteration_write import IterationWrite
-from services.scheduler.lease import Lease, LeaseTiming
-from services.scheduler.store import Fenced, Store
+from services.scheduler.leadership.lease import Lease, LeaseTiming
+from services.scheduler.store.iteration_write import IterationWrite
+from services.scheduler.store.redis_store import Fenced, Store
 
 FAST = LeaseTiming(ttl_s=0.3, renew_s=0.1)
 

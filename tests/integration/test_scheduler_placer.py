@@ -5,7 +5,7 @@ from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.placement import choose_executor
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
-from services.scheduler.placer import Placer
+from services.scheduler.loop.placer import Placer
 
 
 def sched(max_len: int = 512) -> Scheduler:

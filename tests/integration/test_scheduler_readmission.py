@@ -25,9 +25,9 @@ from services.common.grpc_client import aio_channel
 from services.common.pb import common_pb2, scheduler_pb2_grpc
 from services.common.settings import SchedulerSettings
 from services.scheduler.core.policies import make_policy
-from services.scheduler.executors import make_scheduler
-from services.scheduler.records import recompute_copy
+from services.scheduler.loop.executors import make_scheduler
 from services.scheduler.server import start_scheduler
+from services.scheduler.store.records import recompute_copy
 
 PREDICTED = 2
 MAX_TOKENS = 1000

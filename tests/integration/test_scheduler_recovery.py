@@ -23,7 +23,7 @@ from lab.scheduler.testing import (
 from services.common.grpc_client import aio_channel, check_health
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_runner import free_port
-from services.scheduler.iteration_write import QUEUES
+from services.scheduler.store.iteration_write import QUEUES
 
 POLICY = "hybrid"
 MAX_TOKENS = 48
@@ -44,7 +44,7 @@ async def spawn_scheduler(redis_url: str, executor: str, port: int, log_path) ->
         ALISE_LOG_LEVEL="INFO",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "scheduler", "serve"],
+        [sys.executable, "-m", "services", "scheduler", "serve"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=open(log_path, "ab"),

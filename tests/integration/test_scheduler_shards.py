@@ -19,7 +19,7 @@ from services.common.grpc_client import aio_channel
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.settings import GatewaySettings
 from services.gateway.upstream import Upstream
-from services.scheduler.shards import GENERATION_SHIFT, assign, fenced_epoch
+from services.scheduler.leadership.shards import GENERATION_SHIFT, assign, fenced_epoch
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 import asyncio
 
-from services.scheduler.iteration_write import IterationWrite
-from services.scheduler.store import Store, StoreWriter
+from services.scheduler.store.iteration_write import IterationWrite
+from services.scheduler.store.redis_store import Store, StoreWriter
 
 
 async def test_create_write_tokens_and_finish(redis_server):

@@ -15,7 +15,7 @@ from lab.scheduler.testing import (
 )
 from services.common.grpc_client import aio_channel
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.iteration_write import QUEUES
+from services.scheduler.store.iteration_write import QUEUES
 
 FINAL = {"finished_stopped", "finished_length", "finished_aborted", "finished_error"}
 

@@ -17,8 +17,8 @@ from bench.bench_live_progressive import (
     verdicts,
 )
 from bench.live import LiveResult, _body, predicted_length, request_seed
-from services.workload.metrics import RequestRecord
-from services.workload.traces.trace import TraceItem
+from lab.workload.metrics import RequestRecord
+from lab.workload.traces.trace import TraceItem
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -109,7 +109,7 @@ def test_a_runs_predictions_are_kept_under_the_traces_ids(tmp_path):
 
 def test_a_run_is_simulated_with_its_own_predictions_and_forecasts(tmp_path):
     from bench.live_ceiling import served_profile
-    from services.scheduler.sim.forecasts import SyntheticForecasts, write_forecasts
+    from lab.sim.forecasts import SyntheticForecasts, write_forecasts
 
     rows = [{"request_id": f"r{i}", "arrival_s": 0.3 * i, "prompt_len": 40 + 7 * i,
              "output_len": 20 + (37 * i) % 200} for i in range(30)]  # fmt: skip

@@ -37,7 +37,7 @@ def test_building_the_command_line_imports_no_model_library():
     command first: a lab command whose module imported torch at the top cost each of them
     ~170 MiB and a second (the soak saw the scheduler at 265 MiB instead of 87)."""
     code = (
-        "import sys; from services.cli import build_parser; build_parser(); "
+        "import sys; from cli.main import build_parser; build_parser(); "
         "print(sorted(m for m in ('torch', 'transformers', 'sentence_transformers') "
         "if m in sys.modules))"
     )
@@ -48,7 +48,7 @@ def test_building_the_command_line_imports_no_model_library():
 def test_lab_commands_join_the_service_groups():
     """`alise predictor calibrate | eval | bench-store | train --proxy` and `alise executor
     stub` live in lab/ (serving never imports it) yet keep their names."""
-    from services.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["predictor", "train", "--proxy", "--limit", "5"])
@@ -70,7 +70,7 @@ def test_config_markdown_lists_settings():
     import contextlib
     import io
 
-    from services.cli import main
+    from cli.main import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -83,7 +83,7 @@ def test_config_policies_prints_each_policy_knobs_as_json():
     import io
     import json
 
-    from services.cli import main
+    from cli.main import main
     from services.scheduler.core.policies import available_policies, policy_knobs
 
     buf = io.StringIO()
@@ -108,3 +108,18 @@ def test_readme_policy_knob_defaults_match_the_code():
     for policy, knob, value in pairs:
         assert knob in policy_knobs(policy), (policy, knob)
         assert str(policy_knobs(policy)[knob]) == value, (policy, knob, value)
+
+
+def test_the_serving_commands_stand_without_the_lab():
+    """`python -m services` (what `alise serve` spawns) lists the services' groups and none of
+    the lab's or the benchmarks', and loads no module of theirs."""
+    code = (
+        "import sys; from services.main import build_parser; build_parser().print_help(); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'lab', 'bench', 'cli'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    help_text, loaded = out.stdout.rsplit("\n", 2)[0], out.stdout.strip().splitlines()[-1]
+    assert loaded == "[]"
+    for command in ("serve", "gateway", "scheduler", "executor", "predictor", "health"):
+        assert command in help_text
+    assert "bench" not in help_text.split("positional arguments", 1)[1].split("options", 1)[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERED = ("services", "lab", "bench")  # the packages whose import graph is checked
+LAYERED = ("services", "lab", "bench", "cli")  # the packages whose import graph is checked
 CORE = "services.scheduler.core"
 GENERATED = "services.common.pb"  # protoc output: not ours to shape
 MAX_FUNCTION_LINES = 60
@@ -312,7 +312,7 @@ def test_type_checking_and_function_level_imports_are_edges():
 
 def test_no_import_runs_up_the_declared_layers():
     layers = declared_layers()
-    assert layers[0] == "bench" and layers[-1] == "services.common", layers
+    assert layers[0] == "cli" and layers[-1] == "services.common", layers
     assert {"lab", "services.scheduler.core", "services.executor"} <= set(layers)
     unplaced = [n for n in modules() if n not in LAYERED and layer_of(n, layers) is None]
     assert not unplaced, f"modules in no layer of {ARCHITECTURE.name}: {unplaced}"
@@ -326,25 +326,48 @@ def test_the_layer_check_reports_an_upward_import():
     assert upward_imports(edges, layers) == ["low.a (low) imports top.mid.b (top.mid)"]
 
 
-def test_services_never_import_bench_or_lab():
-    offenders = []
-    for name in modules():
-        if not in_package(name, "services"):
-            continue
-        for node in import_nodes(tree(name), type_checking=True):
-            sources = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [source_of(name, node)]
-            )
-            offenders += [
-                f"{name}:{node.lineno} imports {s}"
-                for s in sources
-                if in_package(s, "bench") or in_package(s, "lab")
-            ]
-    assert not offenders, "services/ must not depend on bench/ or lab/:\n  " + "\n  ".join(
+OUTSIDE_SERVICES = ("bench", "lab", "cli")  # what the images' serving code must not need
+
+
+def _names_outside_services(name: str, module: ast.Module) -> Iterator[str]:
+    """What module `name` (parsed: `module`) imports, or names in a string (importlib,
+    `python -m`), from a package outside services/."""
+    for node in import_nodes(module, type_checking=True):
+        sources = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [source_of(name, node)]
+        )
+        for s in sources:
+            if any(in_package(s, p) for p in OUTSIDE_SERVICES):
+                yield f"{name}:{node.lineno} imports {s}"
+    for node in ast.walk(module):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            dotted = node.value.strip()
+            if any(dotted.startswith(p + ".") or dotted == p for p in OUTSIDE_SERVICES):
+                yield f"{name}:{node.lineno} names {dotted!r}"
+
+
+def test_services_never_import_bench_lab_or_the_cli():
+    """Strings count: a module named to importlib or spawned with `python -m` is a
+    dependency all the same."""
+    offenders = [
+        o
+        for n in modules()
+        if in_package(n, "services")
+        for o in _names_outside_services(n, tree(n))
+    ]
+    assert not offenders, "services/ must not depend on bench/, lab/ or cli/:\n  " + "\n  ".join(
         offenders
     )
+
+
+def test_the_outside_check_sees_a_module_named_in_a_string():
+    module = ast.parse("import importlib\nimportlib.import_module('lab.sim.cli')\nimport cli\n")
+    assert list(_names_outside_services("services.x", module)) == [
+        "services.x:3 imports cli",
+        "services.x:2 names 'lab.sim.cli'",
+    ]
 
 
 def test_no_private_name_is_imported_from_another_package():

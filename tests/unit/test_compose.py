@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import build_parser
+from cli.main import build_parser
 from services.common.settings import env_var_names
 from services.launcher.topology import local_topology
 

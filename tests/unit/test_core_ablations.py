@@ -8,13 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lab.sim.config import SimConfig, load_profile, parse_policy
+from lab.sim.engine import Simulation
+from lab.workload.traces.arrivals import poisson_arrivals
+from lab.workload.traces.trace import Shape, build_trace
+from lab.workload.traces.workloads import mixed_long_prompt_shapes
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Slo
-from services.scheduler.sim.config import SimConfig, load_profile, parse_policy
-from services.scheduler.sim.engine import Simulation
-from services.workload.traces.arrivals import poisson_arrivals
-from services.workload.traces.trace import Shape, build_trace
-from services.workload.traces.workloads import mixed_long_prompt_shapes
 from tests.unit.test_core_properties import _requests
 from tests.unit.test_core_util import EOS, SIMPLE, drive, make_sched, req
 

@@ -40,7 +40,7 @@ def test_every_service_gets_its_side_of_the_plan():
 
 
 def test_a_service_lowers_its_own_priority_at_start():
-    probe = "import os, services.cli as c; c._apply_nice(); print(os.nice(0))"
+    probe = "import os, services.main as c; c._apply_nice(); print(os.nice(0))"
     env = dict(os.environ, ALISE_NICE="5")
     before = os.nice(0)
     out = subprocess.run(

@@ -7,7 +7,7 @@ import json
 from services.common.pb import executor_pb2
 from services.executor.engine import BUNDLED_PROFILES, bundled_profile
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.executors import cost_model_for
+from services.scheduler.loop.executors import cost_model_for
 
 
 def test_bundled_cpu_profile_matches_only_its_device_model_and_dtype():

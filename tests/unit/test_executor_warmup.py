@@ -211,7 +211,7 @@ def test_serve_exits_non_zero_with_the_reason_on_one_line(tmp_path):
         ALISE_DEVICE="cpu",
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "executor", "serve"],
+        [sys.executable, "-m", "services", "executor", "serve"],
         env=env,
         cwd=ROOT,
         capture_output=True,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from services.gateway import responses
 from services.gateway.params import NO_EFFECT, REFUSED
-from services.gateway.response_schemas import ResponsesRequest
+from services.gateway.responses_api import chat as responses
+from services.gateway.responses_api.schemas import ResponsesRequest
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.cli import build_parser
+from cli.main import build_parser
 from services.common.settings import env_var_names
 from services.launcher import topology
 from services.launcher.topology import ServiceSpec, local_topology

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import build_parser
+from cli.main import build_parser
 from services.common.settings import GatewaySettings
 from tests.unit.test_k8s import (
     K8S,

@@ -1,9 +1,9 @@
-"""services.workload.metrics against hand-computed examples."""
+"""lab.workload.metrics against hand-computed examples."""
 
 import pytest
 
-from services.workload import metrics as m
-from services.workload.metrics import IterationRecord, RequestRecord
+from lab.workload import metrics as m
+from lab.workload.metrics import IterationRecord, RequestRecord
 
 
 def _a():

@@ -15,7 +15,7 @@ from services.common.sampling import SamplingParams
 from services.common.step import NewRequestData, SchedulerOutput
 from services.scheduler.convert import step_request
 from services.scheduler.core.request import Request
-from services.scheduler.records import new_record, request_from_record
+from services.scheduler.store.records import new_record, request_from_record
 from services.scheduler.validation import ModelLimits, request_from_pb
 
 

@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from services.scheduler.loop import ExecutorLoop, LoopTiming
+from services.scheduler.loop.executor_loop import ExecutorLoop, LoopTiming
 from services.scheduler.service import SchedulerService
 
 

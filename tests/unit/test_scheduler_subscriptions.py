@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from services.common.pb import common_pb2
-from services.scheduler.streams import RequestStream, final_event
+from services.scheduler.store.streams import RequestStream, final_event
 from services.scheduler.subscriptions import Subscription, Subscriptions
 
 

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from services.cli import main
-from services.scheduler.sim.predictions import PRIOR_LEN, predict_lengths
-from services.workload.traces.spec import make_trace
+from cli.main import main
+from lab.sim.predictions import PRIOR_LEN, predict_lengths
+from lab.workload.traces.spec import make_trace
 
 ROWS = [  # made-up: (seconds after 12:00:00, context tokens, generated tokens)
     (0.0, 812, 95),

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from services.cli import main
-from services.workload.capacity import Criterion, Search, bisect_many, sarathi_tbt_slo
-from services.workload.traces.arrivals import poisson_arrivals
-from services.workload.traces.trace import TraceItem, save_jsonl
+from cli.main import main
+from lab.workload.capacity import Criterion, Search, bisect_many, sarathi_tbt_slo
+from lab.workload.traces.arrivals import poisson_arrivals
+from lab.workload.traces.trace import TraceItem, save_jsonl
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_bisection_finds_the_threshold():
 
 
 def test_report_tables():
-    from services.scheduler.sim.report import capacity_table, metric_table
+    from lab.sim.report import capacity_table, metric_table
 
     results = {
         "capacity": {"fcfs": {"normalized_latency": 10.0}, "alise": {"normalized_latency": 15.0}},

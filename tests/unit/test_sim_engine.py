@@ -2,14 +2,14 @@
 
 import pytest
 
+from lab.sim.config import SimConfig, load_profile, parse_policy
+from lab.sim.engine import Simulation
+from lab.sim.predictions import predict_lengths
+from lab.sim.run import simulate
+from lab.workload.traces.arrivals import poisson_arrivals
+from lab.workload.traces.trace import Shape, TraceItem, build_trace
+from lab.workload.traces.workloads import mixed_long_prompt_shapes
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.sim.config import SimConfig, load_profile, parse_policy
-from services.scheduler.sim.engine import Simulation
-from services.scheduler.sim.predictions import predict_lengths
-from services.scheduler.sim.run import simulate
-from services.workload.traces.arrivals import poisson_arrivals
-from services.workload.traces.trace import Shape, TraceItem, build_trace
-from services.workload.traces.workloads import mixed_long_prompt_shapes
 
 PROFILE = load_profile("a100-80g/llama-2-7b")
 

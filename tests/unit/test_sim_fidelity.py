@@ -4,8 +4,8 @@ produces numbers of the same order (a fixed profile here: the real check uses a 
 
 import pytest
 
-from services.scheduler.sim.fidelity import check, live_run
-from services.workload.traces.trace import TraceItem
+from lab.sim.fidelity import check, live_run
+from lab.workload.traces.trace import TraceItem
 
 
 @pytest.fixture(scope="module")

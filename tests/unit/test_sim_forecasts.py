@@ -6,20 +6,20 @@ import math
 
 import pytest
 
-from services.common.pb import executor_pb2
-from services.common.step import SchedulerOutput
-from services.scheduler.sim.ceiling import oracle_ceiling
-from services.scheduler.sim.config import SimConfig, load_profile
-from services.scheduler.sim.engine import Simulation
-from services.scheduler.sim.forecasts import (
+from lab.sim.ceiling import oracle_ceiling
+from lab.sim.config import SimConfig, load_profile
+from lab.sim.engine import Simulation
+from lab.sim.forecasts import (
     SyntheticForecasts,
     forecasts_from_step_trace,
     make_forecasts,
     split_spec,
     write_forecasts,
 )
-from services.workload.traces.arrivals import poisson_arrivals
-from services.workload.traces.trace import Shape, build_trace
+from lab.workload.traces.arrivals import poisson_arrivals
+from lab.workload.traces.trace import Shape, build_trace
+from services.common.pb import executor_pb2
+from services.common.step import SchedulerOutput
 
 PROFILE = load_profile("a100-80g/llama-2-7b")
 
@@ -91,7 +91,7 @@ def test_replayed_forecasts_reach_the_requests(tmp_path):
 def test_a_live_step_trace_replays_its_forecasts_under_the_traces_ids(tmp_path):
     """What a live scheduler writes (`ALISE_STEP_TRACE`, StepTrace from real StepResults) is
     read back under the trace's ids and replayed by the simulator."""
-    from services.scheduler.step_trace import StepTrace
+    from services.scheduler.loop.step_trace import StepTrace
 
     items = _trace(n=12)
     served = {item.request_id: f"srv-{i:03d}" for i, item in enumerate(items)}

@@ -4,17 +4,17 @@ import itertools
 
 import pytest
 
-from services.scheduler.sim.config import SimConfig, load_profile
-from services.scheduler.sim.engine import prompt_tokens
-from services.scheduler.sim.run import simulate
-from services.workload.traces.multiturn import (
+from lab.sim.config import SimConfig, load_profile
+from lab.sim.engine import prompt_tokens
+from lab.sim.run import simulate
+from lab.workload.traces.multiturn import (
     Conversation,
     conversation_turns,
     multiturn_trace,
     shared_prompt_trace,
     sharegpt_conversations,
 )
-from services.workload.traces.trace import Shape, load_jsonl, save_jsonl
+from lab.workload.traces.trace import Shape, load_jsonl, save_jsonl
 
 PROFILE = load_profile("a100-80g/llama-2-7b")
 
