@@ -28,7 +28,7 @@ class CpuAttention(TorchAttention):
     name = "cpu"
     # the kernel pads nothing: all decodes in one group (48 decodes of 20-600 tokens of context,
     # fp32, 2 threads: 160 ms as one group against 168 ms split, mixed_context_decode in
-    # bench/results/engine_kernel_split_decodes.json); prefill chunks still split by context
+    # bench/results/history/engine_kernel_split_decodes.json); prefill chunks still split by context
     split_decodes = False
     # deterministic mode (batch_invariant.py): prefill chunk queries run the decode kernel too
     deterministic = False

@@ -53,9 +53,15 @@ def test_seed_uses_the_embedding_cache_and_trains_the_mlp(tmp_path):
 def test_seed_prefers_the_served_models_calibration(tmp_path, caplog):
     """With the bundled SmolLM2 calibration the seed is its own lengths with censored flags;
     a model without one falls back to ShareGPT's reference lengths with a warning."""
+    from services.common.settings import DEFAULT_DATA_DIR
     from services.predictor.build import seed_samples
     from services.predictor.calibration_files import BUNDLED, read_calibration
 
+    # the tokenized ShareGPT split of the default data directory, which the other tests
+    # (test_predictor_calibrate) read: tokenized once per machine, not again here; no
+    # calibration file of the data directory (only the bundled one) is seen
+    (DEFAULT_DATA_DIR / "traces").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "traces").symlink_to(DEFAULT_DATA_DIR / "traces")
     settings = PredictorSettings(data_dir=tmp_path, predictor_seed=False)
     samples, cut = seed_samples(settings)
     _, rows = read_calibration(BUNDLED / "smollm2-135m-instruct-cap256.jsonl")

@@ -21,9 +21,27 @@ def indexed_names() -> list[str]:
     return [m.group(1) for line in lines if (m := ROW_RE.match(line))]
 
 
+HISTORY = RESULTS / "history"  # earlier runs: baselines and superseded measurements
+
+
+def _names(folder: Path, prefix: str = "") -> list[str]:
+    return [prefix + p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p != INDEX]
+
+
 def entries() -> list[str]:
-    """What lies directly under bench/results/, folders with a trailing `/`, less the index."""
-    return sorted(p.name + "/" if p.is_dir() else p.name for p in RESULTS.iterdir() if p != INDEX)
+    """What lies directly under bench/results/ and under its history/ (as `history/NAME`),
+    folders with a trailing `/`, less the index and the history folder itself."""
+    top = [n for n in _names(RESULTS) if n != "history/"]
+    return sorted(top + (_names(HISTORY, "history/") if HISTORY.is_dir() else []))
+
+
+def test_earlier_runs_live_in_history() -> None:
+    """A row marked *Earlier run* names a file under history/, and only those rows do."""
+    lines = INDEX.read_text(encoding="utf-8").splitlines()
+    for line in lines:
+        if (m := ROW_RE.match(line)) is not None:
+            earlier = "*Earlier run*" in line
+            assert earlier == m.group(1).startswith("history/"), line[:160]
 
 
 def test_index_lists_entries() -> None:
