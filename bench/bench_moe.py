@@ -11,8 +11,9 @@
   full grid, then its live decode steps at three batch sizes and a context the grid does not
   hold, against what the simulator's clock (CostModel.measured_time of that profile) says.
   Every profiled and timed request has its own pseudo-random tokens (profiler.StepTimer), so
-  a batch's rows route to different experts as live rows do; the live time is the mean over
-  DRAWS token draws (which experts a small batch reads varies with them).
+  a batch's rows route to different experts as live rows do; the live time is the
+  median over DRAWS token draws per round (which experts a small batch reads varies with
+  them), the grid and the live points timed in alternating rounds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 
 from bench.bench_engine import _emit
 
-DRAWS = 5  # token draws per live batch size (each routes to its own experts)
+DRAWS = 3  # token draws per live batch size and round (each routes to its own experts)
 SHAPES = {  # name: (experts, top_k, hidden, expert width)
     "qwen3-30b-a3b-layer": (128, 8, 2048, 768),
     "mixtral-routing": (8, 2, 1024, 1792),
@@ -101,34 +102,50 @@ def small_moe(path) -> object:
     return path
 
 
-def fidelity(reps: int, batches: tuple[int, ...] = (2, 5, 12)) -> dict:
+def fidelity(reps: int, batches: tuple[int, ...] = (2, 5, 12), rounds: int = 5) -> dict:
+    """The profile's grid and the live points timed in alternating rounds (this machine's
+    speed drifts over minutes: a profile measured before the live steps would carry it), the
+    profile fitted on each grid point's median over the rounds."""
     import tempfile
     from pathlib import Path
 
     from services.executor.engine import Engine
-    from services.executor.profiler import StepTimer, profile_engine
+    from services.executor.profiler import StepTimer, grid_points, profile_from_samples
     from services.scheduler.core.cost_model import CostModel
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(small_moe(Path(tmp) / "moe"), device="cpu", num_device_blocks=512)
-        profile = profile_engine(engine, quick=False, max_prefill=256)  # the decode regime
+        grid_timer = StepTimer(engine)
+        grid = grid_points(grid_timer, max_prefill=256)  # the full grid, the decode regime
+        timed: dict[tuple[int, int, int], list[dict]] = {g: [] for g in grid}
+        live: dict[int, list[float]] = {b: [] for b in batches}
+        with engine.exclusive():
+            for r in range(rounds):
+                for g in grid:
+                    timed[g].append(grid_timer.time(*g, reps=1))
+                for b in batches:  # a fresh token draw per round: routing varies with it
+                    seeds = range(1 + r * DRAWS, 1 + (r + 1) * DRAWS)
+                    live[b] += [StepTimer(engine, s).time(0, b, 96, reps)["time_s"] for s in seeds]
+        samples = [
+            runs[0] | {"time_s": statistics.median(x["time_s"] for x in runs)}
+            for runs in timed.values()
+        ]
+        profile = profile_from_samples(engine, samples, quick=False, max_prefill=256)
         model = CostModel.from_profile(profile)
-        rows = {}
-        for b in batches:
-            with engine.exclusive():  # the mean over token draws: routing varies with them
-                draws = [StepTimer(engine, seed).time(0, b, 96, reps)["time_s"]
-                         for seed in range(1, DRAWS + 1)]  # fmt: skip
-            live = statistics.mean(draws)
-            predicted = model.measured_time(0, b, b * 96)  # the simulator's clock
-            rows[str(b)] = {"live_ms": round(1e3 * live, 3),
-                            "live_draws_ms": [round(1e3 * t, 3) for t in draws],
-                            "simulated_ms": round(1e3 * predicted, 3),
-                            "fitted_ms": round(1e3 * model.iteration_time(0, b, b * 96), 3),
-                            "error": round(predicted / live - 1, 4)}  # fmt: skip
         engine.close()
     return {"profile_moe": profile["moe"], "c_expert": profile["coefficients"]["c_expert"],
-            "fit_error": profile["fit_error"], "dtype": profile["dtype"],
-            "decode_steps_at_context_96": rows}  # fmt: skip
+            "fit_error": profile["fit_error"], "dtype": profile["dtype"], "rounds": rounds,
+            "decode_steps_at_context_96": {str(b): _row(model, b, live[b]) for b in batches}}  # fmt: skip
+
+
+def _row(model, batch: int, live: list[float]) -> dict:
+    mean = statistics.median(live)  # over draws and rounds: machine hiccups do not move it
+    predicted = model.measured_time(0, batch, batch * 96)  # the simulator's clock
+    return {"live_ms": round(1e3 * mean, 3),
+            "live_spread_ms": [round(1e3 * min(live), 3), round(1e3 * max(live), 3)],
+            "simulated_ms": round(1e3 * predicted, 3),
+            "fitted_ms": round(1e3 * model.iteration_time(0, batch, batch * 96), 3),
+            "error": round(predicted / mean - 1, 4)}  # fmt: skip
 
 
 def measure(args: argparse.Namespace) -> dict:

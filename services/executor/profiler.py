@@ -209,9 +209,26 @@ def profile_engine(
         raise ValueError("the executor is serving requests: profile an idle executor")
     cfg = QUICK if quick else FULL
     bench = StepTimer(engine)
-    grid = [(p, d, c) for p, d, c in _grid(cfg) if max_prefill is None or p <= max_prefill]
     with engine.exclusive():
-        samples = [bench.time(p, d, c, cfg["reps"]) for p, d, c in grid if bench.fits(p, d, c)]
+        samples = [
+            bench.time(p, d, c, cfg["reps"]) for p, d, c in grid_points(bench, quick, max_prefill)
+        ]
+    return profile_from_samples(engine, samples, quick, max_prefill)
+
+
+def grid_points(
+    bench: StepTimer, quick: bool = False, max_prefill: int | None = None
+) -> list[tuple[int, int, int]]:
+    """The grid's (prefill, decodes, context) batches this engine holds."""
+    cfg = QUICK if quick else FULL
+    grid = [(p, d, c) for p, d, c in _grid(cfg) if max_prefill is None or p <= max_prefill]
+    return [g for g in grid if bench.fits(*g)]
+
+
+def profile_from_samples(
+    engine: SteppingEngine, samples: list[dict[str, Any]], quick: bool, max_prefill: int | None
+) -> dict[str, Any]:
+    """The profile JSON dict of timed grid samples (profile_engine's, or a benchmark's)."""
     info = engine.describe()
     return {
         "device": info["device"],
