@@ -192,7 +192,12 @@ class EmbeddingCache:
                 self.save()
                 unsaved = 0
             if progress:
-                progress(min(start + EMBED_CHUNK, len(missing)), len(missing))
+                try:
+                    progress(min(start + EMBED_CHUNK, len(missing)), len(missing))
+                except BaseException:  # stopped: what was embedded so far stays cached
+                    if unsaved:
+                        self.save()
+                    raise
         if not prompts:
             return np.zeros((0, self.embedder.dim), np.float32)
         return np.stack([self._index[h] for h in hashes])

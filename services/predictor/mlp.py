@@ -140,6 +140,24 @@ def _at(values: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
     return None if values is None else values[idx]
 
 
+def _normalise(
+    cfg: MlpConfig,
+    feat: np.ndarray,
+    lengths: np.ndarray,
+    censored: np.ndarray | None,
+    spread: np.ndarray | None,
+) -> np.ndarray:
+    """Set `cfg`'s heads, normalisation and prior for these targets; log1p of the lengths."""
+    cfg.capped_head = censored is not None
+    cfg.spread_head = spread is not None and bool(np.isfinite(spread).any())
+    y = np.log1p(lengths.astype(np.float32))
+    ended = y if censored is None or (censored >= 1).all() else y[np.asarray(censored) < 1]
+    cfg.y_mean, cfg.y_std = float(ended.mean()), float(ended.std() or 1.0)
+    cfg.f_mean, cfg.f_std = float(feat.mean()), float(feat.std() or 1.0)
+    cfg.prior = float(lengths.mean())
+    return y
+
+
 def train(
     emb: np.ndarray,
     feat: np.ndarray,
@@ -161,13 +179,7 @@ def train(
     draws cut at the cap (`lengths` then the median of those that ended); `spread`: the spread
     of its draws, NaN where unknown (one draw)."""
     cfg = cfg or MlpConfig(dim=emb.shape[1])
-    cfg.capped_head = censored is not None
-    cfg.spread_head = spread is not None and bool(np.isfinite(spread).any())
-    y = np.log1p(lengths.astype(np.float32))
-    ended = y if censored is None or (censored >= 1).all() else y[np.asarray(censored) < 1]
-    cfg.y_mean, cfg.y_std = float(ended.mean()), float(ended.std() or 1.0)
-    cfg.f_mean, cfg.f_std = float(feat.mean()), float(feat.std() or 1.0)
-    cfg.prior = float(lengths.mean())
+    y = _normalise(cfg, feat, lengths, censored, spread)
     torch.manual_seed(seed)
     model = MlpRegressor(cfg)
     x = model._inputs(emb, feat)  # [N, D(+1)]
