@@ -6,13 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lab.workload.traces import sharegpt
 from lab.workload.traces.arrivals import gamma_arrivals, make_arrivals, scale_timestamps
 from lab.workload.traces.csv_replay import load_csv, parse_timestamp
 from lab.workload.traces.slo import assign_slos
 from lab.workload.traces.spec import make_trace, parse_spec
 from lab.workload.traces.trace import Shape, SloSpec, TraceItem, build_trace, load_jsonl, save_jsonl
 from lab.workload.traces.workloads import mixed_long_prompt_shapes, sample_shapes
+from services.predictor import sharegpt
 
 FIX = Path(__file__).parents[1] / "fixtures" / "traces"
 
