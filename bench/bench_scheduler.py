@@ -72,7 +72,7 @@ def _step(sched, cost, now: float) -> tuple[float, float, float]:
         for rid, n in out.num_scheduled_tokens.items()
         if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens
     }
-    now += max(cost.output_time(out), 1e-4)
+    now += max(cost.step_time(sched.last_shape), 1e-4)
     t2 = time.perf_counter()
     if not out.is_empty:
         sched.update(StepOutcome(out.step_id, sampled, 0.0), now)

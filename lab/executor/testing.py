@@ -52,22 +52,36 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return float(torch.exp(nll))
 
 
-def interpreted_check(args: list[str], timeout: float = 300) -> dict:
-    """`python ARGS` (a lab check module) under Triton's interpreter from the repository
-    root; the JSON object its last output line holds. Fails with its stderr's tail."""
+def interpreted_checks(arg_lists: list[list[str]], timeout: float = 300) -> list[dict]:
+    """interpreted_check of each argument list, all at once (the interpreter runs on one core:
+    parts of one check in parallel use the others); their JSON objects, in order."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    proc = subprocess.run(
-        [sys.executable, *args],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    threads = str(max(1, (os.cpu_count() or 1) // len(arg_lists)))  # no core oversubscribed
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=threads),
+            cwd=Path(__file__).resolve().parents[2],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in arg_lists
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def interpreted_check(args: list[str], timeout: float = 300) -> dict:
+    """`python ARGS` (a lab check module) under Triton's interpreter from the repository
+    root; the JSON object its last output line holds. Fails with its stderr's tail."""
+    return interpreted_checks([args], timeout)[0]

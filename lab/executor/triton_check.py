@@ -284,12 +284,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--case", action="append", help="run only these cases (repeatable)")
+    parser.add_argument("--shard", default="0/1", help="I/N: every N-th case from the I-th")
     parser.add_argument("--engine", metavar="MODEL_DIR", help="also compare whole engines")
     parser.add_argument(
         "--windowed", metavar="MODEL_DIR", help="and on a model with windows and soft-capping"
     )
     args = parser.parse_args(argv)
-    chosen = [c for c in CASES if not args.case or c.name in args.case]
+    shard, shards = map(int, args.shard.split("/"))
+    chosen = [c for c in CASES if not args.case or c.name in args.case][shard::shards]
     results: dict[str, Any] = {
         "cases": {c.name: compare_case(c, args.device) for c in chosen},
         "padding_write": padding_write(args.device),

@@ -20,7 +20,6 @@ import grpc
 
 from services.common.pb import common_pb2, scheduler_pb2
 from services.common.settings import SchedulerSettings
-from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request
@@ -119,9 +118,7 @@ def reference_run(
         if out.is_empty:
             break
         result = engine.step(out)
-        sched.update(
-            StepOutcome(out.step_id, result.sampled, result.timings.total_s, result.forecasts), now
-        )
+        sched.update(result.outcome(), now)
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 

@@ -38,6 +38,7 @@ from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Request, Slo
 from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.shape import StepShape
 
 STEP_END, SWAP_DONE, ARRIVAL = 0, 1, 2
 DUMMY_TOKEN = 0
@@ -71,7 +72,7 @@ class Executor:
     name: str
     scheduler: Scheduler
     busy: bool = False
-    step: tuple | None = None  # (output, sampling ids, start, duration, swaps, kv use)
+    step: tuple | None = None  # (output, shape, sampling ids, start, duration, kv use)
     copy_free_at: float = 0.0  # when the host<->device copy engine is next free
 
 
@@ -221,7 +222,10 @@ class Simulation:
             for rid, n in out.num_scheduled_tokens.items()
             if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens
         ]
-        compute = self._clock(out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens)
+        shape = sched.last_shape
+        compute = self._clock(
+            shape.num_prefill_tokens, shape.num_decode_tokens, shape.num_context_tokens
+        )
         if self.attn_s:
             compute += self.attn_s * sum(
                 n * (reqs[rid].num_computed_tokens + (n + 1) / 2)
@@ -230,7 +234,8 @@ class Simulation:
             )
         duration = compute + self._swap_time(ex, swaps, compute)
         ex.busy = True
-        ex.step = (out, sampling, self.now, duration, swaps, sched.block_manager.device_utilization)
+        kv_util = sched.block_manager.device_utilization
+        ex.step = (out, shape, sampling, self.now, duration, kv_util)
         self._push(self.now + duration, STEP_END, ex.name)
 
     def _swap_time(self, ex: Executor, blocks: int, compute: float) -> float:
@@ -245,7 +250,7 @@ class Simulation:
         return ex.copy_free_at - self.now
 
     def _end_step(self, ex: Executor) -> None:
-        out, sampling, start, duration, _swaps, kv_util = ex.step
+        out, shape, sampling, start, duration, kv_util = ex.step
         ex.busy, ex.step = False, None
         outcome = self._outcome(ex, out.step_id, sampling, duration)
         for update in ex.scheduler.update(outcome, self.now):
@@ -253,7 +258,7 @@ class Simulation:
                 self.finish_count[update.request_id] = (
                     self.finish_count.get(update.request_id, 0) + 1
                 )
-        self._record(ex, out, start, kv_util)
+        self._record(ex, out, shape, start, kv_util)
         if len(self.iterations) > self.config.max_iterations:
             raise SimulationError(
                 f"more than {self.config.max_iterations} iterations: "
@@ -280,17 +285,19 @@ class Simulation:
                 outcome.forecasts[rid] = fc
         return outcome
 
-    def _record(self, ex: Executor, out: SchedulerOutput, start: float, kv_util: float) -> None:
+    def _record(
+        self, ex: Executor, out: SchedulerOutput, shape: StepShape, start: float, kv_util: float
+    ) -> None:
         self.iterations.append(
             IterationRecord(
                 start,
                 self.now,
-                out.num_prefill_tokens,
-                out.num_decode_tokens,
+                shape.num_prefill_tokens,
+                shape.num_decode_tokens,
                 kv_util,
-                token_budget=out.token_budget,
+                token_budget=shape.token_budget,
                 num_requests=len(out.num_scheduled_tokens),
-                num_preempted=len(out.preempted_request_ids),
+                num_preempted=len(shape.preempted_request_ids),
                 num_swap_out_blocks=len(out.swap_out),
                 num_swap_in_blocks=len(out.swap_in),
                 executor=ex.name,

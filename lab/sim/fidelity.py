@@ -15,7 +15,6 @@ from collections import deque
 from lab.sim.config import SimConfig
 from lab.workload.metrics import RequestRecord, summarize
 from lab.workload.traces.trace import TraceItem
-from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.policies import make_policy
@@ -43,10 +42,7 @@ def _request(item: TraceItem, tokenizer) -> Request:
 
 def _step(engine, sched, out, start: float) -> None:
     result = engine.step(out)
-    sched.update(
-        StepOutcome(out.step_id, result.sampled, result.timings.total_s, result.forecasts),
-        time.perf_counter() - start,
-    )
+    sched.update(result.outcome(), time.perf_counter() - start)
 
 
 def live_run(

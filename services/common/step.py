@@ -26,6 +26,10 @@ class NewRequestData:
 
 @dataclass
 class SchedulerOutput:
+    """What crosses to the executor, field for field proto StepRequest's (the epoch aside).
+    What the core knows of the step besides (its decodes, preemptions, context and token
+    budget) stays in the core: `StepShape`, services/scheduler/core/shape.py."""
+
     step_id: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
     # request_id -> (device block ids, replace): replace=False appends, True sets the table
@@ -34,24 +38,10 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     free_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # filled by the core when the batch is built (used by the cost model and the simulator):
-    decode_request_ids: list[str] = field(default_factory=list)
-    num_context_tokens: int = 0  # sum over scheduled requests of (computed + new) tokens
-    token_budget: int | None = None  # the budget the policy packed against (None: unlimited)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def num_decode_tokens(self) -> int:
-        """A decode = a scheduled request with exactly one uncomputed token."""
-        return len(self.decode_request_ids)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.total_num_scheduled_tokens - len(self.decode_request_ids)
 
     @property
     def is_empty(self) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.sampling import SamplingParams
-from services.common.step import RemainingForecast
+from services.common.step import RemainingForecast, StepOutcome
 
 
 @dataclass
@@ -35,6 +35,11 @@ class StepOutput:
     forecasts: dict[str, RemainingForecast] = field(default_factory=dict)
     # in process only (calibration): request_id -> (generated, the probe's feature vector)
     probe_features: dict[str, tuple[int, Any]] = field(default_factory=dict)
+
+    def outcome(self) -> StepOutcome:
+        """What the scheduling core applies of this result (in process: the gRPC path's
+        StepResult carries the same fields, services/scheduler/convert.py)."""
+        return StepOutcome(self.step_id, self.sampled, self.timings.total_s, self.forecasts)
 
 
 @dataclass

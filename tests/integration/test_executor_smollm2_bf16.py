@@ -55,6 +55,33 @@ def single_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def avx2_child():
+    """The AVX2 run of this file's checks (test_this_file_passes_with_torch_held_to_avx2),
+    started with the module's first test: it runs on one thread beside the checks here,
+    which leave the other core idle, and its test at the end reads its result."""
+    if os.environ.get(CHILD) or not _avx2_child_runs():
+        yield None
+        return
+    env = dict(
+        os.environ,
+        ATEN_CPU_CAPABILITY="avx2",
+        ONEDNN_MAX_CPU_ISA="AVX2",
+        ALISE_CPU_ISA="x86-64-v3",
+        **{CHILD: "1"},
+    )
+    checks = "test_teacher_forced_bf16_parity or within_one_percent"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.Popen(
+        [*command, "-k", checks], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.fixture(scope="module")
 def model_dir():
     settings = ExecutorSettings()
@@ -217,35 +244,12 @@ def test_int8_check_catches_a_wrong_value_scale(model_dir, tokenizer, monkeypatc
 
 
 @pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="inside the AVX2 run")
-def test_this_file_passes_with_torch_held_to_avx2():
+def test_this_file_passes_with_torch_held_to_avx2(avx2_child):
     """Re-runs the parity check (bf16) and the INT8 check (fp32, what such a CPU serves) with
     torch's kernels and the compiled kernels at AVX2; skips where this CPU cannot run AVX2
     kernels. Where torch ignores ATEN_CPU_CAPABILITY the child still runs the x86-64-v3
     build (torch at its own level), so the fp32 INT8 check is never left out."""
-    if not _avx2_child_runs():
+    if avx2_child is None:
         pytest.skip("this CPU has no AVX2 kernels to hold torch to")
-    env = dict(
-        os.environ,
-        ATEN_CPU_CAPABILITY="avx2",
-        ONEDNN_MAX_CPU_ISA="AVX2",
-        ALISE_CPU_ISA="x86-64-v3",
-        **{CHILD: "1"},
-    )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "test_teacher_forced_bf16_parity or within_one_percent",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    out, err = avx2_child.communicate(timeout=900)
+    assert avx2_child.returncode == 0, out[-3000:] + err[-2000:]

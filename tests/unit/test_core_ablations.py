@@ -16,7 +16,7 @@ from lab.workload.traces.workloads import mixed_long_prompt_shapes
 from services.scheduler.core.policies import make_policy
 from services.scheduler.core.request import Slo
 from tests.unit.test_core_properties import _requests
-from tests.unit.test_core_util import EOS, SIMPLE, drive, make_sched, req
+from tests.unit.test_core_util import EOS, SIMPLE, drive, make_sched, plan, req
 
 # -- Sarathi-Serve: hybrid-batching-only / chunked-prefills-only ------------------------------
 
@@ -51,7 +51,7 @@ def test_sarathi_whole_prompts_wait_when_the_leftover_budget_is_short(chunked):
     s = make_sched("sarathi", token_budget=128, tile_size=16, chunked_prefill=chunked)
     s.admit(req("a", 100, 4))
     s.admit(req("b", 100, 4))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     expect = {"a": 100, "b": 28} if chunked else {"a": 100}  # no chunk of b: it waits whole
     assert out.num_scheduled_tokens == expect
 
@@ -109,7 +109,7 @@ def test_accelgen_without_slack_ordering_admits_in_arrival_order():
         s = _accel(**knobs)
         s.admit(req("early", 64, 2, t=0.0, slo=Slo(ttft_s=10.0)))
         s.admit(req("late", 64, 2, t=0.0005, slo=Slo(ttft_s=0.002)))  # far less slack
-        return s.schedule(0.001).num_scheduled_tokens
+        return plan(s, 0.001).num_scheduled_tokens
 
     assert first_step() == {"late": 64}
     assert first_step(slack_ordering=False) == {"early": 64}
@@ -130,7 +130,7 @@ def _window(**knobs):
     s.block_manager.allocate(req("hog", 60 * 16, 1), 60 * 16)  # leave 4 free blocks = 64 tokens
     for rid, n in (("c20", 20), ("a60", 60), ("b48", 48), ("e64", 64)):
         s.admit(req(rid, n, 2, t=0.0, slo=Slo(ttft_s=10.0)))
-    return s.schedule(0.0).num_scheduled_tokens
+    return plan(s, 0.0).num_scheduled_tokens
 
 
 def test_accelgen_without_multires_takes_the_window_in_queue_order():
@@ -145,7 +145,7 @@ def test_accelgen_without_dynamic_chunking_has_one_fixed_budget():
         for tbt in (0.02, 2.0):
             s = make_sched("accelgen", dynamic_chunking=dynamic)
             s.admit(req("r", 10, 2, slo=Slo(tbt_s=tbt)))
-            budgets[dynamic, tbt] = s.schedule(0.0).token_budget
+            budgets[dynamic, tbt] = plan(s, 0.0).token_budget
     assert budgets[True, 0.02] < budgets[True, 2.0]
     fixed = max(16, SIMPLE.token_budget(0.1875))  # S_b at default_tbt_s
     assert budgets[False, 0.02] == budgets[False, 2.0] == fixed
@@ -155,12 +155,12 @@ def test_accelgen_without_dynamic_chunking_takes_prompts_whole():
     s = _accel(dynamic_chunking=False)
     s.admit(req("x", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     s.admit(req("y", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     assert out.num_scheduled_tokens == {"x": 40}  # y is not chunked into 24
     s2 = _accel()
     s2.admit(req("x", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     s2.admit(req("y", 40, 2, t=0.0, slo=Slo(ttft_s=10.0)))
-    assert sorted(s2.schedule(0.0).num_scheduled_tokens.values()) == [24, 40]
+    assert sorted(plan(s2, 0.0).num_scheduled_tokens.values()) == [24, 40]
 
 
 def test_accelgen_without_dynamic_chunking_runs_a_long_prompt_in_one_step():

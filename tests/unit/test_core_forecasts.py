@@ -15,12 +15,12 @@ from services.scheduler.core.remaining import (
     gittins_key,
     remaining_tokens,
 )
-from tests.unit.test_core_util import drive, make_sched, req
+from tests.unit.test_core_util import drive, make_sched, plan, req
 
 
 def _step(s, now, forecasts=None):
     """One step; every request that completes its known tokens samples token 7."""
-    out = s.schedule(now)
+    out = plan(s, now)
     sampled = {
         rid: (7, -0.5)
         for rid, n in out.num_scheduled_tokens.items()

@@ -4,7 +4,7 @@ import pytest
 
 from services.common.step import StepOutcome
 from services.scheduler.core.request import Slo
-from tests.unit.test_core_util import SIMPLE, drive, make_sched, req
+from tests.unit.test_core_util import SIMPLE, drive, make_sched, plan, req
 
 
 def _short_long(policy, **knobs):
@@ -152,12 +152,12 @@ def test_ewt_swap_offloads_the_highest_ewt_job_first():
         s.admit(r)
     from services.common.step import StepOutcome
 
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     assert set(out.num_scheduled_tokens) == {"a", "b", "c"}
     s.update(StepOutcome(out.step_id, {k: (7, 0.0) for k in "abc"}), 0.01)
     s.admit(req("d", 12, 2, t=0.01, predicted_len=1))
     b_blocks = s.block_manager.block_table("b")
-    out = s.schedule(0.01)
+    out = plan(s, 0.01)
     assert out.preempted_request_ids == ["b"]  # lowest priority = highest EWT
     assert [src for src, _ in out.swap_out] == b_blocks
     dsts = [dst for _, dst in out.swap_out]
@@ -183,10 +183,10 @@ def test_alise_strawmen(mode, expect):
 
     for n, p in (("a", 3), ("b", 30), ("c", 12)):
         s.admit(req(n, 12, 30, t=0.0, predicted_len=p))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     s.update(StepOutcome(out.step_id, {k: (7, 0.0) for k in "abc"}), 0.01)
     s.admit(req("d", 12, 2, t=0.01, predicted_len=1))
-    out = s.schedule(0.01)
+    out = plan(s, 0.01)
     assert not out.swap_out
     if expect:
         assert out.preempted_request_ids == ["b"] and s.requests["b"].status.value == expect
@@ -206,7 +206,7 @@ def test_accelgen_picks_the_request_nearest_in_compute_and_kv():
     s.block_manager.allocate(req("hog", 60 * 16, 1), 60 * 16)  # leave 4 free blocks = 64 tokens
     for rid, n in (("c20", 20), ("a60", 60), ("b48", 48), ("e64", 64)):
         s.admit(req(rid, n, 2, t=0.0, slo=Slo(ttft_s=10.0)))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     assert out.num_scheduled_tokens == {"e64": 64}  # fills both compute and KV exactly
 
 
@@ -214,7 +214,7 @@ def test_accelgen_forces_urgent_requests_in():
     s = _accel()
     s.admit(req("x", 64, 2, t=0.0, slo=Slo(ttft_s=10.0)))
     s.admit(req("u", 30, 2, t=0.0, slo=Slo(ttft_s=0.001)))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     assert out.num_scheduled_tokens["u"] == 30  # urgent first, whole
     assert out.num_scheduled_tokens.get("x", 0) == 34  # the rest chunked into the budget
 
@@ -222,10 +222,10 @@ def test_accelgen_forces_urgent_requests_in():
 def test_accelgen_budget_follows_tightest_slo():
     s = make_sched("accelgen")
     s.admit(req("t", 10, 2, slo=Slo(ttft_s=2.0, tbt_s=0.02)))
-    tight = s.schedule(0.0).token_budget
+    tight = plan(s, 0.0).token_budget
     s2 = make_sched("accelgen")
     s2.admit(req("l", 10, 2, slo=Slo(ttft_s=2.0, tbt_s=0.2)))
-    assert tight < s2.schedule(0.0).token_budget
+    assert tight < plan(s2, 0.0).token_budget
     # the largest forward size whose profiled iteration time fits the objective
     assert tight == SIMPLE.token_budget(0.02) and SIMPLE.iteration_time(tight, 0, tight) <= 0.02
 
@@ -235,7 +235,7 @@ def test_accelgen_literal_budget_rule_uses_ttft_and_eq6():
     SLO_min, S_b = S_pf * SLO_min / T_pf)."""
     s = make_sched("accelgen", budget_slo="all", budget_rule="eq6")
     s.admit(req("t", 10, 2, slo=Slo(ttft_s=0.02, tbt_s=2.0)))
-    assert s.schedule(0.0).token_budget == max(16, SIMPLE.accelgen_budget(0.02))
+    assert plan(s, 0.0).token_budget == max(16, SIMPLE.accelgen_budget(0.02))
 
 
 def test_accelgen_era_serves_one_long_prompt_at_a_time():
@@ -275,7 +275,7 @@ def test_accelgen_budget_ignores_ttft_of_prompts():
     set S_b; its TBT objective does."""
     s = make_sched("accelgen")
     s.admit(req("p", 10, 2, slo=Slo(ttft_s=0.002, tbt_s=0.2)))
-    assert s.schedule(0.0).token_budget == SIMPLE.token_budget(0.2)
+    assert plan(s, 0.0).token_budget == SIMPLE.token_budget(0.2)
 
 
 def test_accelgen_budget_counts_resident_decodes():
@@ -284,12 +284,12 @@ def test_accelgen_budget_counts_resident_decodes():
     s = make_sched("accelgen", t_max_s=0.001)
     tight = req("d", 10, 50, t=0.0, slo=Slo(ttft_s=1.0, tbt_s=0.03))
     s.admit(tight)
-    out = s.schedule(0.0)  # its prefill; then it is a resident decode
+    out = plan(s, 0.0)  # its prefill; then it is a resident decode
     s.update(StepOutcome(out.step_id, {"d": (7, -0.5)}, 0.002), 0.002)
     assert tight.num_output_tokens == 1 and tight.request_id in s.running
     s.admit(req("loose", 3000, 2, t=0.0, slo=Slo(ttft_s=0.001, tbt_s=2.0)))  # urgent
     s.admit(req("next", 10, 2, t=0.0, slo=Slo(ttft_s=0.015, tbt_s=2.0)))  # queue head
-    assert s.schedule(0.01).token_budget == SIMPLE.token_budget(0.03)
+    assert plan(s, 0.01).token_budget == SIMPLE.token_budget(0.03)
 
 
 def _kv_pressure(**knobs):
@@ -361,7 +361,7 @@ def test_hybrid_orders_new_work_by_predicted_remaining_time():
     s = make_sched("hybrid", token_budget=64, tile_size=16, max_num_seqs=1)
     s.admit(req("long", 40, 500, t=0.0, predicted_len=500))
     s.admit(req("short", 40, 5, t=0.0, predicted_len=5))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     assert list(out.num_scheduled_tokens) == ["short"]
 
 
@@ -377,7 +377,7 @@ def test_rank_normalized_weights_remaining_time_by_length(rank, first):
     s = make_sched("alise", cost=cost, max_num_seqs=1, rank=rank)
     s.admit(req("essay", 10, 128, t=0.0, predicted_len=128))
     s.admit(req("chat", 400, 5, t=0.0, predicted_len=5))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     assert list(out.num_scheduled_tokens) == [first]
 
 
@@ -395,7 +395,7 @@ def test_rank_is_validated_and_hybrid_defaults_to_normalized():
 def _step(s, now, elapsed=0.01):
     """One scheduled step applied at `now + elapsed`: every request that completes its tokens
     samples a (non-EOS) token. Returns the output."""
-    out = s.schedule(now)
+    out = plan(s, now)
     sampled = {
         rid: (7, -0.5)
         for rid, n in out.num_scheduled_tokens.items()
@@ -429,7 +429,7 @@ def test_accelgen_urgent_request_preempts_the_largest_slack_resident(order, vict
     assert s.block_manager.num_free_device_blocks == 0
     due = s.policy.sq.due
     assert max(("y", "x", "z"), key=due.get) == "x"  # x has the largest slack
-    out = s.schedule(0.01)
+    out = plan(s, 0.01)
     assert out.preempted_request_ids == [victim]
     assert out.num_scheduled_tokens == {"u": 1}  # forced in with the freed block
     assert s.requests[victim].status.value == "waiting"  # recompute: back to the queue
@@ -464,7 +464,7 @@ def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapp
     small = req("small", 4, 3, t=now)
     s.admit(small)
     assert s.policy.q.level_of["small"] == 0 < big_level
-    out = s.schedule(now)
+    out = plan(s, now)
     assert out.num_scheduled_tokens == {"small": 4}  # the higher level runs first
     if swapped:
         assert out.preempted_request_ids == ["big"] and big.status.value == "swapped"
@@ -565,5 +565,5 @@ def test_accelgen_jct_carry_changes_the_order():
     s.admit(b)
     assert sq.carry["a"] > 0 == sq.carry["b"]
     assert sq.due["b"] < sq.due["a"]
-    out = s.schedule(0.01)
+    out = plan(s, 0.01)
     assert list(out.num_scheduled_tokens) == ["b"]

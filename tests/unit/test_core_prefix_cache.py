@@ -8,7 +8,7 @@ from services.common.step import StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.prefix_cache import chain_hashes
 from services.scheduler.core.request import Request, RequestStatus
-from tests.unit.test_core_util import SIMPLE, check_step, drive, make_sched
+from tests.unit.test_core_util import SIMPLE, check_step, drive, make_sched, plan
 
 
 def mk(rid, tokens, out_len=3, t=0.0, **kw):
@@ -18,7 +18,7 @@ def mk(rid, tokens, out_len=3, t=0.0, **kw):
 
 def step(s, now=0.0, token=lambda r: 100 + r.num_output_tokens):
     """One schedule/update round; sampled tokens are a function of the request."""
-    out = s.schedule(now)
+    out = plan(s, now)
     check_step(s, out)
     reqs = s.requests
     sampled = {

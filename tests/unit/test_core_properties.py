@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from services.common.step import RemainingForecast, StepOutcome
 from services.scheduler.core.policies import available_policies
 from services.scheduler.core.request import Request, Slo
-from tests.unit.test_core_util import EOS, check_step, drive, make_sched
+from tests.unit.test_core_util import EOS, check_step, drive, make_sched, plan
 
 POLICIES = available_policies()
 KNOBS = {
@@ -228,7 +228,7 @@ def test_prefix_cache_leaks_nothing_over_300_random_requests(policy, seed, block
         if not s.has_unfinished and w.made == w.total:
             break
         w.abort_some(now)
-        out = s.schedule(now)
+        out = plan(s, now)
         check_step(s, out)
         if out.num_scheduled_tokens or out.swap_out or out.swap_in:
             reqs = s.requests
@@ -237,7 +237,7 @@ def test_prefix_cache_leaks_nothing_over_300_random_requests(policy, seed, block
                 for rid, n in out.num_scheduled_tokens.items()
                 if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens
             }
-            now += max(s.cost_model.output_time(out), 1e-4)
+            now += max(s.cost_model.step_time(out.shape), 1e-4)
             for u in s.update(StepOutcome(out.step_id, sampled, 0.0), now):
                 if u.finished:
                     w.finished.append(reqs[u.request_id])

@@ -4,11 +4,11 @@ from services.common.step import StepOutcome
 from services.scheduler.core.placement import choose_executor
 from services.scheduler.core.policies import available_policies, make_policy, policy_knobs
 from services.scheduler.core.request import Request, RequestStatus, Slo
-from tests.unit.test_core_util import EOS, drive, make_sched, req
+from tests.unit.test_core_util import EOS, drive, make_sched, plan, req
 
 
 def _step(s, now, tokens=None):
-    out = s.schedule(now)
+    out = plan(s, now)
     sampled = {
         rid: ((tokens or {}).get(rid, 7), -0.1)
         for rid in out.num_scheduled_tokens
@@ -21,7 +21,7 @@ def _step(s, now, tokens=None):
 def test_first_step_sends_new_request_and_blocks():
     s = make_sched("fcfs", block_size=4)
     s.admit(req("a", 10, 3))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     assert out.step_id == 1
     assert [n.request_id for n in out.new_requests] == ["a"]
     assert out.new_requests[0].token_ids == [5] * 10
@@ -32,7 +32,7 @@ def test_first_step_sends_new_request_and_blocks():
     assert ups[0].token == (9, -0.2, 0) and not ups[0].finished
     r = s.requests["a"]
     assert r.num_computed_tokens == 10 and r.output_token_ids == [9] and r.token_times == [0.5]
-    out2 = s.schedule(0.5)
+    out2 = plan(s, 0.5)
     assert out2.new_requests == [] and out2.num_decode_tokens == 1
     assert out2.block_tables == {}  # 11 tokens still fit 3 blocks of 4
 
@@ -50,7 +50,7 @@ def test_stop_conditions_and_frees_in_next_output():
     done = {u.request_id: u.finish_reason for u in ups if u.finished}
     assert done == {"eos": "stop", "len": "length"}
     assert s.requests["eos"].status is RequestStatus.FINISHED_STOPPED
-    out = s.schedule(2.0)
+    out = plan(s, 2.0)
     assert sorted(out.free_request_ids) == ["eos", "len"]
     assert not s.has_unfinished and s.block_manager.num_free_device_blocks == 256
 
@@ -73,21 +73,21 @@ def test_max_model_len_and_validation():
 def test_abort_while_in_flight_and_wrong_step():
     s = make_sched("fcfs")
     s.admit(req("a", 8, 5))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     with pytest.raises(RuntimeError):
-        s.schedule(0.0)
+        plan(s, 0.0)
     assert s.abort("a", 0.001) and not s.abort("a", 0.002)
     with pytest.raises(ValueError):
         s.update(StepOutcome(out.step_id + 1, {}), 0.01)
     assert s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01) == []
     assert s.requests["a"].finish_reason == "abort"
-    assert s.schedule(0.02).free_request_ids == ["a"]
+    assert plan(s, 0.02).free_request_ids == ["a"]
 
 
 def test_missing_sample_is_an_error():
     s = make_sched("fcfs")
     s.admit(req("a", 8, 5))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     with pytest.raises(ValueError, match="no token"):
         s.update(StepOutcome(out.step_id, {}), 0.01)
 
@@ -147,13 +147,13 @@ def test_placement_prefers_least_outstanding_work():
 def test_free_only_output_is_not_in_flight():
     s = make_sched("fcfs")
     s.admit(req("a", 4, 1))
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
-    frees = s.schedule(0.02)
+    frees = plan(s, 0.02)
     assert frees.free_request_ids == ["a"] and not frees.num_scheduled_tokens
     assert s.update(StepOutcome(frees.step_id, {}), 0.03) == []  # sent: accepted as no-op
     s.admit(req("b", 4, 1, t=0.03))
-    assert s.schedule(0.04).num_scheduled_tokens == {"b": 4}  # dropped: still fine
+    assert plan(s, 0.04).num_scheduled_tokens == {"b": 4}  # dropped: still fine
 
 
 def _readmitted(rid="a", prompt=6, output=(9, 8), max_tokens=5, **kw) -> Request:
@@ -174,7 +174,7 @@ def _readmitted(rid="a", prompt=6, output=(9, 8), max_tokens=5, **kw) -> Request
 def test_readmitted_request_is_recomputed_from_prompt_and_output():
     s = make_sched("fcfs", block_size=4)
     s.admit(_readmitted())
-    out = s.schedule(1.0)
+    out = plan(s, 1.0)
     (new,) = out.new_requests
     assert new.token_ids == [5] * 6 + [9, 8] and new.num_output_tokens == 2
     assert out.num_scheduled_tokens == {"a": 8} and out.num_decode_tokens == 0
@@ -240,25 +240,25 @@ def test_finished_request_is_dropped_once_its_free_is_acknowledged():
     s = make_sched("fcfs")
     a = req("a", 4, 1)
     s.admit(a)
-    out = s.schedule(0.0)
+    out = plan(s, 0.0)
     s.update(StepOutcome(out.step_id, {"a": (7, 0.0)}), 0.01)
     assert a.is_finished and s.requests["a"] is a  # its free is not out yet
     s.admit(req("b", 4, 2, t=0.01))
-    out = s.schedule(0.02)
+    out = plan(s, 0.02)
     assert out.free_request_ids == ["a"] and "a" in s.requests  # that step may still fail
     s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.03)
     assert "a" not in s.requests and not s.abort("a", 0.03)
     c = req("c", 4, 2, t=0.03)  # never sent: dropped when aborted
     s.admit(c)
     assert s.abort("c", 0.03) and "c" not in s.requests
-    out = s.schedule(0.04)
+    out = plan(s, 0.04)
     assert "c" not in out.free_request_ids and list(s.requests) == ["b"]
     s.update(StepOutcome(out.step_id, {"b": (7, 0.0)}), 0.05)
-    frees = s.schedule(0.06)  # free-only output, never acknowledged
+    frees = plan(s, 0.06)  # free-only output, never acknowledged
     assert frees.free_request_ids == ["b"] and "b" in s.requests
-    assert s.schedule(0.07).is_empty and s.requests == {}  # the next schedule drops it
+    assert plan(s, 0.07).is_empty and s.requests == {}  # the next schedule drops it
     s.admit(req("a", 4, 1, t=0.07))  # the id may be used again
-    assert s.schedule(0.08).num_scheduled_tokens == {"a": 4}
+    assert plan(s, 0.08).num_scheduled_tokens == {"a": 4}
 
 
 @pytest.mark.parametrize("policy", available_policies())
@@ -274,6 +274,6 @@ def test_core_keeps_no_finished_requests_in_a_long_run(policy):
     arrivals = [req(f"r{i}", 3 + i % 7, 1 + i % 5, t=0.002 * i) for i in range(120)]
     drive(s, arrivals, on_step=only_just_finished)
     assert max(peak) < 120 and s.num_finished == 120
-    s.schedule(1e3)  # sends the last frees
-    s.schedule(1e3)
+    plan(s, 1e3)  # sends the last frees
+    plan(s, 1e3)
     assert s.requests == {}

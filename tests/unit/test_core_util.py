@@ -4,11 +4,14 @@ every step."""
 
 from __future__ import annotations
 
-from services.common.step import StepOutcome
+from dataclasses import dataclass
+
+from services.common.step import SchedulerOutput, StepOutcome
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.shape import StepShape
 
 EOS = 2
 # 1 ms fixed + 0.1 ms/token + a little attention: easy numbers for scenario tests
@@ -36,6 +39,25 @@ def req(rid, prompt_len, out_len, t=0.0, **kw) -> Request:
     """A request that will produce exactly `out_len` tokens (ignore_eos + max_tokens)."""
     kw.setdefault("ignore_eos", True)
     return Request(rid, [5] * prompt_len, out_len, t, eos_token_ids=(EOS,), **kw)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A step as these tests check it: what was sent (`out`, the wire contract) and what the
+    core knew of it besides (`shape`); an attribute is read from whichever holds it."""
+
+    out: SchedulerOutput
+    shape: StepShape
+
+    def __getattr__(self, name: str):
+        holder = self.shape if hasattr(self.shape, name) else self.out
+        return getattr(holder, name)
+
+
+def plan(s: Scheduler, now: float) -> Planned:
+    """`s.schedule(now)` with the core's shape of that step."""
+    out = s.schedule(now)
+    return Planned(out, s.last_shape)
 
 
 def check_step(s: Scheduler, out) -> None:
@@ -76,14 +98,14 @@ def drive(
             k += 1
         if not s.has_unfinished and k == len(pending):
             return trace
-        out = s.schedule(now)
+        out = plan(s, now)
         if check:
             check_step(s, out)
         if out.is_empty:
             assert k < len(pending), f"stuck: nothing scheduled at {now}: {s.stats()}"
             now = max(now, pending[k].arrival_time)
             continue
-        start, now = now, now + max(s.cost_model.output_time(out), 1e-5)
+        start, now = now, now + max(s.cost_model.step_time(out.shape), 1e-5)
         sampled = {
             rid: (token(s.requests[rid], s.requests[rid].num_output_tokens), -0.5)
             for rid, n in out.num_scheduled_tokens.items()

@@ -91,6 +91,7 @@ def test_replayed_forecasts_reach_the_requests(tmp_path):
 def test_a_live_step_trace_replays_its_forecasts_under_the_traces_ids(tmp_path):
     """What a live scheduler writes (`ALISE_STEP_TRACE`, StepTrace from real StepResults) is
     read back under the trace's ids and replayed by the simulator."""
+    from services.scheduler.core.shape import StepShape
     from services.scheduler.loop.step_trace import StepTrace
 
     items = _trace(n=12)
@@ -106,8 +107,9 @@ def test_a_live_step_trace_replays_its_forecasts_under_the_traces_ids(tmp_path):
                 made[(item.request_id, g)] = fc
                 result.forecasts.add(request_id=served[item.request_id], generated=g,
                                      q10=fc.q10, q50=fc.q50, q90=fc.q90, p_cap=fc.p_cap)  # fmt: skip
-        trace.write("exec-0", 0.0, SchedulerOutput(step_id=g), result, 0.01, 0.02)
-    trace.write("exec-0", 0.0, SchedulerOutput(step_id=99), executor_pb2.StepResult(), 0.01, 0.02)
+        trace.write("exec-0", 0.0, SchedulerOutput(step_id=g), StepShape(), result, 0.01, 0.02)
+    empty = executor_pb2.StepResult()
+    trace.write("exec-0", 0.0, SchedulerOutput(step_id=99), StepShape(), empty, 0.01, 0.02)
     trace.close()
     ids = {v: k for k, v in served.items() if k != items[0].request_id}  # one left out
     rows = forecasts_from_step_trace(tmp_path / "steps.jsonl", ids)

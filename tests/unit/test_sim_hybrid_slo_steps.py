@@ -13,7 +13,7 @@ from services.scheduler.core.policies.steptime import (
     decode_slack,
 )
 from services.scheduler.core.request import Slo
-from tests.unit.test_core_util import SIMPLE, drive, make_sched, req
+from tests.unit.test_core_util import SIMPLE, drive, make_sched, plan, req
 
 # context reads that matter: 1 us per token of context (a long prompt's chunk pays for it)
 READS = CostModel(c0=1e-3, c_prefill=1e-4, c_decode=1e-4, c_context=1e-6)
@@ -21,7 +21,7 @@ READS = CostModel(c0=1e-3, c_prefill=1e-4, c_decode=1e-4, c_context=1e-6)
 
 def _apply(s, out, now, elapsed=None):
     """Apply `out` as if it ran for `elapsed` (default: the cost model's time)."""
-    elapsed = s.cost_model.output_time(out) if elapsed is None else elapsed
+    elapsed = s.cost_model.step_time(out.shape) if elapsed is None else elapsed
     sampled = {
         rid: (7, -0.5)
         for rid, n in out.num_scheduled_tokens.items()
@@ -36,7 +36,7 @@ def _decoding(s, n, context, slo=None, now=0.0):
     for i in range(n):
         s.admit(req(f"d{i}", context, 500, t=now, slo=slo or Slo()))
     while any(s.requests[f"d{i}"].num_output_tokens == 0 for i in range(n)):
-        now = _apply(s, s.schedule(now), now)
+        now = _apply(s, plan(s, now), now)
     return now
 
 
@@ -56,8 +56,8 @@ def test_tbt_target_sizes_each_step_in_time_with_the_decodes_it_carries():
         )
         now = _decoding(s, n, 300)
         s.admit(req("big", 4000, 2, t=now))
-        out = s.schedule(now)
-        assert READS.output_time(out) <= target
+        out = plan(s, now)
+        assert READS.step_time(out.shape) <= target
         budgets[n] = out.token_budget
         static = make_sched(
             "hybrid", cost=READS, efficiency=None, tbt_slo_s=target, slo_aware_budget=False
@@ -75,9 +75,9 @@ def test_a_chunk_is_charged_the_reads_of_its_own_context():
     now = _decoding(s, 4, 100)
     s.admit(req("big", 9000, 2, t=now))
     for _ in range(3):  # three chunks: the later ones carry thousands of tokens of context
-        out = s.schedule(now)
+        out = plan(s, now)
         assert "big" in out.num_scheduled_tokens
-        assert READS.output_time(out) <= 0.2 + 1e-9
+        assert READS.step_time(out.shape) <= 0.2 + 1e-9
         now = _apply(s, out, now)
     assert s.requests["big"].num_computed_tokens > 2500
 
@@ -105,16 +105,16 @@ def test_hybrid_learns_the_attention_term_from_step_times():
     s.admit(req("big", 12000, 2, t=0.0))
     now, coef = 0.0, 2e-8
     while s.requests["big"].num_output_tokens == 0:
-        out = s.schedule(now)
+        out = plan(s, now)
         pairs = AttentionFit.pairs(out.num_scheduled_tokens, s.requests)
-        now = _apply(s, out, now, READS.output_time(out) + coef * pairs)
+        now = _apply(s, out, now, READS.step_time(out.shape) + coef * pairs)
     assert s.policy.attention.coef == pytest.approx(coef, rel=1e-6)
     s.admit(req("next", 12000, 2, t=now))
     for _ in range(3):
-        out = s.schedule(now)
+        out = plan(s, now)
         pairs = AttentionFit.pairs(out.num_scheduled_tokens, s.requests)
-        assert READS.output_time(out) + coef * pairs <= 0.1 + 1e-9  # its chunks now fit
-        now = _apply(s, out, now, READS.output_time(out) + coef * pairs)
+        assert READS.step_time(out.shape) + coef * pairs <= 0.1 + 1e-9  # its chunks now fit
+        now = _apply(s, out, now, READS.step_time(out.shape) + coef * pairs)
 
 
 def test_late_decodes_do_not_bound_the_step():
@@ -122,11 +122,11 @@ def test_late_decodes_do_not_bound_the_step():
     now = _decoding(s, 3, 100, slo=Slo(tbt_s=0.02))
     assert decode_slack(s.requests["d0"], 0.02, now) == pytest.approx(0.02)
     s.admit(req("big", 4000, 2, t=now))
-    tight = s.schedule(now).token_budget
+    tight = plan(s, now).token_budget
     s2 = make_sched("hybrid", cost=READS, efficiency=None, device_blocks=4096, tile_size=16)
     later = _decoding(s2, 3, 100, slo=Slo(tbt_s=0.02)) + 0.05  # every next token already late
     s2.admit(req("big", 4000, 2, t=later))
-    assert s2.schedule(later).token_budget > tight
+    assert plan(s2, later).token_budget > tight
 
 
 def test_prefill_lane_runs_a_prompt_alone_when_that_meets_its_ttft():
@@ -140,13 +140,13 @@ def test_prefill_lane_runs_a_prompt_alone_when_that_meets_its_ttft():
     for r in loose + [tight, plain]:
         s.admit(r)
     while any(r.num_output_tokens < 2 for r in loose + [tight, plain]):
-        now = _apply(s, s.schedule(now), now)
+        now = _apply(s, plan(s, now), now)
     lone = READS.iteration_time(200, 0, 200)
     s.admit(req("chat", 200, 5, t=now, slo=Slo(ttft_s=lone * 1.05, tbt_s=1.0)))
-    out = s.schedule(now)
+    out = plan(s, now)
     assert out.num_scheduled_tokens.get("chat") == 200
     assert set(out.num_scheduled_tokens) == {"chat", "tight", "plain"}
-    assert READS.output_time(out) <= lone * 1.05
+    assert READS.step_time(out.shape) <= lone * 1.05
     off = make_sched(
         "hybrid", cost=READS, efficiency=None, device_blocks=4096, tile_size=16, prefill_lane=False
     )
@@ -154,9 +154,9 @@ def test_prefill_lane_runs_a_prompt_alone_when_that_meets_its_ttft():
         off.admit(r)
     t = 0.0
     while any(off.requests[f"l{i}"].num_output_tokens < 2 for i in range(6)):
-        t = _apply(off, off.schedule(t), t)
+        t = _apply(off, plan(off, t), t)
     off.admit(req("chat", 200, 5, t=t, slo=Slo(ttft_s=lone * 1.05, tbt_s=1.0)))
-    assert len(off.schedule(t).num_scheduled_tokens) == 7  # a shared step: decodes and chat
+    assert len(plan(off, t).num_scheduled_tokens) == 7  # a shared step: decodes and chat
 
 
 def test_missed_ttft_objectives_no_longer_jump_the_queue():
@@ -167,7 +167,7 @@ def test_missed_ttft_objectives_no_longer_jump_the_queue():
     s.admit(req("old1", 40, 5, t=0.0, slo=Slo(ttft_s=0.001)))
     s.admit(req("old2", 40, 5, t=0.0, slo=Slo(ttft_s=0.002)))
     s.admit(req("fresh", 40, 5, t=0.5, slo=Slo(ttft_s=0.004)))  # due: its prefill estimate
-    out = s.schedule(0.5)
+    out = plan(s, 0.5)
     assert list(out.num_scheduled_tokens) == ["fresh"]
 
 
@@ -181,7 +181,7 @@ def test_without_objectives_hybrid_keeps_a_static_tau():
         decoders = [req(f"d{i}", 16, 50, t=0.0) for i in range(4)]
         trace = drive(s, decoders + [req("big", 3000, 2, t=0.001)])
         assert {out.token_budget for _, _, out in trace} == {tau}
-        assert SIMPLE.output_time(trace[-1][2]) > 0
+        assert SIMPLE.step_time(trace[-1][2].shape) > 0
 
 
 def test_lane_miss_limit_keeps_a_long_prompt_from_stalling_many_decodes():
@@ -194,10 +194,10 @@ def test_lane_miss_limit_keeps_a_long_prompt_from_stalling_many_decodes():
         for i in range(6):
             s.admit(req(f"d{i}", 50, 500, t=0.0, slo=Slo(tbt_s=0.05)))
         while any(s.requests[f"d{i}"].num_output_tokens < 2 for i in range(6)):
-            now = _apply(s, s.schedule(now), now)
+            now = _apply(s, plan(s, now), now)
         lone = READS.iteration_time(6000, 0, 6000)
         s.admit(req("doc", 6000, 5, t=now, slo=Slo(ttft_s=lone * 1.1, tbt_s=0.05)))
-        return s.schedule(now).num_scheduled_tokens
+        return plan(s, now).num_scheduled_tokens
 
     assert first_step().get("doc") == 6000  # the whole prompt in one step: 6 decodes miss
     assert first_step(lane_max_misses=3).get("doc", 0) < 6000  # chunked instead

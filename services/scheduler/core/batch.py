@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.common.step import NewRequestData, SchedulerOutput
 from services.scheduler.core.request import Request, RequestStatus
+from services.scheduler.core.shape import StepShape
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -55,6 +56,8 @@ class Batch:
         self.preempted: list[str] = []
         self.touched: set[str] = set()  # preempted this step
         self.swapped_in: set[str] = set()
+        self.shape: StepShape | None = None  # set by finish(), with the output it returned
+        self.output: SchedulerOutput | None = None
 
     # -- KV blocks (what a policy may ask before it schedules) -------------------------------
     @property
@@ -223,6 +226,7 @@ class Batch:
 
     # -- result -----------------------------------------------------------------------------
     def finish(self) -> SchedulerOutput:
+        """The step as sent (and `self.shape`, what the core keeps of it)."""
         sched = self.sched
         reqs = sched.requests
         new_requests: list[NewRequestData] = []
@@ -249,15 +253,15 @@ class Batch:
             context += req.num_computed_tokens + n
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        return SchedulerOutput(
+        self.shape = StepShape(
+            sum(self.scheduled.values()), decodes, self.preempted, context, self.token_budget
+        )
+        self.output = SchedulerOutput(
             new_requests=new_requests,
             block_tables=self.block_tables,
             num_scheduled_tokens=self.scheduled,
             swap_out=self.swap_out,
             swap_in=self.swap_in_map,
             free_request_ids=self.freed,
-            preempted_request_ids=self.preempted,
-            decode_request_ids=decodes,
-            num_context_tokens=context,
-            token_budget=self.token_budget,
         )
+        return self.output

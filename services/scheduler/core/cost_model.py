@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.common.step import SchedulerOutput
     from services.scheduler.core.request import Request
     from services.scheduler.core.residual import Residuals
+    from services.scheduler.core.shape import StepShape
 
 Sample = dict[str, Any]  # one profiled batch: prefill/decode/context tokens and time_s
 Profile = dict[str, Any]  # a saved profile (JSON object)
@@ -133,10 +133,10 @@ class CostModel:
             return base
         return base * self._residuals.ratio(prefill_tokens, decode_tokens, context_tokens)
 
-    def output_time(self, out: SchedulerOutput) -> float:
-        """Iteration time of a SchedulerOutput (swaps are assumed overlapped with compute)."""
+    def step_time(self, shape: StepShape) -> float:
+        """Iteration time of a step the core built (swaps are assumed overlapped with compute)."""
         return self.iteration_time(
-            out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens
+            shape.num_prefill_tokens, shape.num_decode_tokens, shape.num_context_tokens
         )
 
     # -- ALISE per-request model ------------------------------------------------------------

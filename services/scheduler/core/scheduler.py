@@ -32,6 +32,7 @@ from services.scheduler.core.batch import Batch
 from services.scheduler.core.block_manager import BlockManager
 from services.scheduler.core.cost_model import CostModel
 from services.scheduler.core.request import FINISH_REASON_STATUS, Request, RequestStatus
+from services.scheduler.core.shape import StepShape
 from services.scheduler.core.view import AppliedStep
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class _InFlight:
     once the step is advanced (see `Scheduler._advance`)."""
 
     out: SchedulerOutput
+    shape: StepShape
     sampling: list[str] | None = None
 
 
@@ -85,6 +87,8 @@ class Scheduler:
         self._last_step_id = 0
         self.num_finished = 0
         self.num_preemptions = 0
+        self._batches: list[Batch] = []  # made by the policy while it builds a step
+        self.last_shape = StepShape()  # what the core knows of the last step it built
         policy.bind(self)
         # ...and it must still fit when the admission watermark is kept free
         reserve = getattr(policy, "watermark_blocks", 0)
@@ -153,7 +157,9 @@ class Scheduler:
 
     # -- step -------------------------------------------------------------------------------
     def new_batch(self, now: float, token_budget: int | None = None) -> Batch:
-        return Batch(self, now, token_budget)
+        batch = Batch(self, now, token_budget)
+        self._batches.append(batch)
+        return batch
 
     def schedule(self, now: float) -> SchedulerOutput:
         if len(self._inflight) >= self.pipeline_depth:
@@ -165,18 +171,24 @@ class Scheduler:
             if flight.sampling is None:
                 flight.sampling = self._advance(flight.out)
         self.block_manager.begin_step()
+        self._batches = []
         out = self.policy.schedule(now)
+        shape = next((b.shape for b in self._batches if b.output is out), None)
+        self._batches = []
+        if shape is None:
+            raise RuntimeError(f"{type(self.policy).__name__} returned a step it did not build")
+        self.last_shape = shape
         self._step_id += 1
         out.step_id = self._step_id
         if self._pending_free:
             out.free_request_ids = self._pending_free + out.free_request_ids
             self._freed_sent.append((out.step_id, self._pending_free))
             self._pending_free = []
-        self.num_preemptions += len(out.preempted_request_ids)
+        self.num_preemptions += len(shape.preempted_request_ids)
         # only steps that compute or move KV need their result applied; an output that merely
         # frees requests may be sent (update() accepts it as a no-op) or dropped by the caller
         if out.num_scheduled_tokens or out.swap_out or out.swap_in:
-            self._inflight.append(_InFlight(out))
+            self._inflight.append(_InFlight(out, shape))
         self._last_step_id = out.step_id
         return out
 
@@ -230,7 +242,7 @@ class Scheduler:
             req = reqs.get(rid)
             if req is not None and not req.is_finished:
                 req.forecast = forecast  # the policy's update below ranks by it
-        self.policy.update(AppliedStep(out, outcome, updates), now)
+        self.policy.update(AppliedStep(out, flight.shape, outcome, updates), now)
         return updates
 
     def _append_token(self, req: Request, token: int, logprob: float, now: float) -> RequestUpdate:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.common.step import RequestUpdate, SchedulerOutput, StepOutcome
 from services.scheduler.core.batch import BatchHost
+from services.scheduler.core.shape import StepShape
 
 if TYPE_CHECKING:
     from services.scheduler.core.batch import Batch
@@ -22,6 +23,7 @@ class AppliedStep:
     """What `Policy.update` receives after a step's result was applied."""
 
     output: SchedulerOutput
+    shape: StepShape  # what the core knew of the step besides what it sent
     outcome: StepOutcome
     updates: list[RequestUpdate]
 

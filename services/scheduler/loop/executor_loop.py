@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from services.common.pb.executor_pb2 import StepResult
     from services.common.step import RequestUpdate, SchedulerOutput
     from services.scheduler.core.scheduler import Scheduler
+    from services.scheduler.core.shape import StepShape
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class CompletedStep:
     """One Step as the loop saw it: what was sent, what came back, what the core made of it."""
 
     out: SchedulerOutput
+    shape: StepShape  # what the core knew of it besides what it sent
     updates: list[RequestUpdate]
     result: StepResult
     sent_at: float  # wall-clock time the Step went out
@@ -77,6 +79,7 @@ class Flight:
     """A Step sent to the executor whose result the loop has not read yet."""
 
     out: SchedulerOutput
+    shape: StepShape
     call: asyncio.Task
     planned_at: float  # wall-clock time the plan started
     t_start: float  # perf_counter: plan started
@@ -267,13 +270,14 @@ class ExecutorLoop:
             self._compute += time.perf_counter() - t_start
             return False
         pb = step_request(out)
-        estimate = self.sched.cost_model.output_time(out)
+        shape = self.sched.last_shape
+        estimate = self.sched.cost_model.step_time(shape)
         # it waits for the Steps ahead of it: its deadline covers theirs too
         ahead = sum(f.estimate_s for f in self._flights)
         call = self.client.start_step(pb, timeout=self.step_deadline(ahead + estimate))
         t_send = time.perf_counter()
         self.sent_ahead += bool(self._flights)
-        self._flights.append(Flight(out, call, now, t_start, t_send, estimate, computes))
+        self._flights.append(Flight(out, shape, call, now, t_start, t_send, estimate, computes))
         self._compute += t_send - t_start
         return True
 
@@ -311,7 +315,13 @@ class ExecutorLoop:
         updates = self.sched.update(step_outcome(result), time.time())
         sent_at = flight.planned_at + (flight.t_send - flight.t_start)
         self._deferred = CompletedStep(
-            flight.out, updates, result, sent_at, flight.estimate_s, t_recv - flight.t_send
+            flight.out,
+            flight.shape,
+            updates,
+            result,
+            sent_at,
+            flight.estimate_s,
+            t_recv - flight.t_send,
         )
         self._compute += time.perf_counter() - t_recv
 

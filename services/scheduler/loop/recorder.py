@@ -96,7 +96,9 @@ class StepRecorder:
             entry = self.entries.get(rows.request_id)
             if entry is not None and not entry.final:
                 entry.stream.add_prompt_logprobs(rows.start, list(rows.tokens))
-        w = self.record(loop.address, step.out, step.updates, tops)
+        w = self.record(
+            loop.address, step.out, step.shape.preempted_request_ids, step.updates, tops
+        )
         w.executors[loop.address] = executor_fields(loop)
         self.writer.submit(w)
         if self.step_trace is not None:
@@ -104,6 +106,7 @@ class StepRecorder:
                 loop.address,
                 step.sent_at,
                 step.out,
+                step.shape,
                 step.result,
                 step.estimate_s,
                 step.round_trip_s,
@@ -113,6 +116,7 @@ class StepRecorder:
         self,
         addr: str,
         out: SchedulerOutput,
+        preempted: list[str],
         updates: list[RequestUpdate],
         tops: dict[str, list] | None = None,
     ) -> IterationWrite:
@@ -128,7 +132,7 @@ class StepRecorder:
         # A status changes only when a request starts on the executor (sent as new, or
         # swapped in: its table replaced) or is preempted; a running decode's does not, so
         # it costs nothing per running request and step.
-        touched = new_ids.union(out.preempted_request_ids)
+        touched = new_ids.union(preempted)
         touched.update(rid for rid, (_, replace) in out.block_tables.items() if replace)
         for entry in self._live(touched):
             self._first_scheduled(entry, w)
@@ -138,7 +142,7 @@ class StepRecorder:
             entry = self.entries.get(u.request_id)
             if u.finished and entry is not None and not entry.final:
                 self.finalize(entry, u.finish_reason or "stop", w, now)
-        self._preemptions(w, out.preempted_request_ids)
+        self._preemptions(w, preempted)
         m = self.metrics
         m.swap_out.inc(len(out.swap_out))
         m.swap_in.inc(len(out.swap_in))

@@ -22,7 +22,14 @@ class StepTrace:
         self._file = open(self.path, "a", buffering=1)
 
     def write(
-        self, executor: str, sent_at: float, out, result, estimate_s: float, round_trip_s: float
+        self,
+        executor: str,
+        sent_at: float,
+        out,
+        shape,
+        result,
+        estimate_s: float,
+        round_trip_s: float,
     ) -> None:
         """`sent_at`: wall-clock time the Step went out; `round_trip_s`: send to result."""
         t = result.timings
@@ -30,14 +37,14 @@ class StepTrace:
             "t": round(sent_at, 6),
             "executor": executor,
             "step_id": out.step_id,
-            "prefill": out.num_prefill_tokens,
-            "decode": out.num_decode_tokens,
-            "context": out.num_context_tokens,
+            "prefill": shape.num_prefill_tokens,
+            "decode": shape.num_decode_tokens,
+            "context": shape.num_context_tokens,
             "seqs": len(out.num_scheduled_tokens),
-            "budget": out.token_budget,
+            "budget": shape.token_budget,
             "swap_out": len(out.swap_out),
             "swap_in": len(out.swap_in),
-            "preempted": len(out.preempted_request_ids),
+            "preempted": len(shape.preempted_request_ids),
             "estimate_s": round(estimate_s, 6),
             "exec_s": round(t.total_s, 6),
             "forward_s": round(t.forward_s, 6),

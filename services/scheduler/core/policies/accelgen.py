@@ -238,7 +238,7 @@ class AccelGenPolicy(Policy):
 
     def update(self, result: AppliedStep, now: float) -> None:
         out = result.output
-        self.recent.append(result.outcome.elapsed_s or self.cost.output_time(out))
+        self.recent.append(result.outcome.elapsed_s or self.cost.step_time(result.shape))
         reqs = self.sched.requests
         got_token = {u.request_id for u in result.updates}
         for rid in out.num_scheduled_tokens:

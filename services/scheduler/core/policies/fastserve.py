@@ -62,7 +62,7 @@ class FastServePolicy(PreemptivePolicy):
 
     def after_run(self, req: Request, result: AppliedStep, now: float) -> None:
         rid = req.request_id
-        elapsed = result.outcome.elapsed_s or self.sched.cost_model.output_time(result.output)
+        elapsed = result.outcome.elapsed_s or self.sched.cost_model.step_time(result.shape)
         used = self.used.get(rid, 0.0) + elapsed
         level = self.q.level_of[rid]
         if used >= self.quantum(level) and level < self.knobs.num_queues - 1:

@@ -186,9 +186,9 @@ class HybridPolicy(SrtfPolicy):
 
     def update(self, result: AppliedStep, now: float) -> None:
         cost, elapsed = self.sched.cost_model, result.outcome.elapsed_s
-        self.recent.append(elapsed or cost.output_time(result.output))
+        self.recent.append(elapsed or cost.step_time(result.shape))
         if elapsed:
-            self.attention.observe(elapsed, cost.output_time(result.output), self._pairs)
+            self.attention.observe(elapsed, cost.step_time(result.shape), self._pairs)
         super().update(result, now)
         reqs = self.sched.requests
         for rid in list(self.long_inflight):
