@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StepShape:
-    num_scheduled_tokens: int = 0  # every token the step computes
+    num_tokens: int = 0  # every token the step computes
     # requests with exactly one uncomputed token (one decode token each)
     decode_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
@@ -23,4 +23,4 @@ class StepShape:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_scheduled_tokens - len(self.decode_request_ids)
+        return self.num_tokens - len(self.decode_request_ids)
