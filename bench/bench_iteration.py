@@ -71,6 +71,7 @@ def _iteration(engine, sched, recorder, subscription) -> list[float]:
 
     t0 = time.perf_counter()
     out = sched.schedule(time.time())
+    preempted = sched.last_shape.preempted_request_ids
     t1 = time.perf_counter()
     pb = step_request(out)
     t2 = time.perf_counter()
@@ -78,7 +79,7 @@ def _iteration(engine, sched, recorder, subscription) -> list[float]:
     t3 = time.perf_counter()
     updates = sched.update(step_outcome(result), time.time())
     t4 = time.perf_counter()
-    write = recorder.record("x", out, updates, {})
+    write = recorder.record("x", out, preempted, updates, {})
     t5 = time.perf_counter()
     _PACKER.pack_command("EVALSHA", "0" * 40, 0, *script_args("alise", 300_000, [write], 1))
     t6 = time.perf_counter()
