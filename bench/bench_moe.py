@@ -139,13 +139,13 @@ def fidelity(reps: int, batches: tuple[int, ...] = (2, 5, 12), rounds: int = 5) 
 
 
 def _row(model, batch: int, live: list[float]) -> dict:
-    mean = statistics.median(live)  # over draws and rounds: machine hiccups do not move it
+    median = statistics.median(live)  # over draws and rounds: machine hiccups do not move it
     predicted = model.measured_time(0, batch, batch * 96)  # the simulator's clock
-    return {"live_ms": round(1e3 * mean, 3),
+    return {"live_ms": round(1e3 * median, 3),
             "live_spread_ms": [round(1e3 * min(live), 3), round(1e3 * max(live), 3)],
             "simulated_ms": round(1e3 * predicted, 3),
             "fitted_ms": round(1e3 * model.iteration_time(0, batch, batch * 96), 3),
-            "error": round(predicted / mean - 1, 4)}  # fmt: skip
+            "error": round(predicted / median - 1, 4)}  # fmt: skip
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -78,9 +78,9 @@ class StepTimer:
 
     def _tokens(self, length: int) -> list[int]:
         """Seeded pseudo-random prompt tokens (`seed`: another draw), different for every
-        request: identical rows
-        would route every token of a mixture of experts to the same experts (a step reading
-        top_k experts per layer whatever its batch), which no live batch does."""
+        request: identical rows would route every token of a mixture of experts to the same
+        experts (a step reading top_k experts per layer whatever its batch), which no live
+        batch does."""
         spec = getattr(self.engine, "spec", None)
         vocab = int(getattr(spec, "vocab_size", 0) or 2)
         rng = random.Random(f"{self.seed}:{self.n}")
