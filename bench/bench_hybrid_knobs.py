@@ -40,12 +40,9 @@ POINTS = (  # hybrid's capacity: about 0.75 req/s on mixed, 27 req/s on ShareGPT
 )
 ALTERNATIVES: dict[str, list] = {
     "max_num_seqs": [64],
-    "aging_per_step": [8, None],
-    "prefetch_per_step": [1, 16],
     "max_skips": [4, 256],
     "queue_base_s": [0.05, 0.5],
     "queue_ratio": [1.5, 4.0],
-    "default_predicted_len": [64, 1024],
     "rank": ["remaining"],
     "rank_ref_len": [4, 64],
     "tbt_slo_s": [0.1],
@@ -57,7 +54,12 @@ ALTERNATIVES: dict[str, list] = {
     "preempt_level_gap": [1, 4, None],
 }
 CUT = {  # measured with these alternatives, verdict `identical`, then removed from the code
-    "t_max_window": [4, 256]  # now hybrid.T_MAX_WINDOW = 32
+    "t_max_window": [4, 256],  # now hybrid.T_MAX_WINDOW = 32
+    # cut when policies became compositions (each keeps its part's default: levels.LevelRule,
+    # memory.MemoryRule, ranking.RankRule); alise and fastserve keep them as knobs
+    "aging_per_step": [8, None],  # 64
+    "prefetch_per_step": [1, 16],  # 4
+    "default_predicted_len": [64, 1024],  # 256
 }
 PAPER_KNOBS = (  # README "Policy knobs": kept whatever they measure
     "token_budget",

@@ -8,7 +8,7 @@ from services.scheduler.core.policies import make_policy, policy_knobs
 
 
 def test_tiny_point_reports_figures_noise_and_a_verdict_per_knob():
-    alternatives = {"max_window": [4], "prefetch_per_step": [16]}
+    alternatives = {"max_window": [4], "max_skips": [256]}
     r = report(alternatives, POINTS[2:3], num_requests=40, jobs=1)
     (point,) = r["points"]
     assert point == "sharegpt@22" and r["noise_seeds"] == list(NOISE_SEEDS)

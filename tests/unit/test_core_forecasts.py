@@ -42,8 +42,8 @@ def test_update_takes_the_forecast_into_the_request_and_the_prediction():
     out = _step(s, 0.0, {"a": fc, "unknown": fc})  # the prefill step: forecast at generated=1
     assert out.new_requests[0].max_tokens == 500  # the probe's "tokens left" needs the cap
     assert r.forecast is fc
-    assert abs(s.policy.pred["a"] - (1 + 300)) <= 1  # the median left, not 20 doubled
-    assert s.policy.demotions.get("a") is None
+    assert abs(s.policy.rank.pred["a"] - (1 + 300)) <= 1  # the median left, not 20 doubled
+    assert s.policy.rank.demotions.get("a") is None
 
 
 def test_ranking_follows_a_forecast_of_an_early_end_against_running_to_the_cap():
@@ -55,9 +55,9 @@ def test_ranking_follows_a_forecast_of_an_early_end_against_running_to_the_cap()
         s.admit(a)
         s.admit(b)
         _step(s, 0.0, {"a": _fc(1, 3.0), "b": _fc(1, 120.0, p_cap=0.9)})
-        level = s.policy.q.level_of
+        level = s.policy.levels.level_of
         assert level["a"] < level["b"], rule
-        assert s.policy.pred["a"] < 10 and s.policy.pred["b"] > 300, rule
+        assert s.policy.rank.pred["a"] < 10 and s.policy.rank.pred["b"] > 300, rule
 
 
 def test_no_forecast_keeps_the_old_behaviour():
@@ -76,7 +76,7 @@ def test_no_forecast_keeps_the_old_behaviour():
     s = make_sched("alise", queue_base_s=0.003, forecast_rule="median")
     job = req("j", 20, 40, predicted_len=5)
     demotions = []
-    drive(s, [job], on_step=lambda s, o: demotions.append(s.policy.demotions.get("j")))
+    drive(s, [job], on_step=lambda s, o: demotions.append(s.policy.rank.demotions.get("j")))
     assert demotions[-2] == 3  # 5 -> 10 -> 20 -> 40, as without forecasts
 
 
@@ -87,7 +87,7 @@ def test_forecast_rule_off_ignores_forecasts_and_oracle_never_uses_them():
         s.admit(r)
         _step(s, 0.0, {"a": _fc(1, 400.0)})
         assert r.forecast is not None
-        assert s.policy.pred["a"] in (20, 50)  # the prediction, or oracle's true length
+        assert s.policy.rank.pred["a"] in (20, 50)  # the prediction, or oracle's true length
 
 
 def _limited(protect_fraction):

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from services.scheduler.core.policies.levels import AgingClock
+from services.scheduler.core.policies.parts.levels import AgingClock
 from tests.unit.test_core_util import make_sched, req
 
 NOW = 1.7e9  # a wall-clock `now` (time.time()) against an arrival stamped 0.0
@@ -96,10 +96,10 @@ def test_request_that_arrived_at_zero_ages_to_the_top_at_once(policy, hang_guard
     s = make_sched(policy, aging_threshold_s=5.0)
     long = req("long", 3000, 2000, t=0.0)  # enters a low level
     s.admit(long)
-    level = s.policy.q.level_of["long"]
+    level = s.policy.levels.level_of["long"]
     assert level > 0
     out = s.schedule(NOW)  # wall clock vs. arrival 0.0
-    assert s.policy.q.level_of["long"] == 0 and s.policy.boost["long"] == level
+    assert s.policy.levels.level_of["long"] == 0 and s.policy.levels.boost["long"] == level
     assert out.num_scheduled_tokens == {"long": 3000}
 
 
@@ -117,12 +117,12 @@ def test_aging_per_step_bounds_promotions_per_step():
     s = make_sched("alise", aging_threshold_s=1.0, aging_per_step=3)
     for i in range(7):
         s.admit(req(f"w{i}", 2000, 2000, t=0.0))  # a cohort, all below the top
-    before = dict(s.policy.q.level_of)
+    before = dict(s.policy.levels.level_of)
     assert min(before.values()) > 0
     promoted = []
     for _ in range(3):
-        s.policy._age(1.5)
-        after = s.policy.q.level_of
+        s.policy.levels.age(1.5)
+        after = s.policy.levels.level_of
         promoted.append(sum(1 for rid in before if after[rid] == before[rid] - 1))
     assert promoted == [3, 6, 7]
     with pytest.raises(ValueError, match="aging_per_step"):

@@ -102,13 +102,13 @@ def test_alise_demotes_and_doubles_a_job_that_outlives_its_prediction():
         s,
         [job],
         on_step=lambda s, o: (
-            levels.append(s.policy.q.level_of.get("j")),
-            preds.append(s.policy.pred.get("j")),
-            demotions.append(s.policy.demotions.get("j")),
+            levels.append(s.policy.levels.level_of.get("j")),
+            preds.append(s.policy.rank.pred.get("j")),
+            demotions.append(s.policy.rank.demotions.get("j")),
         ),
     )
     assert demotions[-2] == 3  # 5 -> 10 -> 20 -> 40 (forgotten once it finished)
-    assert demotions[-1] is None and "j" not in s.policy.pred
+    assert demotions[-1] is None and "j" not in s.policy.rank.pred
     assert preds[3] == 5 and preds[5] == 10 and preds[11] == 20 and preds[21] == 40
     i = preds.index(10)
     assert levels[i] > levels[i - 1]  # doubling moved it down a queue
@@ -324,10 +324,10 @@ def test_fastserve_skip_join_and_demotion():
     small, big = req("small", 4, 40), req("big", 400, 4)
     s.admit(small)
     s.admit(big)
-    q = s.policy.q.level_of
+    q = s.policy.levels.level_of
     assert q["small"] == 0 and q["big"] > 0  # long prefill skips the top queues
     levels = []
-    drive(s, [], on_step=lambda s, o: levels.append(s.policy.q.level_of.get("small")))
+    drive(s, [], on_step=lambda s, o: levels.append(s.policy.levels.level_of.get("small")))
     seen = [lv for lv in levels if lv is not None]
     assert seen == sorted(seen) and seen[-1] > 0  # demoted as it used up quanta
 
@@ -459,11 +459,11 @@ def test_fastserve_higher_level_arrival_preempts_a_lower_level_job(blocks, swapp
         out = _step(s, now)
         assert set(out.num_scheduled_tokens) == {"big"}
         now += 0.01
-    big_level = s.policy.q.level_of["big"]
+    big_level = s.policy.levels.level_of["big"]
     assert big_level == s.policy.knobs.num_queues - 1
     small = req("small", 4, 3, t=now)
     s.admit(small)
-    assert s.policy.q.level_of["small"] == 0 < big_level
+    assert s.policy.levels.level_of["small"] == 0 < big_level
     out = plan(s, now)
     assert out.num_scheduled_tokens == {"small": 4}  # the higher level runs first
     if swapped:

@@ -315,9 +315,9 @@ def test_hybrid_and_alise_estimate_remaining_time_from_uncached_tokens():
         s.admit(r)
         uncached = r.num_uncomputed_tokens
         assert uncached == 601 - 592
-        assert s.policy.rem["r"] == pytest.approx(SIMPLE.remaining_time(r, 8))
+        assert s.policy.levels.rem["r"] == pytest.approx(SIMPLE.remaining_time(r, 8))
         cold = mk("cold", list(range(5000, 5601)), out_len=8, predicted_len=8)
-        assert s.policy.rem["r"] < SIMPLE.remaining_time(cold, 8) - 500 * SIMPLE.t0
+        assert s.policy.levels.rem["r"] < SIMPLE.remaining_time(cold, 8) - 500 * SIMPLE.t0
 
 
 def test_accelgen_and_hybrid_do_not_treat_a_mostly_cached_prompt_as_long():

@@ -209,7 +209,7 @@ def test_readmitted_prediction_is_doubled_past_its_output():
     s = make_sched("alise")
     r = _readmitted(output=[7] * 10, max_tokens=100, predicted_len=4)
     s.admit(r)
-    assert s.predicted_len(r) == 16 and s.policy.demotions["a"] == 1
+    assert s.predicted_len(r) == 16 and s.policy.rank.demotions["a"] == 1
 
 
 def test_readmission_validation():

@@ -9,7 +9,7 @@ import pytest
 
 from services.scheduler.core.cost_model import CostModel, roofline_profile
 from services.scheduler.core.policies.hybrid import TYPICAL_CONTEXT, HybridKnobs, curve_defaults
-from services.scheduler.core.policies.steptime import LARGE
+from services.scheduler.core.policies.parts.steptime import LARGE
 from tests.unit.test_core_util import drive, make_sched, req
 
 

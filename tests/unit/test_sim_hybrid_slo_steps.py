@@ -6,7 +6,7 @@ import pytest
 
 from services.common.step import StepOutcome
 from services.scheduler.core.cost_model import CostModel
-from services.scheduler.core.policies.steptime import (
+from services.scheduler.core.policies.parts.steptime import (
     AttentionFit,
     chunk_time,
     chunk_tokens,
@@ -62,7 +62,7 @@ def test_tbt_target_sizes_each_step_in_time_with_the_decodes_it_carries():
         static = make_sched(
             "hybrid", cost=READS, efficiency=None, tbt_slo_s=target, slo_aware_budget=False
         )
-        assert static.policy.budget == READS.token_budget(target, 128)  # the old, static tau
+        assert static.policy.limits.tokens == READS.token_budget(target, 128)  # the old, static tau
     assert budgets[40] < budgets[2]
 
 
@@ -174,7 +174,7 @@ def test_missed_ttft_objectives_no_longer_jump_the_queue():
 def test_without_objectives_hybrid_keeps_a_static_tau():
     """No TBT or TTFT objective anywhere: every step packs against the static tau (the
     step-time curve's, or Sarathi's 512 with `efficiency=None`)."""
-    from services.scheduler.core.policies.steptime import efficient_chunk
+    from services.scheduler.core.policies.parts.steptime import efficient_chunk
 
     for knobs, tau in (({}, efficient_chunk(SIMPLE, 0.9, 128, 512)), ({"efficiency": None}, 512)):
         s = make_sched("hybrid", device_blocks=1024, **knobs)

@@ -10,13 +10,13 @@ from services.scheduler.core.policies import (  # noqa: F401  (each module regis
     hybrid,
     oracle,
     orca,
-    priority,
     request_level,
     sarathi,
 )
 from services.scheduler.core.policies.base import (
     KnobValue,
     Policy,
+    Registered,
     register_policy,
     registered_policies,
 )
@@ -24,15 +24,20 @@ from services.scheduler.core.policies.base import (
 __all__ = ["Policy", "available_policies", "make_policy", "policy_knobs", "register_policy"]
 
 
-def policy_class(name: str) -> type[Policy]:
-    cls = registered_policies().get(name)
-    if cls is None:
+def _entry(name: str) -> Registered:
+    entry = registered_policies().get(name)
+    if entry is None:
         raise ValueError(f"unknown policy {name!r}; available: {available_policies()}")
-    return cls
+    return entry
+
+
+def policy_class(name: str) -> type[Policy]:
+    return _entry(name).cls
 
 
 def make_policy(name: str, **knobs: object) -> Policy:
-    return policy_class(name)(**knobs)
+    entry = _entry(name)
+    return entry.cls(name=name, **entry.parts, **knobs)
 
 
 def available_policies() -> list[str]:

@@ -58,8 +58,8 @@ from services.scheduler.core.policies.base import (
     PreemptionMode,
     register_policy,
 )
-from services.scheduler.core.policies.multires import select_in_order, select_nearest
-from services.scheduler.core.policies.slack import SlackQueue
+from services.scheduler.core.policies.parts.multires import select_in_order, select_nearest
+from services.scheduler.core.policies.parts.slack import SlackQueue
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -131,9 +131,6 @@ class AccelGenKnobs(Knobs):
         ):
             if not isinstance(flag, bool):
                 raise KnobError(f"{key} must be true or false, got {flag!r}")
-
-    def watermark_fraction(self) -> float:
-        return self.watermark or 0.0
 
 
 @register_policy("accelgen")

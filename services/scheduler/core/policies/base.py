@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
 
 if TYPE_CHECKING:
     from services.common.step import SchedulerOutput
@@ -21,9 +21,16 @@ if TYPE_CHECKING:
     from services.scheduler.core.view import AppliedStep, SchedulerView
 
 KnobValue = bool | int | float | str | None
+R = TypeVar("R")
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES = ("recompute", "swap")
-_POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "token_budget", "tile_size")
+_POSITIVE_INTS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "token_budget",
+    "tile_size",
+    "gpu_job_limit",
+)
 
 
 class KnobError(ValueError):
@@ -32,11 +39,15 @@ class KnobError(ValueError):
 
 @dataclass(frozen=True)
 class Knobs:
-    """Knob values of a policy. Subclasses declare the knobs as fields with their defaults
-    (a subclass changes a default by declaring the field again) and check them in
-    `__post_init__`, calling the parent's check first."""
+    """Knob values of a policy. A policy's knobs class declares every knob it has as a field
+    with its default, and names in `rules` the rules of the parts it holds: each rule (a frozen
+    dataclass that checks its values) takes the knobs of the same names (`rule`)."""
+
+    rules: ClassVar[tuple[type, ...]] = ()
 
     def __post_init__(self) -> None:
+        for rule in self.rules:
+            self.rule(rule)
         values = self.as_dict()
         mode = values.get("preemption_mode")
         if mode is not None and mode not in PREEMPTION_MODES:
@@ -49,6 +60,12 @@ class Knobs:
         if wm is not None and not (isinstance(wm, (int, float)) and 0 <= wm < 1):
             raise KnobError(f"watermark must be in [0, 1), got {wm!r}")
 
+    def rule(self, cls: type[R]) -> R:
+        """The part rule `cls` with this policy's knobs of the same names (the rule's own
+        defaults for the ones this policy does not have)."""
+        mine = self.as_dict()
+        return cls(**{f.name: mine[f.name] for f in fields(cast(Any, cls)) if f.name in mine})
+
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
@@ -57,21 +74,28 @@ class Knobs:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def watermark_fraction(self) -> float:
-        """Share of the device blocks kept free when admitting new work (`watermark` knob)."""
-        return 0.0
+        """Share of the device blocks kept free when admitting new work (the `watermark`
+        knob of a policy that has one)."""
+        wm = self.as_dict().get("watermark")
+        return float(wm) if isinstance(wm, (int, float)) else 0.0
 
 
 class Policy:
-    name: ClassVar[str] = "base"
+    """The one interface every policy implements (no policy extends another: a policy holds
+    the mechanisms it shares with others as parts, policies/parts/)."""
+
+    name: str = "base"  # the registered name (a variant's own, set by `make_policy`)
     # whether `Request.priority` orders the queues (vLLM's meaning: lower is served earlier);
     # the live scheduler refuses a non-zero priority under a policy that ignores it
-    orders_by_priority: ClassVar[bool] = False
+    orders_by_priority: bool = False
     knobs_type: ClassVar[type[Knobs]] = Knobs
     knobs: Knobs
     watermark_blocks: int = 0  # device blocks kept free at admission (set by `bind`)
     _sched: SchedulerView | None = None
 
-    def __init__(self, **knobs: object) -> None:
+    def __init__(self, name: str | None = None, **knobs: object) -> None:
+        if name is not None:
+            self.name = name
         valid = self.knobs_type.names()
         unknown = sorted(set(knobs) - set(valid))
         if unknown:
@@ -124,22 +148,38 @@ class Policy:
         return {"name": self.name, "knobs": self.knobs.as_dict()}
 
 
-_REGISTRY: dict[str, type[Policy]] = {}
+@dataclass(frozen=True)
+class Registered:
+    """A registered name: the class, and the parts it holds under that name (a variant is
+    the same class holding another part, e.g. `oracle`: `alise` with the true lengths)."""
+
+    cls: type[Policy]
+    parts: dict[str, object]
+
+
+_REGISTRY: dict[str, Registered] = {}
 P = TypeVar("P", bound=Policy)
 
 
 def register_policy(name: str) -> Callable[[type[P]], type[P]]:
     def deco(cls: type[P]) -> type[P]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"policy {name!r} registered twice")
         cls.name = name
-        _REGISTRY[name] = cls
+        register_variant(name, cls)
         return cls
 
     return deco
 
 
-def registered_policies() -> dict[str, type[Policy]]:
-    """Every policy class registered so far, by name (importing the `policies` package
-    registers the built-in ones)."""
+def register_variant(name: str, cls: type[Policy], **parts: object) -> None:
+    """Register `cls` under `name`, built with `parts` (keyword arguments of its constructor
+    that are not knobs)."""
+    entry = _REGISTRY.get(name)
+    if entry is not None and (entry.cls is not cls or entry.parts != parts):
+        raise ValueError(f"policy {name!r} registered twice")
+    _REGISTRY[name] = Registered(cls, parts)
+
+
+def registered_policies() -> dict[str, Registered]:
+    """Every policy registered so far, by name (importing the `policies` package registers
+    the built-in ones)."""
     return dict(_REGISTRY)

@@ -43,11 +43,19 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from services.scheduler.core.policies.alise import Rank, SrtfKnobs, SrtfPolicy
-from services.scheduler.core.policies.base import KnobError, register_policy
-from services.scheduler.core.policies.multires import Veto, select_nearest
-from services.scheduler.core.policies.sarathi import DEFAULT_TOKEN_BUDGET, sarathi_budget
-from services.scheduler.core.policies.steptime import (
+from services.scheduler.core.policies.base import KnobError, Knobs, Policy, register_policy
+from services.scheduler.core.policies.parts.budget import (
+    DEFAULT_TOKEN_BUDGET,
+    StepLimits,
+    sarathi_budget,
+)
+from services.scheduler.core.policies.parts.eviction import EwtEviction
+from services.scheduler.core.policies.parts.levels import LevelRule, Levels
+from services.scheduler.core.policies.parts.memory import MemoryMode, MemoryRule, rebalance
+from services.scheduler.core.policies.parts.multires import Veto, select_nearest
+from services.scheduler.core.policies.parts.protection import Protection, ProtectRule
+from services.scheduler.core.policies.parts.ranking import Rank, RankRule, RemainingRank
+from services.scheduler.core.policies.parts.steptime import (
     AttentionFit,
     chunk_time,
     chunk_tokens,
@@ -72,36 +80,56 @@ TYPICAL_CONTEXT = 256  # tokens of context per decode row where the default job 
 
 
 @dataclass(frozen=True)
-class HybridKnobs(SrtfKnobs):
-    """ALISE's level knobs (no `max_num_batched_tokens`: the budget is Sarathi's tau), with
-    other defaults, and the Sarathi-Serve / AccelGen knobs."""
+class HybridKnobs(Knobs):
+    """Every knob of `hybrid`, grouped by the part that reads it. Cut after
+    bench/results/hybrid_knob_effects.json measured no effect: `aging_per_step` (64),
+    `prefetch_per_step` (4) and `default_predicted_len` (256) keep their parts' defaults."""
 
-    rank: Rank = "normalized"
-    num_queues: int = 16  # normalized keys span a wider range than times
+    rules = (LevelRule, RankRule, ProtectRule, MemoryRule)
+    # the step: budget and limits (parts/budget.py, parts/steptime.py)
     # Sarathi tau; None: from tbt_slo_s, else the smallest chunk keeping `efficiency` of the
     # prefill throughput (steptime.efficient_chunk; at most 512, Sarathi's default)
     token_budget: int | None = None
     # the share of an unbounded chunk's prefill throughput the default token budget keeps;
     # None: Sarathi's 512
     efficiency: float | None = 0.9
+    tile_size: int = 128
+    max_num_seqs: int = 256
+    gpu_job_limit: int | None = None  # M: jobs allowed on the device; None: memory decides
     # opt-in default job limit (gpu_job_limit None): the smallest decode batch keeping this
     # share of an unbounded batch's decode throughput (steptime.efficient_batch). Off: live on
     # 2 cores it queued short answers behind the limit (docs/scheduling.md)
     job_limit_efficiency: float | None = None
-    # the TBT objective of every request (the operator's P99 TBT target): each step is sized
-    # in time to meet it; with slo_aware_budget=False only tau is derived from it, statically
+    # TBT objectives: the TBT objective of every request (the operator's P99 TBT target): each
+    # step is sized in time to meet it; with slo_aware_budget=False only tau is derived from it
     tbt_slo_s: float | None = None
-    tile_size: int = 128
     slo_aware_budget: bool = True  # size steps with TBT objectives in time (see above)
     prefill_lane: bool = True  # a step of its own for a prompt whose TTFT it can still meet
     # most decodes a lane may make miss their TBT objective (a long prompt's lane stalls every
     # decode with a tighter objective than its prefill time); None: no limit
     lane_max_misses: int | None = None
+    # levels and aging (parts/levels.py)
+    num_queues: int = 16  # normalized keys span a wider range than times
+    aging_threshold_s: float | None = 5.0  # K: promote one level per K seconds waited
+    # the rank (parts/ranking.py)
+    rank: Rank = "normalized"  # remaining | normalized
+    rank_ref_len: float = 16
+    queue_base_s: float | None = None  # None: 16 decode iterations (16 * beta)
+    queue_ratio: float = 2.0
+    forecast_rule: str = "median"  # off | median | quantile | mean | gittins
+    forecast_quantile: float = 0.7
+    # admission of new work
+    max_window: int = 16  # candidates compared per level window
+    max_skips: int = 32  # prompts skipped for not fitting before giving up
     era: bool = True
     long_prompt_tokens: int | None = None  # None: longer than the token budget
     max_long_prompts: int = 1
-    max_window: int = 16  # candidates compared per level window
+    # eviction and memory (parts/eviction.py, parts/protection.py, parts/memory.py)
     preempt_level_gap: int | None = 2  # None: new requests never evict running ones
+    protect_fraction: float | None = None
+    protect_kv_share: float | None = None
+    memory_mode: MemoryMode = "swap"  # swap | recompute | defer
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,16 +159,21 @@ def curve_defaults(k: HybridKnobs, cost: CostModel) -> tuple[int, int | None]:
 
 
 @register_policy("hybrid")
-class HybridPolicy(SrtfPolicy):
-    """From SrtfPolicy (alise.py): the level queues `q` by predicted remaining time x length
-    (`on_add`/`update` keep them, with demotion and the per-level sums `level_rem`). From
-    PreemptivePolicy (preemptive.py): `budget` and `seqs`, virtual aging (`_age`,
-    `_track_waits`), eviction candidates by EWT (`_victims_by_ewt`, cached per step in
-    `_victims`) and ALISE Algorithm 2 (`_rebalance`). The step itself is this class's."""
+class HybridPolicy(Policy):
+    """Holds (policies/parts/): `levels` (level queues, virtual aging), `rank` (levels by
+    predicted remaining time x length, demotion, forecasts), `protect` (limited preemption),
+    `evict` (candidates by EWT), `memory` (ALISE Algorithm 2) and the step's `limits`; the
+    step itself, with its SLO lanes and urgency, is this class's."""
 
     knobs_type = HybridKnobs
     knobs: HybridKnobs
     # set by `bind`
+    limits: StepLimits  # what a step opens with (the Batch holds the step's budget)
+    levels: Levels
+    rank: RemainingRank
+    protect: Protection
+    evict: EwtEviction
+    memory: MemoryRule
     tbt: dict[str, float]  # requests with their own TBT objective
     ttft_heap: list[tuple[float, str]]  # (TTFT deadline, request) of those not started
     long_inflight: set[str]  # long prompts being prefilled (ERA)
@@ -151,14 +184,24 @@ class HybridPolicy(SrtfPolicy):
     _last_decode_step: float  # cost-model time of the last step's decodes alone
     _paused: set[str]  # running requests ranked past gpu_job_limit this step
 
-    def step_budget(self, sched: SchedulerView) -> int:
-        return curve_defaults(self.knobs, sched.cost_model)[0]
-
-    def default_job_limit(self, sched: SchedulerView) -> int | None:
-        return curve_defaults(self.knobs, sched.cost_model)[1]
-
     def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
+        k = self.knobs
+        tokens, job_limit = curve_defaults(k, sched.cost_model)
+        self.limits = StepLimits.of(tokens, k.max_num_seqs, job_limit)
+        self.levels = Levels(k.rule(LevelRule))
+        self.rank = RemainingRank(
+            k.rule(RankRule), sched.cost_model, k.num_queues, self.levels.boost
+        )
+        self.protect = Protection(k.rule(ProtectRule), sched.block_manager, self.rank.pred)
+        self.memory = k.rule(MemoryRule)
+        self.evict = EwtEviction(
+            self.levels,
+            sched,
+            self.memory.evict_mode,
+            self.protect.protected,
+            self.long_inflight_done,
+        )
         self.tbt = {}
         self.ttft_heap = []
         self.long_inflight = set()
@@ -169,7 +212,8 @@ class HybridPolicy(SrtfPolicy):
 
     # -- lifecycle --------------------------------------------------------------------------
     def on_add(self, req: Request, now: float) -> None:
-        super().on_add(req, now)
+        level, rem = self.rank.arrived(req)
+        self.levels.add(req, level, now, rem)
         if req.slo.tbt_s:
             self.tbt[req.request_id] = req.slo.tbt_s
         if not req.output_token_ids:  # re-admitted: TTFT is behind it
@@ -179,18 +223,37 @@ class HybridPolicy(SrtfPolicy):
         if req.slo.ttft_s:
             heapq.heappush(self.ttft_heap, (req.arrival_time + req.slo.ttft_s, req.request_id))
 
+    def on_move(self, req: Request, status: RequestStatus) -> None:
+        if status is RUNNING:
+            self.levels.resident(req.request_id)
+
     def on_finish(self, req: Request, now: float) -> None:
-        super().on_finish(req, now)
-        self.tbt.pop(req.request_id, None)
-        self.long_inflight.discard(req.request_id)
+        rid = req.request_id
+        self.levels.finish(rid)
+        self.rank.finish(rid)
+        self.tbt.pop(rid, None)
+        self.long_inflight.discard(rid)
+
+    def long_inflight_done(self, rid: str) -> None:
+        """An evicted long prompt no longer counts as being prefilled (ERA)."""
+        self.long_inflight.discard(rid)
+
+    def initial_prediction(self, req: Request) -> int:
+        return self.rank.initial(req)
+
+    def predicted_len(self, req: Request) -> int:
+        return self.rank.predicted(req)
 
     def update(self, result: AppliedStep, now: float) -> None:
         cost, elapsed = self.sched.cost_model, result.outcome.elapsed_s
         self.recent.append(elapsed or cost.step_time(result.shape))
         if elapsed:
             self.attention.observe(elapsed, cost.step_time(result.shape), self._pairs)
-        super().update(result, now)
         reqs = self.sched.requests
+        for rid in result.output.num_scheduled_tokens:
+            req = reqs.get(rid)
+            if req is not None and not req.is_finished:
+                self.levels.put(req, *self.rank.ran(req))
         for rid in list(self.long_inflight):
             if reqs[rid].num_computed_tokens >= reqs[rid].num_prompt_tokens:
                 self.long_inflight.discard(rid)
@@ -201,9 +264,9 @@ class HybridPolicy(SrtfPolicy):
         the scheduler's state): the running decodes, which fix the step's budget (or a
         prefill lane, which closes the step); the urgent prompts; ranked prefill chunks;
         eviction (ALISE Algorithm 2)."""
-        self._age(now)
-        b = self.sched.new_batch(now, self.budget)
-        self._chosen, self._victims = [], None
+        self.levels.age(now)
+        b = self.sched.new_batch(now, self.limits.tokens)
+        self.evict.begin([])
         self._paused = self._ranked_out()
         if not self._phase_decodes(b):
             self._phase_urgent(b, now)
@@ -211,8 +274,8 @@ class HybridPolicy(SrtfPolicy):
         if self._paused and not b.scheduled:  # nothing took their place: run them after all
             self._paused = set()
             self._schedule_decodes(b, None)
-        self._rebalance(b)
-        self._track_waits(b, now)
+        rebalance(b, self.sched, self.levels, self.memory, self.limits, self.watermark_blocks)
+        self.levels.track_waits(b, now)
         self._pairs = AttentionFit.pairs(b.scheduled, self.sched.requests)
         return b.finish()
 
@@ -229,8 +292,8 @@ class HybridPolicy(SrtfPolicy):
             return set()
         out: set[str] = set()
         best = None  # the best level of a request inside M that is not running
-        level = self.q.level_of
-        for rank, req in enumerate(self.q.in_order()):
+        level = self.levels.level_of
+        for rank, req in enumerate(self.levels.in_order()):
             if rank < limit:
                 if best is None and req.status is not RUNNING:
                     best = level[req.request_id]
@@ -239,13 +302,13 @@ class HybridPolicy(SrtfPolicy):
             elif (
                 req.status is RUNNING
                 and level[req.request_id] >= best + gap  # hysteresis against thrash
-                and not self.protected(req)
+                and not self.protect.protected(req)
             ):
                 out.add(req.request_id)
         return out
 
     def _room(self, b: Batch) -> bool:
-        return not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.seqs
+        return not b.preempted and b.tokens_left >= 1 and b.num_seqs < self.limits.seqs
 
     # -- phase 1: running decodes and the step's budget -------------------------------------
     def _phase_decodes(self, b: Batch) -> bool:
@@ -270,7 +333,7 @@ class HybridPolicy(SrtfPolicy):
 
     def _schedule_decodes(self, b: Batch, only: set[str] | None) -> int:
         """Schedule the running decodes (those in `only`, when given); returns their context."""
-        context, seqs, budget, scheduled = 0, self.seqs, self.budget, b.scheduled
+        context, seqs, scheduled = 0, self.limits.seqs, b.scheduled
         for req in list(self.sched.running.values()):
             if req.status is not RUNNING or req.num_uncomputed_tokens != 1:
                 continue
@@ -278,10 +341,10 @@ class HybridPolicy(SrtfPolicy):
                 continue
             if req.request_id in self._paused:
                 continue
-            if len(scheduled) >= seqs or b.num_tokens >= budget:
+            if len(scheduled) >= seqs or b.tokens_left < 1:
                 break
             while not b.schedule(req, 1):
-                if not self._evict_one(b, req):
+                if not self.evict.evict_one(b, req):
                     break
             if req.request_id in scheduled:
                 context += req.num_computed_tokens
@@ -324,7 +387,7 @@ class HybridPolicy(SrtfPolicy):
             tight = k.tbt_slo_s
         if tight is None:
             return
-        cap = 1 << 16 if covered else self.budget
+        cap = 1 << 16 if covered else b.token_budget or 0
         cm = self.sched.cost_model
         n = cm.token_budget(tight, 1, b.num_tokens, context, cap)
         room = n - b.num_tokens
@@ -350,7 +413,7 @@ class HybridPolicy(SrtfPolicy):
         found: tuple[Request, set[str]] | None = None
         decodes: list[Request] | None = None
         # every request has a TBT objective (the running decodes among them)
-        bounded = self.knobs.tbt_slo_s is not None or len(self.tbt) >= len(self.q)
+        bounded = self.knobs.tbt_slo_s is not None or len(self.tbt) >= len(self.levels.q)
         after = self._last_decode_step
         while heap and len(seen) < self.knobs.max_window and found is None:
             deadline, rid = heapq.heappop(heap)
@@ -358,7 +421,7 @@ class HybridPolicy(SrtfPolicy):
             req = reqs.get(rid)
             if req is None or req.status is not WAITING:
                 continue
-            long = req.num_uncomputed_tokens > self.budget
+            long = req.num_uncomputed_tokens > b.tokens_left  # (the step is still empty)
             if long and not bounded:
                 continue
             if not long and self._lone_time(req) + after <= deadline - now:
@@ -478,7 +541,7 @@ class HybridPolicy(SrtfPolicy):
             self._admit(b, None)
 
     def _ongoing_prefills(self, b: Batch) -> None:
-        level = self.q.level_of
+        level = self.levels.level_of
         ongoing = [
             r
             for r in self.sched.running.values()
@@ -489,10 +552,10 @@ class HybridPolicy(SrtfPolicy):
             n = min(req.num_uncomputed_tokens, b.tokens_left)
             if self._timed:
                 n = self._timed_chunk(b, req, n)
-            if n < 1 or b.num_seqs >= self.seqs:
+            if n < 1 or b.num_seqs >= self.limits.seqs:
                 break
             while req.status is RUNNING and not b.schedule(req, n):
-                if not self._evict_one(b, req):
+                if not self.evict.evict_one(b, req):
                     break
 
     def _timed_chunk(self, b: Batch, req: Request, n: int) -> int:
@@ -508,13 +571,15 @@ class HybridPolicy(SrtfPolicy):
     def _admit(self, b: Batch, urgent: list[Request] | None) -> None:
         """New and swapped work by priority, one level window at a time (`urgent`: that one
         window instead)."""
-        skips, reqs = 0, self.sched.requests
+        skips, reqs, seqs = 0, self.sched.requests, self.limits.seqs
         for window in [urgent] if urgent is not None else self._windows():
-            if b.tokens_left < 1 or b.num_seqs >= self.seqs or not window:
+            if b.tokens_left < 1 or b.num_seqs >= seqs or not window:
                 break
-            self._room_for(b, window[0])
+            gap = self.knobs.preempt_level_gap
+            if gap is not None:
+                self.evict.room_for(b, window[0], gap, self.watermark_blocks)
             before = len(b.scheduled)  # select_nearest only adds to the batch
-            left = select_nearest(b, window, self.watermark_blocks, self._allowed(b), self.seqs)
+            left = select_nearest(b, window, self.watermark_blocks, self._allowed(b), seqs)
             for rid in islice(b.scheduled, before, None):
                 self._started(reqs[rid], b)
             skips += len(left)
@@ -524,7 +589,7 @@ class HybridPolicy(SrtfPolicy):
     def _windows(self) -> Iterator[list[Request]]:
         """Requests not running, level by level, at most `max_window` at a time."""
         size = self.knobs.max_window
-        for level in self.q.levels:
+        for level in self.levels.q.levels:
             window: list[Request] = []
             for req in list(level.values()):
                 if req.status is not RUNNING:
@@ -553,47 +618,3 @@ class HybridPolicy(SrtfPolicy):
     def _started(self, req: Request, b: Batch) -> None:
         if req.num_computed_tokens < req.num_prompt_tokens and self._is_long(req, b):
             self.long_inflight.add(req.request_id)
-
-    # -- phase 4 and within phases 1-3: eviction (to host, by EWT) --------------------------
-    def _evict_one(self, b: Batch, req: Request) -> bool:
-        """Swap out the resident, unscheduled request with the highest EWT (maybe `req`)."""
-        if self._victims is None:
-            self._victims = self._victims_by_ewt(b)
-        for _, victim in self._victims:
-            if victim.status is RUNNING and (victim is req or victim.request_id not in b.scheduled):
-                self._evict(b, victim)
-                return victim is not req
-        if req.status is RUNNING:
-            self._evict(b, req)
-        return False
-
-    def _evict(self, b: Batch, req: Request) -> None:
-        self.long_inflight.discard(req.request_id)
-        b.preempt(req, self.knobs.evict_mode)
-
-    def _room_for(self, b: Batch, req: Request) -> None:
-        """ALISE preemption: evict jobs `preempt_level_gap` levels below `req` (highest EWT
-        first) until `req`'s next chunk fits; evicts nothing if that would not be enough."""
-        gap = self.knobs.preempt_level_gap
-        if gap is None:
-            return
-        level = self.q.level_of
-        n = min(req.num_uncomputed_tokens, b.tokens_left)
-        need = b.blocks_needed(req, n) + self.watermark_blocks
-        if need <= b.free_blocks:
-            return
-        floor = level.get(req.request_id, 0) + gap
-        victims = [
-            r
-            for _, r in self._victims_by_ewt(b)
-            if level.get(r.request_id, 0) >= floor
-            and r.request_id not in b.swapped_in
-            and not self.protected(r)
-        ]
-        held = sum(b.freeable_blocks(v.request_id) for v in victims)
-        if b.free_blocks + held < need:
-            return
-        for victim in victims:
-            if b.free_blocks >= need:
-                break
-            self._evict(b, victim)

@@ -35,27 +35,14 @@ from services.scheduler.core.policies.base import (
     PreemptionMode,
     register_policy,
 )
-from services.scheduler.core.policies.common import RUNNING, newest_first, schedule_or_preempt
+from services.scheduler.core.policies.parts.budget import sarathi_budget
+from services.scheduler.core.policies.parts.fifo import RUNNING, newest_first, schedule_or_preempt
 
 if TYPE_CHECKING:
     from services.common.step import SchedulerOutput
     from services.scheduler.core.batch import Batch
-    from services.scheduler.core.cost_model import CostModel
     from services.scheduler.core.request import Request
     from services.scheduler.core.view import SchedulerView
-
-DEFAULT_TOKEN_BUDGET = 512  # Sarathi-Serve's 'strict' setting
-
-
-def sarathi_budget(
-    token_budget: int | None, tbt_slo_s: float | None, tile_size: int, cost_model: CostModel
-) -> int:
-    """token_budget knob, else from the TBT target via the cost model, else 512."""
-    if token_budget:
-        return token_budget
-    if tbt_slo_s:
-        return cost_model.token_budget(tbt_slo_s, tile_size)
-    return DEFAULT_TOKEN_BUDGET
 
 
 @dataclass(frozen=True)
@@ -83,9 +70,6 @@ class SarathiKnobs(Knobs):
                 "neither Sarathi-Serve technique; use the `fcfs` policy (vLLM: "
                 "whole-prompt prefill-only steps, else decode-only steps)"
             )
-
-    def watermark_fraction(self) -> float:
-        return self.watermark or 0.0
 
 
 @register_policy("sarathi")

@@ -1,9 +1,12 @@
-"""Small building blocks shared by several policies."""
+"""First come, first served, vLLM's way (fcfs, priority, sarathi): whole-prompt admission with
+head-of-line blocking, preemption of the last in order, swapped requests back in order; the
+queue `Order` a policy holds (arrival, or vLLM's priority order)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.scheduler.core.request import Request, RequestStatus
@@ -15,20 +18,6 @@ if TYPE_CHECKING:
 
 RUNNING, SWAPPED = RequestStatus.RUNNING, RequestStatus.SWAPPED
 Queue = OrderedDict[str, Request]
-
-
-def whole_prompt_budget(
-    policy: str, max_num_batched_tokens: int | None, sched: SchedulerView
-) -> int:
-    """Token limit of a step that takes whole prompts: the knob, else max(2048, model length);
-    it must hold the longest prompt."""
-    budget = max_num_batched_tokens or max(2048, sched.max_model_len)
-    if budget < sched.max_model_len:
-        raise ValueError(
-            f"{policy}: max_num_batched_tokens={budget} is below "
-            f"max_model_len={sched.max_model_len}; whole prompts would not fit"
-        )
-    return budget
 
 
 def schedule_or_preempt(
@@ -83,3 +72,56 @@ def admit_fcfs(
             break
         admitted += 1
     return admitted
+
+
+def in_arrival_order(queue: Queue) -> list[Request] | None:
+    return None  # as the queue holds it
+
+
+def last_by_priority(running: Queue) -> Iterator[Request]:
+    return iter(list(reversed(by_priority(running))))
+
+
+@dataclass(frozen=True)
+class Order:
+    """The order queues are served in (`serve`: None keeps the queue's own, arrival, order)
+    and running requests yield their KV in (`victims`)."""
+
+    serve: Callable[[Queue], list[Request] | None]
+    victims: Callable[[Queue], Iterator[Request]]
+    by_priority: bool = False  # orders by `Request.priority`
+
+
+ARRIVAL = Order(in_arrival_order, newest_first)
+PRIORITY = Order(by_priority, last_by_priority, by_priority=True)
+
+
+def decode_in_order(
+    b: Batch, sched: SchedulerView, seqs: int, order: Order, mode: PreemptionMode
+) -> None:
+    """Every running request's next tokens, in `order`, preempting by `order.victims` when
+    KV runs out."""
+    running = sched.running
+    victims = order.victims(running)
+    for req in order.serve(running) or list(running.values()):
+        if req.status is not RUNNING or req.request_id in b.scheduled:
+            continue
+        if b.num_seqs >= seqs or b.tokens_left < 1:
+            break
+        n = min(req.num_uncomputed_tokens, b.tokens_left)
+        schedule_or_preempt(b, req, n, victims, mode)
+
+
+def swap_back(b: Batch, sched: SchedulerView, seqs: int, order: Order) -> None:
+    """Swapped requests back onto the device in `order` while they fit (one decode each)."""
+    for req in order.serve(sched.swapped) or list(sched.swapped.values()):
+        if len(sched.running) >= seqs or b.tokens_left < 1:
+            break
+        bm = sched.block_manager
+        need = max(bm.num_host_blocks_of(req.request_id) + 1, bm.num_swap_in_blocks(req, 1))
+        if need > bm.num_free_device_blocks:
+            break
+        if b.swap_in(req):
+            b.schedule(req, min(req.num_uncomputed_tokens, b.tokens_left))
+        elif req.status is SWAPPED:
+            break  # (a request whose shared blocks were evicted is recomputed instead)
