@@ -20,7 +20,7 @@ from lab.workload.traces.spec import parse_spec
 from lab.workload.traces.trace import TraceItem
 
 KINDS = ("oracle", "mean", "prior", "noisy", "file")
-PRIOR_LEN = 256  # SrtfKnobs.default_predicted_len: what alise/hybrid assume without a prediction
+PRIOR_LEN = 256  # RankRule.default_predicted_len: what alise/hybrid assume without a prediction
 
 
 def _load_file(path: str) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Level queues and the aging clock (policies/levels.py)."""
+"""Level queues and the aging clock (policies/parts/levels.py)."""
 
 import signal
 
