@@ -59,7 +59,6 @@ from services.scheduler.core.policies.parts.steptime import (
     AttentionFit,
     chunk_time,
     chunk_tokens,
-    decode_slack,
     efficient_batch,
     efficient_chunk,
 )
@@ -357,12 +356,21 @@ class HybridPolicy(Policy):
             return own if own is not None else default
         return min(own, default)
 
+    def decode_slack(self, req: Request, now: float) -> float | None:
+        """Seconds left before `req`'s next token misses its TBT objective (negative:
+        missed; None: it has none)."""
+        objective = self._objective(req)
+        if objective is None:
+            return None
+        last = req.token_times[-1] if req.token_times else now
+        return last + objective - now
+
     def _tightest_slack(self, b: Batch) -> tuple[float | None, bool]:
         """(least time any scheduled decode has left before its next token misses its TBT
         objective, ignoring late ones; whether every one of them has an objective)."""
         tbt, default, reqs, now = self.tbt, self.knobs.tbt_slo_s, self.sched.requests, b.now
         tight, covered = None, True
-        for rid in b.scheduled:  # the hot loop of a step: `_objective` and `decode_slack` inline
+        for rid in b.scheduled:  # the hot loop of a step: `decode_slack` inline
             own = tbt.get(rid)
             objective = own if default is None or (own is not None and own < default) else default
             if objective is None:
@@ -448,9 +456,8 @@ class HybridPolicy(Policy):
         kept one at the lane's end, the others after the step `after` it)."""
         misses = 0
         for d in decodes:
-            objective = self._objective(d)
-            if objective is not None:
-                slack = decode_slack(d, objective, b.now)
+            slack = self.decode_slack(d, b.now)
+            if slack is not None:
                 misses += 0 < slack < (t if d.request_id in keep else t + after)
         return misses
 
@@ -475,9 +482,8 @@ class HybridPolicy(Policy):
             return None
         keep: set[str] = set()
         for d in decodes:
-            objective = self._objective(d)
-            slack = 0.0 if objective is None else decode_slack(d, objective, b.now)
-            if objective is None or 0 < slack < t + after:
+            slack = self.decode_slack(d, b.now)
+            if slack is None or 0 < slack < t + after:
                 keep.add(d.request_id)
                 t += cm.c_decode + cm.c_context * (d.num_computed_tokens + 1)
         if t > left:

@@ -11,9 +11,6 @@
   tokens per second on the cost model reach a share of what an unbounded one reaches: past
   them a step grows in time almost as fast as in tokens, so running more at once mostly
   shares the same throughput among more requests (processor sharing, which delays them all).
-* `decode_slack`: how long a decode's next token may still take before it misses its TBT
-  objective (the objective counts from its previous token, so a decode that sat out a step has
-  less left).
 """
 
 from __future__ import annotations
@@ -111,9 +108,3 @@ def efficient_chunk(cost: CostModel, share: float, tile: int, most: int) -> int:
     n = _smallest(lambda m: _per_second(m, cost.iteration_time(m, 0, m)), share, most)
     n = most if n is None else n
     return min(most, max(tile, ceil_div(n, tile) * tile))
-
-
-def decode_slack(req: Request, tbt_s: float, now: float) -> float:
-    """Seconds left before `req`'s next token misses its TBT objective (negative: missed)."""
-    last = req.token_times[-1] if req.token_times else now
-    return last + tbt_s - now
