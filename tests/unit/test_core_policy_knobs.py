@@ -52,6 +52,7 @@ def test_no_policy_extends_another_a_variant_holds_another_part():
         assert entry.cls.knobs_type.__bases__ == (Knobs,), name
     assert policy_class("oracle") is policy_class("alise")
     assert policy_class("priority") is policy_class("fcfs")
+    assert policy_class("request") is policy_class("orca")
     assert make_policy("oracle").name == "oracle" and make_policy("alise").name == "alise"
     assert make_policy("priority").orders_by_priority and not make_policy("fcfs").orders_by_priority
     with pytest.raises(ValueError, match="oracle: queue_ratio"):

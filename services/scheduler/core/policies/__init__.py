@@ -10,7 +10,6 @@ from services.scheduler.core.policies import (  # noqa: F401  (each module regis
     hybrid,
     oracle,
     orca,
-    request_level,
     sarathi,
 )
 from services.scheduler.core.policies.base import (

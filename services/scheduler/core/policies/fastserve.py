@@ -18,7 +18,7 @@ from services.scheduler.core.policies.parts import admission
 from services.scheduler.core.policies.parts.budget import StepLimits, whole_prompt_budget
 from services.scheduler.core.policies.parts.eviction import EwtEviction
 from services.scheduler.core.policies.parts.levels import LevelRule, Levels
-from services.scheduler.core.policies.parts.memory import MemoryMode, MemoryRule, rebalance
+from services.scheduler.core.policies.parts.memory import MemoryMode, MemoryRule
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -75,14 +75,15 @@ class FastServePolicy(Policy):
         return self.base * self.knobs.quantum_ratio**level
 
     def schedule(self, now: float) -> SchedulerOutput:
-        k, levels = self.knobs, self.levels
-        levels.age(now)
+        """Age the waiters; select by level, place, rebalance (parts/admission.py); note who
+        waits now."""
+        self.levels.age(now)
         b = self.sched.new_batch(now, self.limits.tokens)
-        chosen = admission.select(b, levels, self.limits.seqs, k.max_skips)
-        defer = self.memory.memory_mode == "defer"
-        admission.place(b, chosen, self.evict, self.watermark_blocks, defer)
-        rebalance(b, self.sched, levels, self.memory, self.limits, self.watermark_blocks)
-        levels.track_waits(b, now)
+        memory, reserve = self.memory, self.watermark_blocks
+        admission.by_level(
+            b, self.levels, self.evict, memory, self.limits, self.knobs.max_skips, reserve
+        )
+        self.levels.track_waits(b, now)
         return b.finish()
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -1,18 +1,22 @@
 """Admission by level with whole prompts (ALISE, FastServe): each step re-walks the level
 queues from the top (iteration-level preemption), takes whole prefills and decodes within the
-step's tokens and requests (`select`), then gives each chosen job its KV (`place`), evicting
-lower-ranked jobs by EWT when it runs short."""
+step's tokens and requests (`select`), gives each chosen job its KV (`place`), evicting
+lower-ranked jobs by EWT when it runs short, then keeps memory by ALISE Algorithm 2
+(`memory.rebalance`): `by_level` is that step."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.scheduler.core.policies.parts.memory import rebalance
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
     from services.scheduler.core.batch import Batch
+    from services.scheduler.core.policies.parts.budget import StepLimits
     from services.scheduler.core.policies.parts.eviction import EwtEviction
     from services.scheduler.core.policies.parts.levels import Levels
+    from services.scheduler.core.policies.parts.memory import MemoryRule
     from services.scheduler.core.request import Request
 
 RUNNING, WAITING, SWAPPED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED
@@ -62,3 +66,19 @@ def place(
         if status is SWAPPED and not b.swap_in(req):
             continue
         b.schedule(req, n)
+
+
+def by_level(
+    b: Batch,
+    levels: Levels,
+    evict: EwtEviction,
+    memory: MemoryRule,
+    limits: StepLimits,
+    max_skips: int,
+    reserve: int,
+) -> None:
+    """One step: select by level, place (a new job keeps `reserve` blocks free; memory mode
+    `defer`: never evict for one), rebalance (Algorithm 2)."""
+    chosen = select(b, levels, limits.seqs, max_skips)
+    place(b, chosen, evict, reserve, memory.memory_mode == "defer")
+    rebalance(b, evict.sched, levels, memory, limits, reserve)
