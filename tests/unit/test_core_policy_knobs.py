@@ -108,3 +108,17 @@ def test_unknown_knob_lists_the_valid_ones():
 def test_an_unbound_policy_says_so():
     with pytest.raises(RuntimeError, match="not bound"):
         make_policy("fcfs").schedule(0.0)
+
+
+@pytest.mark.parametrize("name", available_policies())
+def test_an_unbound_policy_answers_its_prior(name):
+    """The live service asks an unbound policy of its kind for the prediction it will use
+    (`SchedulerService.prediction_used`), before any scheduler is bound."""
+    from tests.unit.test_core_util import req
+
+    policy = make_policy(name)
+    with_prediction, without = req("a", 4, 100, predicted_len=40), req("b", 4, 100)
+    expected = 100 if name == "oracle" else 40  # oracle: the true length (ignore_eos: 100)
+    assert policy.initial_prediction(with_prediction) == expected
+    assert policy.predicted_len(with_prediction) == expected
+    assert policy.initial_prediction(without) in (100, 256)  # max_tokens, or the prior

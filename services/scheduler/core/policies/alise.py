@@ -24,7 +24,13 @@ from services.scheduler.core.policies.parts.eviction import EwtEviction
 from services.scheduler.core.policies.parts.levels import LevelRule, Levels
 from services.scheduler.core.policies.parts.memory import MemoryMode, MemoryRule
 from services.scheduler.core.policies.parts.protection import Protection, ProtectRule
-from services.scheduler.core.policies.parts.ranking import Prior, Rank, RankRule, RemainingRank
+from services.scheduler.core.policies.parts.ranking import (
+    Prior,
+    Rank,
+    RankRule,
+    RemainingRank,
+    arrival_prior,
+)
 from services.scheduler.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -64,9 +70,9 @@ class AliseKnobs(Knobs):
 
 @register_policy("alise")
 class AlisePolicy(Policy):
-    """Holds: `levels`, `rank` (by predicted remaining time, with `prior`: arrival predictions
-    unless a variant gives another, oracle.py), `protect`, `evict` (by EWT), `memory`, and
-    the step's `limits`."""
+    """Holds: `prior` (the length assumed at arrival: the arrival prediction, unless a variant
+    gives an exact one, oracle.py; answered before `bind` too), `levels`, `rank` (by predicted
+    remaining time), `protect`, `evict` (by EWT), `memory`, and the step's `limits`."""
 
     knobs_type = AliseKnobs
     knobs: AliseKnobs
@@ -75,7 +81,8 @@ class AlisePolicy(Policy):
         self, prior: Prior | None = None, name: str | None = None, **knobs: object
     ) -> None:
         super().__init__(name, **knobs)
-        self.prior = prior
+        self.exact = prior is not None
+        self.prior = prior or arrival_prior(self.knobs.default_predicted_len)
 
     def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
@@ -84,7 +91,12 @@ class AlisePolicy(Policy):
         self.limits = StepLimits.of(tokens, k.max_num_seqs, k.gpu_job_limit)
         self.levels = Levels(k.rule(LevelRule))
         self.rank = RemainingRank(
-            k.rule(RankRule), sched.cost_model, k.num_queues, self.levels.boost, self.prior
+            k.rule(RankRule),
+            sched.cost_model,
+            k.num_queues,
+            self.levels.boost,
+            self.prior,
+            self.exact,
         )
         self.protect = Protection(k.rule(ProtectRule), sched.block_manager, self.rank.pred)
         self.memory = k.rule(MemoryRule)
@@ -123,7 +135,7 @@ class AlisePolicy(Policy):
         self.rank.finish(req.request_id)
 
     def initial_prediction(self, req: Request) -> int:
-        return self.rank.initial(req)
+        return self.prior(req)
 
     def predicted_len(self, req: Request) -> int:
-        return self.rank.predicted(req)
+        return self.rank.predicted(req) if self._sched is not None else self.prior(req)

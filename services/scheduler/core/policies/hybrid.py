@@ -54,7 +54,12 @@ from services.scheduler.core.policies.parts.levels import LevelRule, Levels
 from services.scheduler.core.policies.parts.memory import MemoryMode, MemoryRule, rebalance
 from services.scheduler.core.policies.parts.multires import Veto, select_nearest
 from services.scheduler.core.policies.parts.protection import Protection, ProtectRule
-from services.scheduler.core.policies.parts.ranking import Rank, RankRule, RemainingRank
+from services.scheduler.core.policies.parts.ranking import (
+    Rank,
+    RankRule,
+    RemainingRank,
+    arrival_prior,
+)
 from services.scheduler.core.policies.parts.steptime import (
     AttentionFit,
     chunk_time,
@@ -183,6 +188,11 @@ class HybridPolicy(Policy):
     _last_decode_step: float  # cost-model time of the last step's decodes alone
     _paused: set[str]  # running requests ranked past gpu_job_limit this step
 
+    def __init__(self, name: str | None = None, **knobs: object) -> None:
+        super().__init__(name, **knobs)
+        # the length assumed at arrival (answered before `bind` too)
+        self.prior = arrival_prior(RankRule.default_predicted_len)
+
     def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
         k = self.knobs
@@ -190,7 +200,7 @@ class HybridPolicy(Policy):
         self.limits = StepLimits.of(tokens, k.max_num_seqs, job_limit)
         self.levels = Levels(k.rule(LevelRule))
         self.rank = RemainingRank(
-            k.rule(RankRule), sched.cost_model, k.num_queues, self.levels.boost
+            k.rule(RankRule), sched.cost_model, k.num_queues, self.levels.boost, self.prior
         )
         self.protect = Protection(k.rule(ProtectRule), sched.block_manager, self.rank.pred)
         self.memory = k.rule(MemoryRule)
@@ -238,10 +248,10 @@ class HybridPolicy(Policy):
         self.long_inflight.discard(rid)
 
     def initial_prediction(self, req: Request) -> int:
-        return self.rank.initial(req)
+        return self.prior(req)
 
     def predicted_len(self, req: Request) -> int:
-        return self.rank.predicted(req)
+        return self.rank.predicted(req) if self._sched is not None else self.prior(req)
 
     def update(self, result: AppliedStep, now: float) -> None:
         cost, elapsed = self.sched.cost_model, result.outcome.elapsed_s

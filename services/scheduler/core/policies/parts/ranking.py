@@ -33,6 +33,15 @@ RANKS = ("remaining", "normalized")
 Prior = Callable[["Request"], int]  # the output length assumed when a request arrives
 
 
+def arrival_prior(default_len: int) -> Prior:
+    """The request's own (arrival) prediction, else `default_len`."""
+
+    def prior(req: Request) -> int:
+        return req.predicted_len or default_len
+
+    return prior
+
+
 @dataclass(frozen=True)
 class RankRule:
     """The knobs of `RemainingRank` (see the module docstring)."""
@@ -61,8 +70,9 @@ class RankRule:
 
 
 class RemainingRank:
-    """Predicted lengths per request and the level they give. With a `prior` (oracle's true
-    lengths) forecasts are ignored: the prior is already exact."""
+    """Predicted lengths per request and the level they give, from `prior` at arrival (the
+    arrival prediction unless given another). An `exact` prior (oracle's true lengths) needs
+    no forecast: they are ignored."""
 
     def __init__(
         self,
@@ -71,10 +81,12 @@ class RemainingRank:
         num_queues: int,
         boost: dict[str, int],
         prior: Prior | None = None,
+        exact: bool = False,
     ) -> None:
         self.rule, self.cost, self.num_queues = rule, cost, num_queues
         self.boost = boost  # levels gained by aging (the Levels part's)
-        self.prior = prior
+        self.prior = prior or arrival_prior(rule.default_predicted_len)
+        self.exact = exact
         self.base = rule.queue_base_s or 16 * cost.beta  # bound of level 0, seconds
         self.pred: dict[str, int] = {}  # current predicted output length per request
         self.demotions: dict[str, int] = {}  # times each request outgrew its prediction
@@ -83,9 +95,7 @@ class RemainingRank:
 
     def initial(self, req: Request) -> int:
         """The output length assumed when `req` arrives."""
-        if self.prior is not None:
-            return self.prior(req)
-        return req.predicted_len or self.rule.default_predicted_len
+        return self.prior(req)
 
     def predicted(self, req: Request) -> int:
         """The output length believed in now."""
@@ -115,7 +125,7 @@ class RemainingRank:
         """The predicted length after this step: from the latest forecast of the served model
         when there is one (rule `forecast_rule`), else ALISE's doubling."""
         fc, r = req.forecast, self.rule
-        if fc is None or r.forecast_rule == "off" or self.prior is not None:
+        if fc is None or r.forecast_rule == "off" or self.exact:
             self._outgrow(req)
             return
         rid = req.request_id
