@@ -226,11 +226,14 @@ def _uniforms(
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[R] token ids: the first whose cumulative probability exceeds u x the row's total (a
-    zero-probability token is never the first; the target stays below the total)."""
+    zero-probability token is never the first; the target stays below the total). A row with
+    nothing left (a guide that allows no token) gives its last token, as greedy's argmax of
+    such a row gives its first: never an index past the vocabulary."""
     cum = probs.cumsum(-1)
     total = cum[:, -1:]
     target = torch.minimum(u[:, None].to(cum.dtype) * total, torch.nextafter(total, total * 0))
-    return torch.searchsorted(cum, target, right=True).squeeze(1)
+    index = torch.searchsorted(cum, target, right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 # -- the two entry points -------------------------------------------------------------------------

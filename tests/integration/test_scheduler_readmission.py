@@ -63,8 +63,8 @@ def spy_on_add(monkeypatch, policy: str) -> list[Admitted]:
                 req.request_id,
                 req.num_output_tokens,
                 self.predicted_len(req),
-                self.demotions.get(req.request_id, 0),
-                self.level_of(req),
+                self.rank.demotions.get(req.request_id, 0),
+                self.levels.level_of.get(req.request_id, 0),
                 any(rid == req.request_id for _, rid in heap),
                 recompute_copy(req, False),
             )

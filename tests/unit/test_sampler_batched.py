@@ -123,3 +123,14 @@ def test_a_seeded_row_draws_alike_alone_and_in_any_batch():
         assert sample(batch, params, [3, k, 3, 3])[0][1] == alone[k]
         assert int(sample_batch(batch, params, [3, k, 3, 3])[1, 0]) == alone[k]
     assert len(set(alone)) > 3
+
+
+def test_a_row_with_every_token_masked_still_samples_inside_the_vocabulary():
+    """A guide that allows no token leaves a row of -inf (the gateway fuzz found one): the
+    drawn rows must not index past the vocabulary (they crashed the step), as greedy's do not."""
+    logits = torch.full((len(MIXED), VOCAB), float("-inf"))
+    logits[1:, 5] = 0.0  # every row but the first... and the first drawn row has nothing
+    logits[1, 5] = float("-inf")
+    tokens, _ = sample(logits, MIXED, [0] * len(MIXED))
+    assert all(0 <= t < VOCAB for t in tokens)
+    assert tokens[2:] == [5] * (len(MIXED) - 2)  # the rows with one allowed token take it
