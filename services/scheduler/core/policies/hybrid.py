@@ -204,16 +204,16 @@ class HybridPolicy(Policy):
         )
         self.protect = Protection(k.rule(ProtectRule), sched.block_manager, self.rank.pred)
         self.memory = k.rule(MemoryRule)
+        self.long_inflight = set()
         self.evict = EwtEviction(
             self.levels,
             sched,
             self.memory.evict_mode,
             self.protect.protected,
-            self.long_inflight_done,
+            self.long_inflight.discard,  # an evicted long prompt is no longer being prefilled
         )
         self.tbt = {}
         self.ttft_heap = []
-        self.long_inflight = set()
         self.recent = deque(maxlen=T_MAX_WINDOW)
         self.attention = AttentionFit()
         self._timed, self._pairs, self._last_decode_step = False, 0.0, 0.0
@@ -241,10 +241,6 @@ class HybridPolicy(Policy):
         self.levels.finish(rid)
         self.rank.finish(rid)
         self.tbt.pop(rid, None)
-        self.long_inflight.discard(rid)
-
-    def long_inflight_done(self, rid: str) -> None:
-        """An evicted long prompt no longer counts as being prefilled (ERA)."""
         self.long_inflight.discard(rid)
 
     def initial_prediction(self, req: Request) -> int:

@@ -23,6 +23,7 @@ from services.scheduler.core.policies.base import (
     register_policy,
     register_variant,
 )
+from services.scheduler.core.policies.parts.budget import whole_prompt_budget
 from services.scheduler.core.policies.parts.reserve import Reservations
 
 if TYPE_CHECKING:
@@ -41,13 +42,6 @@ class OrcaKnobs(Knobs):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise KnobError("max_batch_size must be a positive int")
 
-    def budget(self, sched: SchedulerView, policy: str) -> int:
-        """Tokens per step: the knob, else max(2048, model length); whole prompts must fit."""
-        budget = self.max_num_batched_tokens or max(2048, sched.max_model_len)
-        if budget < sched.max_model_len:
-            raise ValueError(f"{policy}: max_num_batched_tokens={budget} < max_model_len")
-        return budget
-
 
 @register_policy("orca")
 class OrcaPolicy(Policy):
@@ -65,7 +59,7 @@ class OrcaPolicy(Policy):
 
     def bind(self, sched: SchedulerView) -> None:
         super().bind(sched)
-        self.budget = self.knobs.budget(sched, self.name)
+        self.budget = whole_prompt_budget(self.name, self.knobs.max_num_batched_tokens, sched)
         self.reserve = Reservations(sched, self.knobs.max_batch_size)
 
     def on_finish(self, req: Request, now: float) -> None:
