@@ -177,7 +177,9 @@ class PredictorSettings(CommonSettings):
     qdrant_api_key: str | None = Field(None, description="Qdrant API key (server mode).")
     embedder: str = Field(
         "all-minilm-l6-v2",
-        description="Sentence-transformers model: `all-minilm-l6-v2` (bundled) or a directory.",
+        description="Sentence-transformers model: `all-minilm-l6-v2` (bundled) or a directory; "
+        "`none` = prior-only predictor (no embedder, store, MLP or seed: every prediction is the "
+        "prior, observations are ignored) for hosts without the embedder package.",
     )
     predictor_top_k: int = Field(
         2, ge=1, le=256, description="Neighbours searched (k; chosen on a train-split holdout)."

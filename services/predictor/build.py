@@ -13,6 +13,9 @@ the median, the cut share and the spread of the draws); a regime without a file 
 `t1` (`services.predictor.by_regime`). The prompts' embeddings are cached on disk
 (`<data_dir>/predictor/embeddings/`, keyed by embedder and text hash), so only the first seed
 pays for embedding them.
+
+`ALISE_EMBEDDER=none` builds a prior-only service instead (`prior_predictors`): no embedder,
+store or MLP is loaded and nothing is seeded; every prediction is the prior.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 
 from services.common.settings import PredictorSettings
 from services.predictor.by_regime import RegimePredictors
-from services.predictor.core import LengthPredictor, VectorCache
+from services.predictor.core import DEFAULT_PRIOR, LengthPredictor, VectorCache
 from services.predictor.embedder import EMBED_CHUNK, SAVE_EVERY, Embedder, EmbeddingCache
 from services.predictor.mlp import MlpRegressor, length_feature, train
 from services.predictor.regimes import REGIMES, file_tag, regime_file
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from services.predictor.sharegpt import Sample
 
 log = logging.getLogger(__name__)
+NO_EMBEDDER = "none"  # ALISE_EMBEDDER=none: prior-only (no embedder, store, MLP or seed)
 
 
 def served_models(settings: PredictorSettings) -> list[str]:
@@ -60,7 +64,39 @@ def mlp_path(settings: PredictorSettings, model: str, space: str = "") -> Path:
     return Path(settings.predictor_mlp_path or predictor_dir(settings) / name)
 
 
+def prior_only(settings: PredictorSettings) -> bool:
+    """Whether the service runs without an embedder (`ALISE_EMBEDDER=none`)."""
+    return settings.embedder.strip().lower() == NO_EMBEDDER
+
+
+class NullEmbedder(Embedder):
+    """The embedder of the prior-only mode: loads nothing; every prompt is the same 1-d zero
+    vector (never searched: there is no store, and no MLP reads it)."""
+
+    def __init__(self) -> None:  # Embedder.__init__ loads a model: not called
+        self.name, self.dim, self.normalize, self.quantized = NO_EMBEDDER, 1, False, False
+        self.max_seq_length, self.batch_size = 0, 0
+
+    def prepare(self, prompts: list[str]) -> list[str]:
+        return list(prompts)
+
+    def embed_prepared(self, texts: list[str]) -> np.ndarray:
+        return np.zeros((len(texts), self.dim), np.float32)
+
+    @property
+    def space(self) -> str:
+        return NO_EMBEDDER
+
+    def cache_key(self) -> str:
+        return NO_EMBEDDER
+
+
 def make_embedder(settings: PredictorSettings, normalize: bool = True) -> Embedder:
+    if prior_only(settings):
+        raise ValueError(
+            "ALISE_EMBEDDER=none (prior-only): there is no embedder to seed, train or evaluate "
+            "with; set ALISE_EMBEDDER to `all-minilm-l6-v2` or a sentence-transformers dir"
+        )
     if settings.predictor_threads:
         import torch
 
@@ -115,7 +151,10 @@ def regime_mlp_path(settings: PredictorSettings, model: str, regime: str, space:
 def build_predictors(
     settings: PredictorSettings, embedder: Embedder | None = None, store: LengthStore | None = None
 ) -> RegimePredictors:
-    """One predictor per seeded regime, sharing the embedder, the store and the cache."""
+    """One predictor per seeded regime, sharing the embedder, the store and the cache
+    (`ALISE_EMBEDDER=none`: `prior_predictors`, whatever `embedder` and `store` are)."""
+    if prior_only(settings):
+        return prior_predictors()
     embedder = embedder or make_embedder(settings)
     space = seed_space(settings, embedder)
     store = store or open_store(settings, embedder.dim, space)
@@ -137,11 +176,28 @@ def build_predictors(
     return RegimePredictors(by_regime)
 
 
+def prior_predictors() -> RegimePredictors:
+    """Prior-only predictors, one per regime (so a greedy request is no fallback): no
+    embedder, store or MLP, so every prediction is `DEFAULT_PRIOR` with source `prior` and
+    observations are ignored."""
+    log.warning(
+        "ALISE_EMBEDDER=none: the predictor runs prior-only (no embedder, store or MLP; no "
+        "seeding, observations ignored): every prediction is %.0f tokens, so length-aware "
+        "policies order requests by arrival",
+        DEFAULT_PRIOR,
+    )
+    embedder = NullEmbedder()
+    return RegimePredictors(
+        {r: LengthPredictor(embedder, None, regime=r, key_suffix=regime_suffix(r)) for r in REGIMES}
+    )
+
+
 def build_predictor(
     settings: PredictorSettings, embedder: Embedder | None = None, store: LengthStore | None = None
 ) -> LengthPredictor:
-    """The fallback regime's predictor (temperature 1, the API default)."""
-    return build_predictors(settings, embedder, store).primary
+    """The fallback regime's predictor (temperature 1, the API default; `alise predictor
+    seed`, which needs a real embedder: `make_embedder` refuses `ALISE_EMBEDDER=none`)."""
+    return build_predictors(settings, embedder or make_embedder(settings), store).primary
 
 
 def train_samples(settings: PredictorSettings, limit: int | None = None) -> list[Sample]:

@@ -6,7 +6,9 @@ the store is empty - seeds it from the ShareGPT train split in a background thre
 answers meanwhile from what is there, the MLP, or the prior). `await handle.wait_seeded()`
 waits for that. Every `predictor_trim_s` seconds, and once the seed is in, the allocator's
 free pages go back to the system (`services.common.heap`: glibc keeps what the embedder and
-the store freed, hundreds of MiB after the seed).
+the store freed, hundreds of MiB after the seed). With `ALISE_EMBEDDER=none` it serves
+prior-only (`services.predictor.build.prior_predictors`): nothing to load or seed, so
+`wait_seeded()` returns None at once; health is SERVING as soon as it listens, as always.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from dataclasses import dataclass, field
 from services.common.grpc_server import GrpcServer, start_server
 from services.common.heap import Trimmer
 from services.common.settings import PredictorSettings
-from services.predictor.build import SeedCancelled, build_predictors, seed_if_empty, served_models
+from services.predictor.build import (
+    SeedCancelled,
+    build_predictors,
+    prior_only,
+    seed_if_empty,
+    served_models,
+)
 from services.predictor.by_regime import RegimePredictors
 from services.predictor.core import LengthPredictor
 from services.predictor.embedder import Embedder
@@ -68,7 +76,8 @@ class PredictorHandle:
         if self.seeding is not None and not self.seeding.done():
             self.stop_seeding.set()  # checked between embedding chunks
             await asyncio.wait([self.seeding])
-        await asyncio.to_thread(self.predictor.store.close)
+        if self.predictors.store is not None:  # prior-only: none
+            await asyncio.to_thread(self.predictors.store.close)
 
 
 async def _seed(
@@ -103,11 +112,10 @@ async def start_predictor(
     """
     predictors = await asyncio.to_thread(build_predictors, settings, embedder)
     models = served_models(settings)
+    seeding = settings.predictor_seed and not prior_only(settings)
     # which regimes to seed is decided before any Observe can land (the seed runs while
     # the service answers, and a regime seeded later may have learned a request by then)
-    empty = (
-        await asyncio.to_thread(predictors.empty, models[0]) if settings.predictor_seed else set()
-    )
+    empty = await asyncio.to_thread(predictors.empty, models[0]) if seeding else set()
     metrics = PredictorMetrics()
     observer = ObserveQueue(predictors, metrics)
     servicer = PredictorServicer(
@@ -132,7 +140,7 @@ async def start_predictor(
         models,
         Trimmer(settings.predictor_trim_s, metrics.heap_trim.observe),
     )
-    if settings.predictor_seed:
+    if seeding:
         handle.seeding = asyncio.create_task(
             _seed(
                 settings, predictors, metrics, models[0], handle.stop_seeding, handle.trimmer, empty
@@ -143,7 +151,7 @@ async def start_predictor(
         extra={
             "port": server.port,
             "models": models,
-            "store": predictors.store.backend,
+            "store": predictors.store.backend if predictors.store else "none (prior-only)",
             "regimes": sorted(predictors.by_regime),
         },
     )

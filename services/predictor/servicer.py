@@ -117,6 +117,11 @@ class ObserveQueue:
     def submit(
         self, model: str, observations: list[Observation], temperature: float | None = None
     ) -> int:
+        """Queue the observations of request ids not seen recently; returns how many (0
+        without a store: the prior-only service counts them as ignored)."""
+        if self.predictors.store is None:
+            self.metrics.observations.labels("ignored").inc(len(observations))
+            return 0
         fresh = []
         for obs in observations:
             key = (model, obs.request_id)
