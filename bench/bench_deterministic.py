@@ -25,17 +25,22 @@ def _engines(args: argparse.Namespace) -> dict:
 
     settings = ExecutorSettings()
     model_dir = weights_dir(args.model or settings.model, settings.data_dir)
-    return {
+    engines = {
         name: Engine(
             model_dir,
-            device="cpu",
+            device=args.device,
             dtype=args.dtype,
             kv_memory_gb=args.kv_memory_gb,
             num_host_blocks=1,
             deterministic=on,
+            load_format=args.load_format,
         )
         for name, on in MODES.items()
     }
+    for engine in engines.values():
+        if engine.device.type == "cuda":  # graphs captured, kernels compiled, as served
+            engine.warm_up()
+    return engines
 
 
 def _shapes(args: argparse.Namespace) -> list[tuple[str, int, int]]:
@@ -78,6 +83,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "model": engine.model_name,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": _device_name(engine.device),
         "attention_backend": engine.attn.name,
         "threads": args.threads,
         "context": args.context,
@@ -86,6 +92,12 @@ def measure(args: argparse.Namespace) -> dict:
         "cpu_count": os.cpu_count(),
         "steps": rows,
     }
+
+
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -101,6 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--model", default="", help="served model (default: ALISE_MODEL's)")
     p.add_argument("--dtype", default="bf16", help="model dtype (bf16)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    p.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
     p.add_argument("--batches", default="1,16,64", help="decode batch sizes (1,16,64)")
     p.add_argument("--context", type=int, default=256, help="KV tokens per decode (256)")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (512)")

@@ -20,11 +20,21 @@ Where a forward pass mixes rows, and what this mode fixes:
 - normalisation, activation, RoPE, embedding, log-softmax: per row or per element, in the same
   order for every row already (the tests check them through whole forward passes).
 
+On CUDA (the Triton backend, Llama-layout models on the fused kernels):
+- products run triton_matmul.linear: one Triton kernel whose tiles depend on the weight's shape
+  only, the whole K axis in one program, no split-K (cuBLAS picks kernels, split-K and
+  stream-K by the row count);
+- attention takes one KV split at every batch size (split-KV merges partial sums in another
+  order) and every query tile the decode tile's shape (QUERY_ROWS_DECODE rows), prefill chunks
+  included, so a token's attention is the same prefilled, decoded or recomputed;
+- norms, RoPE and SiLU-and-multiply are the fused kernels, one program per row.
+
 Not covered, refused where asked for: INT8 KV (a chunk query would read the quantized codes of
 a block a decode read exactly) and INT8-compressed swap (swapped blocks come back rounded), the
-torch attention fallback (its padded groups reduce over the group's longest context), and CUDA
-(cuBLAS and the Triton kernels choose split-K and tile sizes by batch; docs/executor.md says
-what they would need).
+torch attention fallback (its padded groups reduce over the group's longest context), quantized
+weights (their products pick kernels by rows), mixtures of experts (an expert's rows are
+grouped with whatever else routed to it), and on CUDA the families outside the fused layer
+(their torch norms reduce rows with launch shapes chosen by the row count).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from services.executor.attention_backends import Attention
     from services.executor.runner import ModelRunner
 
 TILE = 16  # rows per product: bf16 on 1 thread, 0.47 ms a layer for 16 rows against 0.26 for 1
@@ -54,25 +65,42 @@ def tiled_linear(
     return out[:t]
 
 
-def make_deterministic(runner: ModelRunner) -> None:
-    """Switch a model runner's products (layers and LM head) to fixed row tiles."""
-    runner.linear = tiled_linear
-    runner.head.product = tiled_linear
+def make_deterministic(runner: ModelRunner, attn: Attention, cuda: bool) -> None:
+    """Switch a model runner's products (layers and LM head) to batch-invariant ones (fixed
+    row tiles on CPU, the fixed-configuration Triton kernel on CUDA) and its attention to
+    batch-invariant schedules (CUDA: one KV split, decode-shaped query tiles)."""
+    if cuda:
+        from services.executor import triton_matmul
+
+        product = triton_matmul.linear
+        attn.kv_splits = 1  # type: ignore[union-attr]
+    else:
+        product = tiled_linear
+    runner.linear = product
+    runner.head.product = product
+    attn.deterministic = True  # type: ignore[union-attr]
 
 
 def check_supported(
-    device: torch.device, attention: str, kv_dtype: str, swap_compress: bool
+    device: torch.device, attention: str, kv_dtype: str, swap_compress: bool, runner: ModelRunner
 ) -> None:
     """ValueError naming what deterministic mode cannot cover in this configuration."""
-    if device.type != "cpu":
+    want = "triton" if device.type == "cuda" else "cpu"
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"ALISE_DETERMINISTIC covers CPU and CUDA, not {device.type}")
+    if attention != want:
         raise ValueError(
-            "ALISE_DETERMINISTIC: CPU only for now (cuBLAS and the Triton kernels choose "
-            "split-K and tiles by batch size; see docs/executor.md)"
+            f"ALISE_DETERMINISTIC needs the {want} attention backend here "
+            "(CPU: the compiled kernels, head dim 64 or 128 and a C++ compiler; CUDA: Triton), "
+            f"got {attention!r}"
         )
-    if attention != "cpu":
+    variant = getattr(runner, "variant", None)
+    if variant is not None and variant.moe is not None:
+        raise ValueError("ALISE_DETERMINISTIC does not cover mixtures of experts")
+    if device.type == "cuda" and not getattr(runner, "fused", False):
         raise ValueError(
-            "ALISE_DETERMINISTIC needs the compiled CPU attention kernels (attention backend "
-            f"cpu: head dim 64 or 128 and a C++ compiler), got {attention!r}"
+            "ALISE_DETERMINISTIC on CUDA covers Llama-layout models (the fused kernels); "
+            "this family's norms run in torch"
         )
     if kv_dtype != "auto" or swap_compress:
         raise ValueError(

@@ -154,9 +154,10 @@ class Engine:
         """Batch-invariant products and attention (batch_invariant.py), or ValueError."""
         from services.executor import batch_invariant
 
-        batch_invariant.check_supported(self.device, self.attn.name, self.kv_dtype, swap_compress)
-        batch_invariant.make_deterministic(self.runner)
-        self.attn.deterministic = True  # type: ignore[union-attr]
+        batch_invariant.check_supported(
+            self.device, self.attn.name, self.kv_dtype, swap_compress, self.runner
+        )
+        batch_invariant.make_deterministic(self.runner, self.attn, self.device.type == "cuda")
 
     def _make_runtime(self, packed: bool, graphs: bool) -> DeviceRuntime | None:
         """The CUDA step path (also the packed path off CUDA, under Triton's interpreter);

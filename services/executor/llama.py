@@ -158,8 +158,8 @@ class LlamaRunner:
         # tests set it under the interpreter
         self.fused = device.type == "cuda" and self.variant.plain
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        # wquant.linear takes packed INT4/INT8 weights too; batch_invariant.tiled_linear
-        # in deterministic mode
+        # wquant.linear takes packed INT4/INT8 weights too; deterministic mode sets the
+        # batch-invariant products (batch_invariant.make_deterministic)
         self.linear: Callable[..., torch.Tensor] = wquant.linear
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
@@ -260,14 +260,14 @@ class LlamaRunner:
         norms = [layer.ln1 for layer in self.layers[1:]] + [self.norm]
         x, h = tf.add_rms_norm(x, None, self.layers[0].ln1, self.eps)
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
-            qkv = wquant.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
+            qkv = self.linear(h, layer.qkv, layer.qkv_bias)  # [T, Q+2KV]
             q, k, v = tf.rope_qkv(
                 qkv, batch.positions, self._rope_table, s.num_heads, s.num_kv_heads, s.head_dim
             )
             o = attn.forward(i, q, k, v, cache, batch)  # [T, H*D]
-            x, h = tf.add_rms_norm(x, wquant.linear(o, layer.o), layer.ln2, self.eps)
-            act = tf.silu_and_mul(wquant.linear(h, layer.gate_up))  # [T, I]
-            x, h = tf.add_rms_norm(x, wquant.linear(act, layer.down), next_norm, self.eps)
+            x, h = tf.add_rms_norm(x, self.linear(o, layer.o), layer.ln2, self.eps)
+            act = tf.silu_and_mul(self.linear(h, layer.gate_up))  # [T, I]
+            x, h = tf.add_rms_norm(x, self.linear(act, layer.down), next_norm, self.eps)
         assert t == h.shape[0]
         return h
 

@@ -29,7 +29,7 @@ class LmHead:
             if weight.device.type == "cpu" and weight.dtype == torch.float32
             else None
         )
-        # deterministic mode: batch_invariant.tiled_linear (fixed row tiles)
+        # deterministic mode: batch_invariant.make_deterministic's batch-invariant product
         self.product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.packed: Int8Weight | None = None  # INT8 weights (wquant.py: int4/int8 modes)
 

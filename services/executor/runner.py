@@ -81,10 +81,10 @@ def resolve_quantization(
     """The weight format to serve. `auto`: on CPU, a model materialized from GGUF keeps its
     file's bit width (4-/5-bit layers as INT4, 6-/8-bit as INT8: wquant.gguf_mode); anything
     else, other devices and deterministic mode (whose products are the batch-invariant bf16
-    ones) serve the checkpoint as stored. Other values as asked; INT4/INT8 with deterministic
-    mode is refused."""
+    ones) serve the checkpoint as stored. Other values as asked; any quantization with
+    deterministic mode is refused."""
     if requested != "auto":
-        if deterministic and requested in wquant.MODES:
+        if deterministic and requested != "none":
             raise ValueError(f"deterministic mode serves full-precision weights, not {requested}")
         return requested
     types = Path(model_dir) / GGUF_TYPES

@@ -33,6 +33,8 @@ class TritonAttention:
     name = "triton"
     group_cost: int | None = None  # ragged kernels pad nothing: one group per kind suffices
     split_decodes = False
+    # deterministic mode (batch_invariant.py): every query tile takes the decode tile's shape
+    deterministic = False
 
     def __init__(
         self,
@@ -99,8 +101,9 @@ class TritonAttention:
         if forced is None and self.bucket_split_len and all(len(r.token_ids) == 1 for r in runs):
             forced = plan.bucket_splits(len(runs), self.hkv, self.sm_count(), self.bucket_split_len)
         return plan.plan_step(
-            runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced, self.fp32, arrays
-        )
+            runs, self.g, self.hkv, block_size, self.d, self.sm_count(), forced, self.fp32, arrays,
+            uniform_tiles=self.deterministic,
+        )  # fmt: skip
 
     def prepare(self, batch: StepBatch) -> None:
         """Per-step tiles, split factor and metadata (int32), shared by every layer."""

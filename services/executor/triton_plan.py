@@ -134,12 +134,14 @@ def plan_step(
     splits: int | None = None,
     fp32: bool = False,
     arrays: RunArrays | None = None,
+    uniform_tiles: bool = False,
 ) -> StepPlan:
     """Tile sizes, query tiles and split factor of one step (`splits` forces a factor;
-    `fp32`: the model computes in fp32, see kv_tile; `arrays`: the runs' RunArrays)."""
+    `fp32`: the model computes in fp32, see kv_tile; `arrays`: the runs' RunArrays;
+    `uniform_tiles`: prefill chunks too take the decode tile's shape, deterministic mode)."""
     a = arrays if arrays is not None else RunArrays.of(list(runs))
     has_chunks = bool((a.q > 1).any())
-    block_m, block_q = query_tile(groups_per_kv, has_chunks)
+    block_m, block_q = query_tile(groups_per_kv, has_chunks and not uniform_tiles)
     tiles = tile_table(runs, block_q, a)
     if splits is None:
         max_ctx = int((a.before + a.q).max())

@@ -132,3 +132,42 @@ def test_the_setting_reaches_the_engine(tiny_dir, monkeypatch):
     assert ExecutorSettings().deterministic
     assert _engine(tiny_dir).describe()["deterministic"]
     assert not _engine(tiny_dir, deterministic=False).describe()["deterministic"]
+
+
+# -- the CUDA configuration (Triton products and attention), under Triton's interpreter ------
+
+
+def test_cuda_configuration_is_batch_invariant_under_interpreter(tmp_path):
+    """triton_matmul's rows do not move with the batch; a tiny Llama on the Triton backend,
+    fused layer, deterministic products and attention: the same logits alone, one token a step
+    and in mixed batches (tests/gpu/test_gpu_deterministic.py checks bf16 natively)."""
+    from lab.executor.testing import interpreted_check
+
+    model = make_tiny_model(tmp_path / "llama", "llama", seed=3, head_dim=16)
+    result = interpreted_check(
+        ["-m", "lab.executor.deterministic_check", "--engine", str(model)], timeout=300
+    )
+    assert result["matmul"]["max_row_change"] == 0.0, result
+    assert result["matmul"]["error_vs_torch"] < 1e-4, result
+    assert result["engine"] == 0.0, result
+
+
+def test_uniform_tiles_give_prefill_chunks_the_decode_tile():
+    from services.executor import triton_plan as plan
+    from services.executor.ragged_batch import TokenRun
+
+    runs = [TokenRun("a", list(range(9)), 0, [0, 1]), TokenRun("b", [5], 20, [2, 3, 4])]
+    default = plan.plan_step(runs, 3, 2, 8, 64, 132)
+    uniform = plan.plan_step(runs, 3, 2, 8, 64, 132, uniform_tiles=True)
+    decode_only = plan.plan_step(runs[1:], 3, 2, 8, 64, 132)
+    assert default.block_m == plan.QUERY_ROWS_PREFILL
+    assert (uniform.block_m, uniform.block_q) == (decode_only.block_m, decode_only.block_q)
+
+
+def test_mixtures_of_experts_and_quantized_weights_are_refused(tmp_path, tiny_dir):
+    moe = make_tiny_model(tmp_path / "mixtral", "mixtral", seed=1, head_dim=64)
+    with pytest.raises(ValueError, match="mixtures of experts"):
+        _engine(moe)
+    for mode in ("int8", "fp8"):
+        with pytest.raises(ValueError, match="deterministic mode serves full-precision"):
+            _engine(tiny_dir, quantization=mode)
