@@ -345,16 +345,23 @@ def make_stack(args: argparse.Namespace, run_dir: Path):
         env["ALISE_DTYPE"] = args.dtype
     if getattr(args, "deterministic", False):
         env["ALISE_DETERMINISTIC"] = "true"
+    executors, device = getattr(args, "executors", 2), getattr(args, "device", "cpu")
+    if device != "cpu":
+        # the pool is sized under a share of the whole device counting what other processes
+        # hold (memory.plan_kv_memory), so one executor per GPU
+        if executors != 1:
+            raise SystemExit("--device cuda: one executor (--executors 1) per GPU")
+        env |= {"ALISE_DEVICE": device, "ALISE_GPU_MEMORY_UTILIZATION": "0.5"}
     if args.topology == "serve":
         from lab.launcher.serve_stack import ServeStack
 
-        return ServeStack(run_dir, args.model, num_executors=2, num_schedulers=2, env=env)
+        return ServeStack(run_dir, args.model, num_executors=executors, num_schedulers=2, env=env)
     from lab.gateway.testing import ProcessStack
 
     return ProcessStack(
         run_dir,
         args.model,
-        num_executors=2,
+        num_executors=executors,
         num_schedulers=2,
         with_predictor=not args.no_predictor,
         env=env,
@@ -522,6 +529,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="ALISE_DETERMINISTIC executors: the reference runs twice, and both texts checks "
         "bind in any dtype",
+    )
+    p.add_argument("--executors", type=int, default=2, help="executor processes (2)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="the executors' device (cpu; cuda: one executor, half the GPU's memory)",
     )
     p.add_argument(
         "--executor-grace-s",

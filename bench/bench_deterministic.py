@@ -21,10 +21,17 @@ MODES = {"default": False, "deterministic": True}
 def _engines(args: argparse.Namespace) -> dict:
     from services.common.models import weights_dir
     from services.common.settings import ExecutorSettings
+    from services.executor.cuda_runtime import RuntimeOptions
     from services.executor.engine import Engine
 
     settings = ExecutorSettings()
     model_dir = weights_dir(args.model or settings.model, settings.data_dir)
+    largest = max(b for _, _, b in _shapes(args))
+    runtime = RuntimeOptions(  # CUDA: graphs and kernels warmed for these steps only
+        max_num_batched_tokens=max(args.prefill, largest),
+        max_num_seqs=largest,
+        graph_max_batch=largest,
+    )
     engines = {
         name: Engine(
             model_dir,
@@ -34,6 +41,7 @@ def _engines(args: argparse.Namespace) -> dict:
             num_host_blocks=1,
             deterministic=on,
             load_format=args.load_format,
+            runtime=runtime,
         )
         for name, on in MODES.items()
     }

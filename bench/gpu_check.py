@@ -33,11 +33,14 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET_S = 345  # leaves the 6-minute target a margin
+BUDGET_S = 500  # seconds for everything after the wheels: the parts past it are skipped
+# the stack on the 8B shape: a rate well under its capacity and one above it (saturation)
+STACK_ARGS = "--rates 8,1000 --num-prompts 300 --max-tokens 256"
 
 
 class Clock:
@@ -94,7 +97,7 @@ for name in ("llama-3-8b", *sys.argv[3:]):
     write_preset(name, work / name, tok)
 """
 # decode steps against their floors after Llama's (MoE and FP8: the bytes actually read)
-FAMILY_SHAPES = ("qwen3-8b", "gemma-3-12b", "qwen3-30b-a3b", "llama-3-8b-fp8")
+FAMILY_SHAPES = ("qwen3-30b-a3b", "llama-3-8b-fp8", "qwen3-8b", "gemma-3-12b")
 
 
 def run(cmd: list[str], env: dict, timeout: float, log: Path) -> dict[str, Any]:
@@ -160,35 +163,57 @@ def triton_summary(work: Path, expected: int) -> dict[str, Any]:
     return {"cases": expected, "ran": len(cases), "passed": len(cases) - len(bad), "failed": bad}
 
 
+@dataclass(frozen=True)
+class Part:
+    """One run of the check: its result key, command (after `python -m`), time limit and
+    the least time it needs to be worth starting."""
+
+    key: str
+    argv: list[str]
+    limit: float
+    least: float = 40.0
+
+
+def parts(work: Path, args: argparse.Namespace) -> list[Part]:
+    """The runs after the suite, most wanted first (the clock skips what no longer fits)."""
+    llama, rand = str(work / "llama-3-8b"), str(work / "smollm2-rand")
+    dummy = ["--load-format", "dummy"]
+    out = [Part("step", ["bench.gpu_step", llama, *dummy], 110, 60)]
+    out.append(Part("stack", ["cli", "bench", "stack", "--device", "cuda", "--model", llama,
+                              *dummy, *args.stack_args.split()], 170, 100))  # fmt: skip
+    if args.fleet:
+        fleet = ["--fake-executors", args.fleet, "--step-ms", "5", "--per-executor", "32"]
+        out.append(Part("fleet", ["cli", "bench", "overhead", *fleet, "--shards", "1,2",
+                                  "--window-s", "4"], 70, 45))  # fmt: skip
+    det = ["--device", "cuda", "--model", llama, *dummy, "--batches", "1,32,256"]
+    det += ["--context", "512", "--kv-memory-gb", "20", "--rounds", "3"]
+    out.append(Part("deterministic", ["cli", "bench", "deterministic", *det], 90, 60))
+    for name in FAMILY_SHAPES:  # the registry's families: MoE and FP8 first
+        out.append(Part(f"family_{name}", ["bench.gpu_step", str(work / name), *dummy], 100, 45))
+    out.append(Part("engine", ["cli", "bench", "engine", "--device", "cuda", "--model", llama,
+                               *dummy, "--max-batch", "256"], 120, 40))  # fmt: skip
+    chaos = ["--model", rand, "--device", "cuda", "--executors", "1", "--deterministic"]
+    chaos += ["--dtype", "bf16", "--no-predictor", "--requests", "64", "--faults", "7"]
+    out.append(Part("chaos", ["cli", "bench", "chaos", *chaos], 150, 90))
+    return out
+
+
 def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> dict[str, Any]:
-    py, model = sys.executable, str(work / "llama-3-8b")
+    """Each part in turn while the clock allows: `<key>_run` (rc, seconds, last line) and
+    `<key>` (its JSON) per part; `skipped` names the parts the clock left out."""
     out: dict[str, Any] = {}
-    step_json, engine_json = work / "gpu_step.json", work / "engine.json"
-    cmd = [py, "-m", "bench.gpu_step", model, "--load-format", "dummy", "--json", str(step_json)]
-    out["gpu_step_run"] = run(cmd, env, clock.left(110), work / "gpu_step.log")
-    cmd = [py, "-m", "cli", "bench", "engine", "--device", "cuda", "--model", model]
-    cmd += ["--load-format", "dummy", "--max-batch", "256", "--json", str(engine_json)]
-    out["engine_run"] = run(cmd, env, clock.left(120), work / "engine.log")
-    for name, path in (("step", step_json), ("engine", engine_json)):
-        if path.exists():
-            out[name] = json.loads(path.read_text())
-    for name in FAMILY_SHAPES:  # the registry's families, while the clock allows
-        if clock.left(100) < 90:
-            out.setdefault("family_steps_skipped", []).append(name)
+    for part in parts(work, args):
+        if clock.left(part.limit) < part.least:
+            out.setdefault("skipped", []).append(part.key)
             continue
-        fam_json = work / f"gpu_step_{name}.json"
-        cmd = [py, "-m", "bench.gpu_step", str(work / name), "--load-format", "dummy"]
-        out[f"gpu_step_run_{name}"] = run(
-            cmd + ["--json", str(fam_json)], env, 100, work / f"{name}.log"
-        )
-        if fam_json.exists():
-            out.setdefault("family_steps", {})[name] = json.loads(fam_json.read_text())
-    if args.fleet and clock.left(80) >= 50:
-        cmd = [py, "-m", "cli", "bench", "overhead", "--fake-executors", args.fleet]
-        cmd += ["--shards", "1,2", "--json", str(work / "fleet.json")]
-        out["fleet_run"] = run(cmd, env, clock.left(80), work / "fleet.log")
-        if (work / "fleet.json").exists():
-            out["fleet"] = json.loads((work / "fleet.json").read_text())
+        result = work / f"{part.key}.json"
+        cmd = [sys.executable, "-m", *part.argv, "--json", str(result)]
+        out[f"{part.key}_run"] = run(cmd, env, clock.left(part.limit), work / f"{part.key}.log")
+        if result.exists():
+            try:
+                out[part.key] = json.loads(result.read_text())
+            except ValueError:
+                out[part.key] = {"error": "unreadable JSON (cut off by its time limit?)"}
     return out
 
 
@@ -210,9 +235,22 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "floor_ms": step.get("floor_ms"),
         "ratio_to_floor": step.get("ratio"),
         "family_ratio_to_floor": {
-            name: fam.get("ratio") for name, fam in raw.get("family_steps", {}).items()
+            name: raw[f"family_{name}"].get("ratio")
+            for name in FAMILY_SHAPES
+            if isinstance(raw.get(f"family_{name}"), dict)
         },
         "engine_tok_s": engine.get("ours_tok_s"),
+        "stack_over_engine": raw.get("stack", {}).get("stack_over_engine"),
+        "fleet_utilization": raw.get("fleet", {}).get("utilization"),
+        "deterministic_slowdown": {
+            row["step"]: row["slowdown"] for row in raw.get("deterministic", {}).get("steps", [])
+        },
+        "chaos": {
+            k: raw["chaos"].get(k)
+            for k in ("intact", "corrupted", "clean_errors", "repeat", "leaked", "token_exact")
+        }
+        if isinstance(raw.get("chaos"), dict)
+        else None,
         "triton_check": raw["suite"]["triton_check"],
         "fused_kernels_vs_unfused": raw["suite"]["fused"],
         "pytest_gpu": raw["suite"]["pytest"],
@@ -240,7 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", help="ShareGPT token-count cache (.json or .json.gz)")
     p.add_argument("--json", default=str(ROOT / "bench/results/gpu_check.json"))
     p.add_argument("--work", default="/tmp/alise-gpu-check", help="scratch folder")
-    p.add_argument("--fleet", default="16,64", help="fake executor counts ('' = skip)")
+    p.add_argument("--fleet", default="8", help="stub executor counts at 5 ms ('' = skip)")
+    p.add_argument(
+        "--stack-args",
+        default=STACK_ARGS,
+        help=f"`alise bench stack`'s trace arguments ({STACK_ARGS})",
+    )
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for everything")
     args = p.parse_args(argv)
     clock, work = Clock(args.budget), Path(args.work)

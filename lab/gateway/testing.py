@@ -112,7 +112,10 @@ class ProcessStack:
                 ServiceSpec(
                     f"executor-{i}",
                     ("executor", "serve"),
-                    {"ALISE_EXECUTOR_PORT": str(port), "ALISE_DEVICE": "cpu"},
+                    {
+                        "ALISE_EXECUTOR_PORT": str(port),
+                        "ALISE_DEVICE": self.extra_env.get("ALISE_DEVICE", "cpu"),
+                    },
                     ("grpc", self.executor_addresses[-1]),
                 )
             )
