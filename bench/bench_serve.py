@@ -32,19 +32,23 @@ def live_trace(
     max_prompt: int,
     max_output: int,
     mode: str = "fixed",
+    offset: int = 0,
 ):
     """The trace with prompts <= max_prompt tokens; each item's `output_len` is the
     `max_tokens` it sends: `max_output` for every request (mode `fixed`, what a client
     sends), or its reference length capped at `max_output` (mode `reference`, the papers'
-    replay, sent with ignore_eos)."""
+    replay, sent with ignore_eos). `offset`: the n requests after the first `offset` (other
+    prompts, the same arrival process)."""
     from dataclasses import replace
 
     from lab.workload.traces.spec import make_trace
 
     items = make_trace(workload, None, rate, arrival, burstiness, slo, seed)
-    items = [i for i in items if i.prompt and i.prompt_len <= max_prompt][:n]
+    items = [i for i in items if i.prompt and i.prompt_len <= max_prompt][offset : offset + n]
     if len(items) < n:
-        raise ValueError(f"only {len(items)} requests with text and prompt <= {max_prompt}")
+        raise ValueError(
+            f"only {offset + len(items)} requests with text and prompt <= {max_prompt}"
+        )
     first = items[0].arrival_s
     # Re-draw arrivals for exactly these n requests so the rate is the one asked for.
     from lab.workload.traces.arrivals import make_arrivals
@@ -131,7 +135,7 @@ def ignores_eos(args: argparse.Namespace) -> bool:
     return args.max_tokens_mode == "reference" and not args.no_ignore_eos
 
 
-def trace_for(args: argparse.Namespace, rate: float):
+def trace_for(args: argparse.Namespace, rate: float, offset: int = 0):
     return live_trace(
         args.dataset,
         args.num_prompts,
@@ -143,6 +147,7 @@ def trace_for(args: argparse.Namespace, rate: float):
         args.max_prompt,
         args.max_tokens,
         args.max_tokens_mode,
+        offset,
     )
 
 

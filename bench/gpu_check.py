@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 500  # seconds for everything after the wheels: the parts past it are skipped
 # the stack on the 8B shape: a rate well under its capacity and one above it (saturation)
-STACK_ARGS = "--rates 8,1000 --num-prompts 300 --max-tokens 256"
+STACK_ARGS = "--rates 8,1000 --num-prompts 200 --max-tokens 256"
 
 
 class Clock:
@@ -180,7 +180,7 @@ def parts(work: Path, args: argparse.Namespace) -> list[Part]:
     dummy = ["--load-format", "dummy"]
     out = [Part("step", ["bench.gpu_step", llama, *dummy], 110, 60)]
     out.append(Part("stack", ["cli", "bench", "stack", "--device", "cuda", "--model", llama,
-                              *dummy, *args.stack_args.split()], 170, 100))  # fmt: skip
+                              *dummy, *args.stack_args.split()], 180, 100))  # fmt: skip
     if args.fleet:
         fleet = ["--fake-executors", args.fleet, "--step-ms", "5", "--per-executor", "32"]
         out.append(Part("fleet", ["cli", "bench", "overhead", *fleet, "--shards", "1,2",
