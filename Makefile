@@ -40,9 +40,10 @@ test-gpu: setup
 
 # The whole GPU check on a borrowed machine with an NVIDIA GPU, torch, Triton and transformers
 # and no network (no venv: that machine's python3; the project's other dependencies from
-# WHEELS): tests/gpu, native triton_check, the engine benchmark and the decode step against
-# its floor on the llama-3-8b shape with random weights, a kernel-family profile, the fleet
-# benchmark. Under 6 minutes on one H100/H200; writes bench/results/gpu_check.json
+# WHEELS): tests/gpu, native triton_check, then the decode step against its floor on the
+# llama-3-8b shape with random weights, the whole stack against its engine, the 5 ms fleet,
+# deterministic mode's cost and its chaos run, the MoE/FP8/family steps and the engine
+# benchmark, while its 540 s budget allows; writes bench/results/gpu_check.json
 # (bench/gpu_check.py; docs/executor.md says what to bring).
 WHEELS ?=
 TOKENIZER ?=
