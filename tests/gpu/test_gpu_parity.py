@@ -26,9 +26,10 @@ ERROR_RATIO, AGREEMENT_SLACK = 1.5, 0.05
 def _hf_logits(model_dir, dtype: torch.dtype) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    # eager attention, as the CPU tests' references: transformers' SDPA path drops Gemma 2's
-    # attention soft-capping (on an H200 our logits, fp32 or bf16, on every step path and
-    # attention backend, sat 0.046 from an SDPA reference and matched it at position 0 only)
+    # eager attention, as the CPU tests' references do: on an H200 our Gemma 2 logits, fp32 or
+    # bf16, on every step path and attention backend, sat 0.046 from an SDPA reference and
+    # matched it at position 0 only (one key: soft-capping cannot matter there), while Gemma 3
+    # matched exactly; SDPA has no soft-capping. Not yet rerun on a GPU with eager.
     model = (
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
         .cuda()
