@@ -16,7 +16,10 @@ from services.executor import cpu_kernels
 from services.executor.batch_invariant import TILE, tiled_linear
 from services.executor.engine import Engine
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="compiled CPU kernels unavailable")
+# the CPU configuration needs the compiled kernels; the CUDA one (interpreted) and the products do not
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.load(), reason="compiled CPU kernels unavailable"
+)
 
 PROMPT = list(range(300, 320))
 OTHERS = [list(range(1000, 1031)), list(range(40, 49)), list(range(7000, 7017))]
@@ -46,6 +49,7 @@ def test_tiled_linear_rows_do_not_depend_on_the_batch(dtype):
     assert (tiled_linear(x, w).float() - F.linear(x, w).float()).abs().max() < 1e-2
 
 
+@needs_kernels
 def test_logits_equal_alone_batched_and_chunked(tiny_dir):
     """Teacher-forced logits of PROMPT: alone in one prefill, one token a step (the decode
     path), and in mixed batches at chunk sizes 7 and 3: all bit-identical."""
@@ -93,6 +97,7 @@ class Driver:
         self.pending = SchedulerOutput(self.step_id)
 
 
+@needs_kernels
 def test_greedy_output_survives_batching_and_recompute(tiny_dir):
     """PROMPT's 12 greedy tokens and their logprobs: alone, then beside requests arriving
     and leaving, prefilled in 7-token chunks, and preempted after 5 tokens and recomputed
@@ -117,6 +122,7 @@ def test_greedy_output_survives_batching_and_recompute(tiny_dir):
     assert busy.out["a"][:12] == solo.out["a"][:12]
 
 
+@needs_kernels
 @pytest.mark.parametrize(
     "kw", [{"attention_backend": "torch"}, {"kv_dtype": "int8"}, {"swap_compress": True}]
 )
@@ -125,6 +131,7 @@ def test_configurations_it_cannot_cover_are_refused(tiny_dir, kw):
         _engine(tiny_dir, **kw)
 
 
+@needs_kernels
 def test_the_setting_reaches_the_engine(tiny_dir, monkeypatch):
     from services.common.settings import ExecutorSettings
 
@@ -164,6 +171,7 @@ def test_uniform_tiles_give_prefill_chunks_the_decode_tile():
     assert (uniform.block_m, uniform.block_q) == (decode_only.block_m, decode_only.block_q)
 
 
+@needs_kernels
 def test_mixtures_of_experts_and_quantized_weights_are_refused(tmp_path, tiny_dir):
     moe = make_tiny_model(tmp_path / "mixtral", "mixtral", seed=1, head_dim=64)
     with pytest.raises(ValueError, match="mixtures of experts"):
